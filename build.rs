@@ -1,0 +1,216 @@
+//! Builds `kernels-gpu/` to PTX and hands it to the host crate as
+//! `$OUT_DIR/layernorm_kernels.ptx` (embedded with `include_str!` in `host/gpu/kernels.rs`).
+//!
+//! The kernel toolchain (a rustc that can build `core` for `nvptx64-nvidia-cuda`) is looked
+//! for in this order:
+//!   1. `LAYERNORM_KERNEL_CARGO` and `LAYERNORM_KERNEL_RUSTC`: an explicit cargo/rustc pair;
+//!   2. Debian's `rustc-web` + `cargo-web` + `rust-web-src` (/usr/bin/rustc, /usr/bin/cargo,
+//!      /usr/lib/rustlib/src/rust/library);
+//!   3. a rustup `nightly` toolchain with the `rust-src` component.
+//!
+//! Where none exists (or `LAYERNORM_KERNEL_PTX=checked-in`), the PTX checked in at
+//! `kernels-gpu/layernorm_kernels.ptx` is used. Its first line records the SHA-256 of the
+//! kernel sources it was built from; if the sources have changed since, the build fails
+//! rather than ship kernels that do not match them. `LAYERNORM_KERNEL_PTX=update` writes
+//! the freshly built PTX back to that file (run it after changing a kernel).
+
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use sha2::{Digest, Sha256};
+
+const KERNEL_DIR: &str = "kernels-gpu";
+const CHECKED_IN: &str = "kernels-gpu/layernorm_kernels.ptx";
+const HASH_PREFIX: &str = "// layernorm-cuda kernel sources sha256: ";
+/// The PTX targets sm_80 (A100) and later; Hopper runs it through the driver's JIT.
+const TARGET_CPU: &str = "sm_80";
+
+fn main() {
+    println!("cargo:rerun-if-changed={KERNEL_DIR}/src");
+    println!("cargo:rerun-if-changed={KERNEL_DIR}/Cargo.toml");
+    println!("cargo:rerun-if-changed={CHECKED_IN}");
+    for var in [
+        "LAYERNORM_KERNEL_CARGO",
+        "LAYERNORM_KERNEL_RUSTC",
+        "LAYERNORM_KERNEL_PTX",
+    ] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+    let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let hash = source_hash(&root.join(KERNEL_DIR));
+    let mode = env::var("LAYERNORM_KERNEL_PTX").unwrap_or_default();
+
+    let toolchain = if mode == "checked-in" {
+        None
+    } else {
+        find_toolchain()
+    };
+    let ptx = match toolchain {
+        Some(tc) => {
+            let body = build_ptx(&tc, &root.join(KERNEL_DIR), &out);
+            let ptx = format!("{HASH_PREFIX}{hash}\n{body}");
+            if mode == "update" {
+                fs::write(root.join(CHECKED_IN), &ptx).expect("write the checked-in PTX");
+                println!("cargo:warning=updated {CHECKED_IN} from the kernel sources");
+            }
+            ptx
+        }
+        None => checked_in_ptx(&root, &hash),
+    };
+    fs::write(out.join("layernorm_kernels.ptx"), ptx).expect("write PTX to OUT_DIR");
+}
+
+/// A cargo/rustc pair that can build `core` for nvptx64, and how to run it.
+struct Toolchain {
+    cargo: PathBuf,
+    rustc: Option<PathBuf>,
+    /// `+nightly` for rustup's proxy.
+    channel_arg: Option<&'static str>,
+    /// Keep RUSTUP_HOME/CARGO_HOME (rustup's proxies need them).
+    keep_rustup_env: bool,
+}
+
+fn find_toolchain() -> Option<Toolchain> {
+    if let (Ok(cargo), Ok(rustc)) = (
+        env::var("LAYERNORM_KERNEL_CARGO"),
+        env::var("LAYERNORM_KERNEL_RUSTC"),
+    ) {
+        return Some(Toolchain {
+            cargo: cargo.into(),
+            rustc: Some(rustc.into()),
+            channel_arg: None,
+            keep_rustup_env: true,
+        });
+    }
+    let debian = Path::new("/usr/lib/rustlib/src/rust/library");
+    if debian.is_dir() && Path::new("/usr/bin/rustc").is_file() && Path::new("/usr/bin/cargo").is_file() {
+        return Some(Toolchain {
+            cargo: "/usr/bin/cargo".into(),
+            rustc: Some("/usr/bin/rustc".into()),
+            channel_arg: None,
+            keep_rustup_env: false,
+        });
+    }
+    let sysroot = Command::new("rustup")
+        .args(["run", "nightly", "rustc", "--print", "sysroot"])
+        .output()
+        .ok()?;
+    let sysroot = PathBuf::from(String::from_utf8(sysroot.stdout).ok()?.trim());
+    if sysroot.join("lib/rustlib/src/rust/library").is_dir() {
+        return Some(Toolchain {
+            cargo: "cargo".into(),
+            rustc: None,
+            channel_arg: Some("+nightly"),
+            keep_rustup_env: true,
+        });
+    }
+    None
+}
+
+/// Runs the nested cargo and returns the PTX text.
+fn build_ptx(tc: &Toolchain, kernel_dir: &Path, out: &Path) -> String {
+    let target_dir = out.join("kernels-target");
+    let mut cmd = Command::new(&tc.cargo);
+    // The outer build's CARGO*/RUST* variables (its rustc, its flags, its lock) must not
+    // leak into the nested one: a stable rustc meeting nightly library sources fails.
+    for (key, _) in env::vars_os() {
+        let key = key.to_string_lossy().into_owned();
+        let rustup = key == "RUSTUP_HOME" || key == "CARGO_HOME" || key == "RUSTUP_TOOLCHAIN";
+        if (key.starts_with("CARGO") || key.starts_with("RUST")) && !(tc.keep_rustup_env && rustup) {
+            cmd.env_remove(&key);
+        }
+    }
+    if tc.keep_rustup_env {
+        cmd.env_remove("RUSTUP_TOOLCHAIN");
+    }
+    if let Some(arg) = tc.channel_arg {
+        cmd.arg(arg);
+    }
+    if let Some(rustc) = &tc.rustc {
+        cmd.env("RUSTC", rustc);
+    }
+    cmd.env("RUSTC_BOOTSTRAP", "1")
+        .current_dir(kernel_dir)
+        .args([
+            "rustc",
+            "--release",
+            "--target",
+            "nvptx64-nvidia-cuda",
+            "-Zbuild-std=core",
+            "--target-dir",
+        ])
+        .arg(&target_dir)
+        .args(["--", "--emit=asm", "-C", &format!("target-cpu={TARGET_CPU}")]);
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("could not run {}: {e}", tc.cargo.display()));
+    if !status.success() {
+        panic!(
+            "building the GPU kernels ({}) failed: {status}; see the errors above",
+            kernel_dir.display()
+        );
+    }
+    // rustc names the asm output `<crate>-<hash>.s`; the newest one is this build's.
+    let deps = target_dir.join("nvptx64-nvidia-cuda/release/deps");
+    let newest = fs::read_dir(&deps)
+        .expect("the kernel build wrote its deps folder")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "s"))
+        .max_by_key(|p| fs::metadata(p).and_then(|m| m.modified()).ok())
+        .expect("the kernel build wrote a .s file");
+    fs::read_to_string(newest).expect("read the kernel PTX")
+}
+
+/// The checked-in PTX, refused if the kernel sources changed since it was built.
+fn checked_in_ptx(root: &Path, hash: &str) -> String {
+    let path = root.join(CHECKED_IN);
+    let text = fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("no kernel toolchain, and {}: {e}", path.display()));
+    let recorded = text
+        .lines()
+        .next()
+        .and_then(|l| l.strip_prefix(HASH_PREFIX))
+        .unwrap_or("");
+    if recorded != hash {
+        panic!(
+            "{CHECKED_IN} was built from other kernel sources (recorded {recorded}, now {hash}), \
+             and no kernel toolchain was found to rebuild it. Install one \
+             (Debian: `apt-get install rustc-web cargo-web rust-web-src`; rustup: \
+             `rustup toolchain install nightly --component rust-src`), or set \
+             LAYERNORM_KERNEL_CARGO and LAYERNORM_KERNEL_RUSTC; then rebuild, and refresh the \
+             checked-in file with LAYERNORM_KERNEL_PTX=update."
+        );
+    }
+    text
+}
+
+/// SHA-256 over every kernel source file (relative path and contents, in path order) and
+/// the kernel crate's manifest.
+fn source_hash(kernel_dir: &Path) -> String {
+    let mut files = vec![kernel_dir.join("Cargo.toml")];
+    collect_rs(&kernel_dir.join("src"), &mut files);
+    files.sort();
+    let mut h = Sha256::new();
+    for f in &files {
+        let rel = f.strip_prefix(kernel_dir).expect("under the kernel dir");
+        h.update(rel.to_string_lossy().as_bytes());
+        h.update([0]);
+        h.update(fs::read(f).unwrap_or_else(|e| panic!("read {}: {e}", f.display())));
+        h.update([0]);
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn collect_rs(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in fs::read_dir(dir).unwrap_or_else(|e| panic!("read {}: {e}", dir.display())) {
+        let path = entry.expect("directory entry").path();
+        if path.is_dir() {
+            collect_rs(&path, out);
+        } else if path.extension().is_some_and(|x| x == "rs") {
+            out.push(path);
+        }
+    }
+}

@@ -1,0 +1,71 @@
+//! Every way a call can fail, as one typed error.
+
+use cudarc::driver::DriverError;
+
+/// Errors of this crate. Bad input is reported before anything is launched.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// `libcuda` could not be loaded: no NVIDIA driver on this machine.
+    #[error("no CUDA driver found (libcuda could not be loaded); use Device::cpu() to run on the CPU")]
+    NoDriver,
+    /// The driver is there but reports no device with this ordinal.
+    #[error("no CUDA device {ordinal}: the driver reports {count} device(s)")]
+    NoDevice { ordinal: usize, count: usize },
+    /// The device is older than the PTX's target (sm_80).
+    #[error("CUDA device {name} has compute capability {major}.{minor}; these kernels need 8.0 or later")]
+    UnsupportedDevice { name: String, major: i32, minor: i32 },
+    /// The CUDA driver refused a call (out of memory, a failed launch, ...).
+    #[error("CUDA driver error during {during}: {source}")]
+    Driver {
+        during: &'static str,
+        #[source]
+        source: DriverError,
+    },
+    /// A tensor's shape does not fit the operation.
+    #[error("{what} has shape {got:?}, expected {expected}")]
+    Shape {
+        what: &'static str,
+        got: Vec<usize>,
+        expected: String,
+    },
+    /// eps must be finite and positive.
+    #[error("eps must be finite and greater than 0, got {0}")]
+    BadEps(f32),
+    /// A dimension is larger than the kernels' index types allow.
+    #[error("{what} = {value} exceeds the supported maximum of {max}")]
+    TooLarge {
+        what: &'static str,
+        value: usize,
+        max: usize,
+    },
+    /// Tensors of one call live on different devices (or on the CPU and a GPU).
+    #[error("{what} lives on {got}, but the operation runs on {expected}")]
+    DeviceMismatch {
+        what: &'static str,
+        got: String,
+        expected: String,
+    },
+    /// A backward context handed to a LayerNorm other than the one that made it.
+    #[error("this backward context was produced by another LayerNorm")]
+    ForeignContext,
+    /// An output tensor passed to a `*_into` call is shared with another handle.
+    #[error("{what} is shared with another Tensor handle and cannot be written in place")]
+    SharedOutput { what: &'static str },
+    /// The number of lock groups for the locked backward must be at least 1.
+    #[error("the locked backward needs at least 1 group, got {0}")]
+    BadGroups(u32),
+}
+
+/// This crate's `Result`.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// Attaches what was being done to a driver error.
+pub(crate) trait DriverContext<T> {
+    fn during(self, what: &'static str) -> Result<T>;
+}
+
+impl<T> DriverContext<T> for std::result::Result<T, DriverError> {
+    fn during(self, during: &'static str) -> Result<T> {
+        self.map_err(|source| Error::Driver { during, source })
+    }
+}

@@ -1,0 +1,70 @@
+//! Opening a CUDA device: driver check, context, stream, module.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream, sys};
+
+use super::kernels::KernelTable;
+use crate::error::{DriverContext, Error, Result};
+
+/// One device's context, the stream every operation of a `Device` handle runs on, and the
+/// loaded kernels.
+pub(crate) struct Gpu {
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) kernels: Arc<KernelTable>,
+    pub(crate) name: String,
+    pub(crate) ordinal: usize,
+    /// Multiprocessors: persistent grids are sized from this.
+    pub(crate) sm_count: u32,
+}
+
+impl Gpu {
+    /// Opens device `ordinal` and loads the kernels.
+    pub(crate) fn open(ordinal: usize) -> Result<Gpu> {
+        // cudarc panics inside its loader when libcuda is missing; ask first.
+        // SAFETY: only tries to dlopen libcuda; no CUDA call is made.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::NoDriver);
+        }
+        let count = CudaContext::device_count().during("counting devices")?.max(0) as usize;
+        if ordinal >= count {
+            return Err(Error::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal).during("creating the context")?;
+        let name = ctx.name().during("reading the device name")?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .during("reading the compute capability")?;
+        if major < 8 {
+            return Err(Error::UnsupportedDevice { name, major, minor });
+        }
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .during("reading the multiprocessor count")? as u32;
+        let kernels = Arc::new(KernelTable::load(&ctx)?);
+        let stream = ctx.new_stream().during("creating a stream")?;
+        Ok(Gpu {
+            stream,
+            kernels,
+            name,
+            ordinal,
+            sm_count,
+        })
+    }
+
+    /// Another handle on the same device and kernels, with a stream of its own.
+    pub(crate) fn with_new_stream(&self) -> Result<Gpu> {
+        let stream = self.stream.context().new_stream().during("creating a stream")?;
+        Ok(Gpu {
+            stream,
+            kernels: self.kernels.clone(),
+            name: self.name.clone(),
+            ..*self
+        })
+    }
+
+    /// Waits for everything queued on this handle's stream.
+    pub(crate) fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().during("synchronizing the stream")
+    }
+}

@@ -1,0 +1,292 @@
+//! The embedded PTX, its kernels by name, and the launches: the one place where the
+//! kernels' argument lists (the contract with `kernels-gpu/`) are written down.
+//!
+//! Each launch checks the buffer lengths the kernel relies on before it launches, so the
+//! `unsafe` here rests on checks made next to it, not on callers far away.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+
+use super::Gpu;
+use crate::element::Element;
+use crate::error::{DriverContext, Result};
+
+/// The kernels, built from `kernels-gpu/` by build.rs.
+pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels.ptx"));
+
+/// Dynamic shared memory every kernel is launched with: the block reductions' 32 slots of
+/// 16 bytes (kernels-gpu/src/team.rs).
+const SCRATCH_BYTES: u32 = 32 * 16;
+
+/// Which threads share a row: one warp (short rows), or a block of `threads`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Team {
+    Warp,
+    Block { threads: u32 },
+}
+
+/// A launch's team and how many teams run (each loops over rows `id, id + teams, ...`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Grid {
+    pub(crate) team: Team,
+    pub(crate) teams: u32,
+}
+
+impl Grid {
+    /// Warps per block for warp teams: 8 warps = 256 threads, 8 rows in flight per block.
+    const WARPS_PER_BLOCK: u32 = 8;
+
+    fn config(self) -> LaunchConfig {
+        let (blocks, threads) = match self.team {
+            Team::Warp => (
+                self.teams.div_ceil(Self::WARPS_PER_BLOCK),
+                32 * Self::WARPS_PER_BLOCK,
+            ),
+            Team::Block { threads } => (self.teams, threads),
+        };
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: SCRATCH_BYTES,
+        }
+    }
+
+    /// Teams actually launched (warp teams come in whole blocks).
+    pub(crate) fn launched_teams(self) -> u32 {
+        match self.team {
+            Team::Warp => self.teams.div_ceil(Self::WARPS_PER_BLOCK) * Self::WARPS_PER_BLOCK,
+            Team::Block { .. } => self.teams,
+        }
+    }
+}
+
+/// One storage type's kernels.
+pub(crate) struct TypeKernels {
+    fwd_warp: CudaFunction,
+    fwd_block: CudaFunction,
+    bwd_owned_warp: CudaFunction,
+    bwd_owned_block: CudaFunction,
+    bwd_locked_warp: CudaFunction,
+    bwd_locked_block: CudaFunction,
+    bwd_reduce: CudaFunction,
+}
+
+/// All kernels of the module, by storage type.
+pub(crate) struct KernelTable {
+    by_type: [TypeKernels; 3],
+}
+
+impl KernelTable {
+    /// JIT-compiles the PTX for this device (once per `Gpu`) and looks up every kernel.
+    pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<KernelTable> {
+        let module = ctx
+            .load_module(Ptx::from_src(PTX))
+            .during("loading the PTX module")?;
+        let load = |kind: &str, ty: &str| {
+            module
+                .load_function(&format!("layer_norm_{kind}_{ty}"))
+                .during("looking up a kernel")
+        };
+        let of = |ty: &str| -> Result<TypeKernels> {
+            Ok(TypeKernels {
+                fwd_warp: load("fwd_warp", ty)?,
+                fwd_block: load("fwd_block", ty)?,
+                bwd_owned_warp: load("bwd_owned_warp", ty)?,
+                bwd_owned_block: load("bwd_owned_block", ty)?,
+                bwd_locked_warp: load("bwd_locked_warp", ty)?,
+                bwd_locked_block: load("bwd_locked_block", ty)?,
+                bwd_reduce: load("bwd_reduce", ty)?,
+            })
+        };
+        Ok(KernelTable {
+            by_type: [of(f32::NAME)?, of(half::f16::NAME)?, of(half::bf16::NAME)?],
+        })
+    }
+
+    fn of<T: Element>(&self) -> &TypeKernels {
+        &self.by_type[T::INDEX]
+    }
+}
+
+/// Panics unless `cond`: a launch's buffer lengths are this crate's own invariant (the op
+/// checked the user's shapes already), so a failure here is a bug in this crate, and
+/// stopping beats letting a kernel run past a buffer.
+fn require(cond: bool, what: &str) {
+    assert!(cond, "layernorm-cuda bug: launch buffer too small ({what})");
+}
+
+/// Forward: the arguments of `layer_norm_fwd_{warp,block}_<T>`.
+pub(crate) struct Forward<'a, T> {
+    pub(crate) x: &'a CudaSlice<T>,
+    pub(crate) gamma: &'a CudaSlice<T>,
+    pub(crate) beta: &'a CudaSlice<T>,
+    pub(crate) y: &'a mut CudaSlice<T>,
+    pub(crate) mean: &'a mut CudaSlice<f32>,
+    pub(crate) rstd: &'a mut CudaSlice<f32>,
+    pub(crate) rows: u32,
+    pub(crate) n: u32,
+    pub(crate) eps: f32,
+}
+
+pub(crate) fn forward<T: Element>(gpu: &Gpu, grid: Grid, a: Forward<'_, T>) -> Result<()> {
+    let (rows, n) = (a.rows as usize, a.n as usize);
+    require(a.x.len() >= rows * n && a.y.len() >= rows * n, "x/y");
+    require(a.gamma.len() >= n && a.beta.len() >= n, "gamma/beta");
+    require(a.mean.len() >= rows && a.rstd.len() >= rows, "mean/rstd");
+    let k = gpu.kernels.of::<T>();
+    let f = if grid.team == Team::Warp {
+        &k.fwd_warp
+    } else {
+        &k.fwd_block
+    };
+    let mut b = gpu.stream.launch_builder(f);
+    b.arg(a.x)
+        .arg(a.gamma)
+        .arg(a.beta)
+        .arg(a.y)
+        .arg(a.mean)
+        .arg(a.rstd);
+    b.arg(&a.rows).arg(&a.n).arg(&a.eps);
+    // SAFETY: the argument list matches `forward_kernels!` in kernels-gpu/src/forward.rs,
+    // and every buffer holds what the kernel indexes (checked above).
+    unsafe { b.launch(grid.config()) }.during("launching the forward kernel")?;
+    Ok(())
+}
+
+/// Backward stage 1's common arguments.
+pub(crate) struct Backward<'a, T> {
+    pub(crate) x: &'a CudaSlice<T>,
+    pub(crate) dy: &'a CudaSlice<T>,
+    pub(crate) gamma: &'a CudaSlice<T>,
+    pub(crate) mean: &'a CudaSlice<f32>,
+    pub(crate) rstd: &'a CudaSlice<f32>,
+    pub(crate) dx: &'a mut CudaSlice<T>,
+    pub(crate) rows: u32,
+    pub(crate) n: u32,
+}
+
+impl<T> Backward<'_, T> {
+    fn check(&self) {
+        let (rows, n) = (self.rows as usize, self.n as usize);
+        require(self.x.len() >= rows * n && self.dy.len() >= rows * n, "x/dy");
+        require(self.dx.len() >= rows * n && self.gamma.len() >= n, "dx/gamma");
+        require(self.mean.len() >= rows && self.rstd.len() >= rows, "mean/rstd");
+    }
+}
+
+/// Stage 1, owned mode: partial rows `[grid.launched_teams(), n]`.
+pub(crate) fn backward_owned<T: Element>(
+    gpu: &Gpu,
+    grid: Grid,
+    a: Backward<'_, T>,
+    part_dgamma: &mut CudaSlice<f32>,
+    part_dbeta: &mut CudaSlice<f32>,
+) -> Result<()> {
+    a.check();
+    let parts = grid.launched_teams() as usize * a.n as usize;
+    require(
+        part_dgamma.len() >= parts && part_dbeta.len() >= parts,
+        "owned partials",
+    );
+    let k = gpu.kernels.of::<T>();
+    let f = if grid.team == Team::Warp {
+        &k.bwd_owned_warp
+    } else {
+        &k.bwd_owned_block
+    };
+    let mut b = gpu.stream.launch_builder(f);
+    b.arg(a.x)
+        .arg(a.dy)
+        .arg(a.gamma)
+        .arg(a.mean)
+        .arg(a.rstd)
+        .arg(a.dx);
+    b.arg(part_dgamma).arg(part_dbeta).arg(&a.rows).arg(&a.n);
+    // SAFETY: the argument list matches `backward_kernels!(@owned ..)` in
+    // kernels-gpu/src/backward.rs, and every buffer holds what the kernel indexes.
+    unsafe { b.launch(grid.config()) }.during("launching backward stage 1 (owned)")?;
+    Ok(())
+}
+
+/// Stage 1, locked mode: `groups` partial rows and `2 * groups` zeroed lock/count words.
+pub(crate) fn backward_locked<T: Element>(
+    gpu: &Gpu,
+    grid: Grid,
+    a: Backward<'_, T>,
+    group_dgamma: &mut CudaSlice<f32>,
+    group_dbeta: &mut CudaSlice<f32>,
+    words: &mut CudaSlice<u32>,
+    groups: u32,
+) -> Result<()> {
+    a.check();
+    let parts = groups as usize * a.n as usize;
+    require(
+        groups >= 1 && group_dgamma.len() >= parts && group_dbeta.len() >= parts,
+        "groups",
+    );
+    require(words.len() >= 2 * groups as usize, "lock words");
+    let k = gpu.kernels.of::<T>();
+    let f = if grid.team == Team::Warp {
+        &k.bwd_locked_warp
+    } else {
+        &k.bwd_locked_block
+    };
+    let mut b = gpu.stream.launch_builder(f);
+    b.arg(a.x)
+        .arg(a.dy)
+        .arg(a.gamma)
+        .arg(a.mean)
+        .arg(a.rstd)
+        .arg(a.dx);
+    b.arg(group_dgamma)
+        .arg(group_dbeta)
+        .arg(words)
+        .arg(&groups)
+        .arg(&a.rows)
+        .arg(&a.n);
+    // SAFETY: the argument list matches `backward_kernels!(@locked ..)` in
+    // kernels-gpu/src/backward.rs, every buffer holds what the kernel indexes, and the
+    // caller zeroed the lock and count words (the kernel's only precondition on them).
+    unsafe { b.launch(grid.config()) }.during("launching backward stage 1 (locked)")?;
+    Ok(())
+}
+
+/// Stage 2: column sums of `[rows, n]` partials into dgamma and dbeta.
+pub(crate) fn backward_reduce<T: Element>(
+    gpu: &Gpu,
+    part_dgamma: &CudaSlice<f32>,
+    part_dbeta: &CudaSlice<f32>,
+    rows: u32,
+    n: u32,
+    dgamma: &mut CudaSlice<T>,
+    dbeta: &mut CudaSlice<T>,
+) -> Result<()> {
+    let parts = rows as usize * n as usize;
+    require(
+        part_dgamma.len() >= parts && part_dbeta.len() >= parts,
+        "partials",
+    );
+    require(
+        dgamma.len() >= n as usize && dbeta.len() >= n as usize,
+        "dgamma/dbeta",
+    );
+    let threads = 256;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(threads).max(1), 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: SCRATCH_BYTES,
+    };
+    let mut b = gpu.stream.launch_builder(&gpu.kernels.of::<T>().bwd_reduce);
+    b.arg(part_dgamma)
+        .arg(part_dbeta)
+        .arg(&rows)
+        .arg(&n)
+        .arg(dgamma)
+        .arg(dbeta);
+    // SAFETY: the argument list matches `layer_norm_bwd_reduce_<T>` in
+    // kernels-gpu/src/backward.rs, and every buffer holds what the kernel indexes.
+    unsafe { b.launch(cfg) }.during("launching backward stage 2")?;
+    Ok(())
+}

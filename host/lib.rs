@@ -1,0 +1,40 @@
+//! LayerNorm forward and backward for NVIDIA GPUs, with kernels written in `no_std` Rust
+//! (`kernels-gpu/`) compiled to PTX by this crate's build, and an ndarray CPU path with the
+//! same API where no GPU is.
+//!
+//! ```no_run
+//! use layernorm_cuda::{Device, LayerNorm};
+//! use ndarray::{Array1, Array2};
+//!
+//! # fn main() -> layernorm_cuda::Result<()> {
+//! let (device, _why_not_cuda) = Device::cuda_or_cpu();
+//! let (rows, n) = (4, 8);
+//! let ln = LayerNorm::<f32>::from_arrays(&device, Array1::ones(n).view(), Array1::zeros(n).view(), 1e-5)?;
+//! let x = device.upload(Array2::from_shape_fn((rows, n), |(i, j)| (i * n + j) as f32).view())?;
+//! let (y, ctx) = ln.forward(&x)?;
+//! let dy = device.upload(Array2::<f32>::ones((rows, n)).view())?;
+//! let grads = ln.backward(&ctx, &dy)?;
+//! println!("{:?} {:?}", y.to_array2()?, grads.dgamma.to_array1()?);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! Layout: `device` and `tensor` (where data lives), `layer_norm` (the op and its checks),
+//! `cpu` (the ndarray path), `gpu` (CUDA: context, kernel launches, launch sizing).
+
+mod cpu;
+mod device;
+mod element;
+mod error;
+mod gpu;
+mod layer_norm;
+mod tensor;
+
+/// The CUDA driver bindings this crate uses (for [`Device::cuda_stream`]).
+pub use cudarc;
+pub use device::Device;
+pub use element::Element;
+pub use error::{Error, Result};
+pub use half::{bf16, f16};
+pub use layer_norm::{BackwardMode, Context, Gradients, LayerNorm, MAX_DIM};
+pub use tensor::Tensor;

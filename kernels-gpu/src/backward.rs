@@ -1,0 +1,449 @@
+//! LayerNorm backward, in two stages.
+//!
+//! Per row i, with xhat_j = (x_j - mean_i) * rstd_i and wdy_j = gamma_j * dy_j:
+//!   c1   = sum_j xhat_j * wdy_j / n
+//!   c2   = sum_j wdy_j / n
+//!   dx_j = rstd_i * (wdy_j - (xhat_j * c1 + c2))
+//! and over all rows:
+//!   dgamma_j = sum_i dy_ij * xhat_ij        dbeta_j = sum_i dy_ij
+//!
+//! Stage 1 writes dx and adds each row's (dy * xhat, dy) into one row of an f32 partial
+//! buffer `[R, n]`. Stage 2 sums the R partial rows per column into dgamma and dbeta.
+//! Partials are f32 whatever the storage type, so long columns do not round in f16.
+//!
+//! Two ways to fill the partial buffer:
+//! - owned (deterministic): team u handles rows u, u + U, ... and alone owns partial row u;
+//!   no locks, and every sum runs in a fixed order, so results are bitwise reproducible.
+//! - locked (the Triton tutorial's scheme): row i adds into group i mod G under that group's
+//!   spinlock (an atomic compare-and-swap on a lock word); a count word says whether the
+//!   group was written yet (first writer stores, later ones add), so the G rows need no
+//!   clearing, only the 2*G lock and count words.
+//!
+//! Versions (docs/PERF.md has the measurements):
+//!   v1  three passes over the row: sums, dx (+ partials when owned), and in locked mode a
+//!       third pass under the lock, so that the lock is held only while adding partials.
+
+use core::sync::atomic::{AtomicU32, Ordering, fence};
+
+use crate::device::load_f32_l2;
+use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, read, read_cached, write};
+use crate::team::{Block, Team, Warp, for_each_chunk};
+
+/// The inputs of one backward launch, as the host passes them.
+#[derive(Clone, Copy)]
+struct Rows<T> {
+    x: *const T,
+    dy: *const T,
+    gamma: *const T,
+    mean: *const f32,
+    rstd: *const f32,
+    dx: *mut T,
+    rows: u32,
+    n: u32,
+}
+
+/// One row of the partial buffers.
+#[derive(Clone, Copy)]
+struct PartialRow {
+    dgamma: *mut f32,
+    dbeta: *mut f32,
+    /// Add to what is there (false: overwrite, for the row's first contribution).
+    accumulate: bool,
+}
+
+impl PartialRow {
+    /// # Safety
+    /// `r` < the buffers' row count; both buffers hold `[_, n]` f32.
+    #[inline(always)]
+    unsafe fn at(dgamma: *mut f32, dbeta: *mut f32, r: u32, n: u32, accumulate: bool) -> Self {
+        let offset = r as usize * n as usize;
+        // SAFETY: the caller guarantees the row is inside both buffers.
+        unsafe { PartialRow { dgamma: dgamma.add(offset), dbeta: dbeta.add(offset), accumulate } }
+    }
+
+    /// Adds the chunk `[start, start + len)`'s dgamma and dbeta terms.
+    ///
+    /// Reads go through L2 (`ld.global.cg`): in locked mode another multiprocessor wrote
+    /// these words last, and its writes are not in this one's L1.
+    ///
+    /// # Safety
+    /// The chunk is inside the row, and no other thread writes it concurrently.
+    #[inline(always)]
+    unsafe fn add(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
+        for k in 0..len {
+            let j = start as usize + k;
+            // SAFETY: the caller guarantees bounds and exclusive access.
+            unsafe {
+                let (g, b) = (self.dgamma.add(j), self.dbeta.add(j));
+                if self.accumulate {
+                    g.write(load_f32_l2(g) + dgamma[k]);
+                    b.write(load_f32_l2(b) + dbeta[k]);
+                } else {
+                    g.write(dgamma[k]);
+                    b.write(dbeta[k]);
+                }
+            }
+        }
+    }
+}
+
+/// The terms of one chunk: (xhat, wdy, dy), from x, dy and gamma.
+///
+/// # Safety
+/// As for [`read`].
+#[inline(always)]
+unsafe fn terms<T: Element>(
+    r: &Rows<T>,
+    x: *const T,
+    dy: *const T,
+    mean: f32,
+    rstd: f32,
+    j: u32,
+    len: usize,
+) -> (Pack, Pack, Pack) {
+    // SAFETY: the caller guarantees bounds and alignment.
+    let (xv, dyv, g) = unsafe { (read(x, j, len), read(dy, j, len), read_cached(r.gamma, j, len)) };
+    let (mut xhat, mut wdy) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
+    for k in 0..len {
+        xhat[k] = (xv[k] - mean) * rstd;
+        wdy[k] = g[k] * dyv[k];
+    }
+    (xhat, wdy, dyv)
+}
+
+/// dx for one row, and its partials: into `fused` during the dx pass (owned mode), or
+/// after it under `lock` (locked mode).
+///
+/// # Safety
+/// `row` < `r.rows`; with `PACKED` every row pointer and gamma are 16-byte aligned.
+#[inline(always)]
+unsafe fn backward_row<T: Element, S: Team, const PACKED: bool>(
+    r: &Rows<T>,
+    row: u32,
+    fused: Option<PartialRow>,
+    lock: Option<&GroupLock>,
+) {
+    let offset = row as usize * r.n as usize;
+    // SAFETY: row < rows, so these rows lie inside x, dy, dx, mean and rstd.
+    let (x, dy, dx, mean, rstd) = unsafe {
+        (r.x.add(offset), r.dy.add(offset), r.dx.add(offset), *r.mean.add(row as usize), *r.rstd.add(row as usize))
+    };
+    let n = r.n;
+
+    // Pass 1: c1 and c2.
+    let (mut s1, mut s2) = (0.0f32, 0.0f32);
+    for_each_chunk::<T, S, PACKED>(n, |j, len| {
+        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
+        let (xhat, wdy, _) = unsafe { terms(r, x, dy, mean, rstd, j, len) };
+        for k in 0..len {
+            s1 += xhat[k] * wdy[k];
+            s2 += wdy[k];
+        }
+    });
+    let (s1, s2) = S::sum2(s1, s2);
+    let (c1, c2) = (s1 / n as f32, s2 / n as f32);
+
+    // Pass 2: dx, and in owned mode the partials.
+    for_each_chunk::<T, S, PACKED>(n, |j, len| {
+        // SAFETY: as above.
+        let (xhat, wdy, dyv) = unsafe { terms(r, x, dy, mean, rstd, j, len) };
+        let mut out = [0.0; MAX_PACK];
+        let mut dgamma = [0.0; MAX_PACK];
+        for k in 0..len {
+            out[k] = rstd * (wdy[k] - (xhat[k] * c1 + c2));
+            dgamma[k] = dyv[k] * xhat[k];
+        }
+        // SAFETY: as above; this team alone owns the partial row.
+        unsafe {
+            write(dx, j, len, &out);
+            if let Some(p) = fused {
+                p.add(j, len, &dgamma, &dyv);
+            }
+        }
+    });
+
+    // Pass 3 (locked mode): the partials, with the group held.
+    if let Some(lock) = lock {
+        // SAFETY: the group index is below G and its lock and count words exist.
+        let part = unsafe { lock.acquire::<S>(row) };
+        for_each_chunk::<T, S, PACKED>(n, |j, len| {
+            // SAFETY: as above; the lock makes this team the group row's only writer.
+            unsafe {
+                let (xhat, _, dyv) = terms(r, x, dy, mean, rstd, j, len);
+                let mut dgamma = [0.0; MAX_PACK];
+                for k in 0..len {
+                    dgamma[k] = dyv[k] * xhat[k];
+                }
+                part.add(j, len, &dgamma, &dyv);
+            }
+        });
+        // SAFETY: this team holds the lock it releases.
+        unsafe { lock.release::<S>(row) };
+    }
+}
+
+/// The G group rows of the locked mode with their lock and count words.
+struct GroupLock {
+    dgamma: *mut f32,
+    dbeta: *mut f32,
+    /// `groups` lock words, then `groups` count words; zero before the launch.
+    words: *mut u32,
+    groups: u32,
+    n: u32,
+}
+
+impl GroupLock {
+    /// The group of row `row`: `row mod G` (the host never passes G = 0; the guard keeps
+    /// a division-by-zero panic, which would need core's panic machinery, out of the PTX).
+    #[inline(always)]
+    fn group(&self, row: u32) -> u32 {
+        row.checked_rem(self.groups).unwrap_or(0)
+    }
+
+    /// Spins until this team holds row `row`'s group, then returns the group row.
+    ///
+    /// # Safety
+    /// `words` holds 2 * `groups` words, the group buffers `[groups, n]` f32.
+    #[inline(always)]
+    unsafe fn acquire<S: Team>(&self, row: u32) -> PartialRow {
+        let g = self.group(row);
+        // SAFETY: g < groups, and lock words are only touched atomically.
+        let (lock, count) = unsafe {
+            (AtomicU32::from_ptr(self.words.add(g as usize)), AtomicU32::from_ptr(self.words.add((self.groups + g) as usize)))
+        };
+        let mut written = 0;
+        if S::rank() == 0 {
+            // atom.cas: one thread per team spins; the others wait at the barrier below.
+            while lock.compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed).is_err() {}
+            written = count.load(Ordering::Relaxed);
+        }
+        let written = S::broadcast(written);
+        // The acquire was rank 0's; every rank orders its own reads after it.
+        fence(Ordering::Acquire);
+        // SAFETY: g < groups.
+        unsafe { PartialRow::at(self.dgamma, self.dbeta, g, self.n, written != 0) }
+    }
+
+    /// Publishes the team's writes to the group row, marks it written and unlocks it.
+    ///
+    /// # Safety
+    /// This team holds `row`'s group (from [`GroupLock::acquire`]).
+    #[inline(always)]
+    unsafe fn release<S: Team>(&self, row: u32) {
+        let g = self.group(row);
+        // Each rank's writes must reach L2 before the next holder reads them.
+        fence(Ordering::Release);
+        S::sync();
+        if S::rank() == 0 {
+            // SAFETY: g < groups; these words are only touched atomically.
+            let (lock, count) = unsafe {
+                (AtomicU32::from_ptr(self.words.add(g as usize)), AtomicU32::from_ptr(self.words.add((self.groups + g) as usize)))
+            };
+            count.store(1, Ordering::Relaxed);
+            lock.store(0, Ordering::Release);
+        }
+    }
+}
+
+/// Stage 1, owned mode: team u handles rows u, u + U, ... into partial row u (U = teams).
+///
+/// # Safety
+/// `r`'s buffers sized as documented; `part_*` hold `[U, n]` f32.
+#[inline(always)]
+unsafe fn stage1_owned<T: Element, S: Team>(r: Rows<T>, part_dgamma: *mut f32, part_dbeta: *mut f32) {
+    let unit = S::id();
+    if unit >= r.rows {
+        // More teams than rows: this partial row gets no contribution, so it holds zeros.
+        let zero = [0.0; MAX_PACK];
+        // SAFETY: unit < U, so the partial row exists.
+        let part = unsafe { PartialRow::at(part_dgamma, part_dbeta, unit, r.n, false) };
+        for_each_chunk::<T, S, false>(r.n, |j, len| unsafe { part.add(j, len, &zero, &zero) });
+        return;
+    }
+    let mut row = unit;
+    while row < r.rows {
+        // SAFETY: unit < U; the first row overwrites, later rows add.
+        let part = unsafe { PartialRow::at(part_dgamma, part_dbeta, unit, r.n, row != unit) };
+        // SAFETY: row < rows; `packed` was checked for every pointer the packed path reads.
+        unsafe {
+            if packed(&r, row) {
+                backward_row::<T, S, true>(&r, row, Some(part), None)
+            } else {
+                backward_row::<T, S, false>(&r, row, Some(part), None)
+            }
+        }
+        // The next row may map a column to another rank of the team (aligned vs unaligned
+        // rows); the barrier orders this row's partial writes before the next row's reads.
+        S::sync();
+        row += S::count();
+    }
+}
+
+/// Stage 1, locked mode: rows spread over teams, partials into group `row mod G`.
+///
+/// # Safety
+/// `r`'s buffers sized as documented; `lock` as [`GroupLock::acquire`] requires.
+#[inline(always)]
+unsafe fn stage1_locked<T: Element, S: Team>(r: Rows<T>, lock: GroupLock) {
+    let mut row = S::id();
+    while row < r.rows {
+        // SAFETY: row < rows; `packed` was checked for every pointer the packed path reads.
+        unsafe {
+            if packed(&r, row) {
+                backward_row::<T, S, true>(&r, row, None, Some(&lock))
+            } else {
+                backward_row::<T, S, false>(&r, row, None, Some(&lock))
+            }
+        }
+        row += S::count();
+    }
+}
+
+/// Whether row `row` can be read in 16-byte packs: x, dy, dx at that row, and gamma.
+#[inline(always)]
+fn packed<T: Element>(r: &Rows<T>, row: u32) -> bool {
+    let offset = row as usize * r.n as usize;
+    is_pack_aligned(r.x.wrapping_add(offset))
+        && is_pack_aligned(r.dy.wrapping_add(offset))
+        && is_pack_aligned(r.dx.wrapping_add(offset))
+        && is_pack_aligned(r.gamma)
+}
+
+/// Stage 2: column j of dgamma and dbeta is the sum of column j over the `rows` partial
+/// rows, added in row order (so the owned mode stays reproducible).
+///
+/// # Safety
+/// `part_*` hold `[rows, n]` f32; `dgamma`, `dbeta` hold `n`.
+#[inline(always)]
+unsafe fn stage2<T: Element>(
+    part_dgamma: *const f32,
+    part_dbeta: *const f32,
+    rows: u32,
+    n: u32,
+    dgamma: *mut T,
+    dbeta: *mut T,
+) {
+    let threads = crate::device::grid_dim() as usize * crate::device::block_dim() as usize;
+    let mut j = crate::device::block_idx() as usize * crate::device::block_dim() as usize
+        + crate::device::thread_idx() as usize;
+    while j < n as usize {
+        let (mut g, mut b) = (0.0f32, 0.0f32);
+        for r in 0..rows as usize {
+            // SAFETY: r < rows and j < n.
+            unsafe {
+                g += *part_dgamma.add(r * n as usize + j);
+                b += *part_dbeta.add(r * n as usize + j);
+            }
+        }
+        // SAFETY: j < n.
+        unsafe {
+            dgamma.add(j).write(T::from_f32(g));
+            dbeta.add(j).write(T::from_f32(b));
+        }
+        j += threads;
+    }
+}
+
+/// Exports the backward kernels of one storage type: stage 1 owned and locked, each for
+/// warp- and block-per-row, and stage 2.
+macro_rules! backward_kernels {
+    ($t:ty, $owned_warp:ident, $owned_block:ident, $locked_warp:ident, $locked_block:ident, $reduce:ident) => {
+        backward_kernels!(@owned $t, $owned_warp, Warp);
+        backward_kernels!(@owned $t, $owned_block, Block);
+        backward_kernels!(@locked $t, $locked_warp, Warp);
+        backward_kernels!(@locked $t, $locked_block, Block);
+
+        /// Stage 2: sums `[rows, n]` f32 partials per column into dgamma and dbeta.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $reduce(
+            part_dgamma: *const f32,
+            part_dbeta: *const f32,
+            rows: u32,
+            n: u32,
+            dgamma: *mut $t,
+            dbeta: *mut $t,
+        ) {
+            // SAFETY: the host sizes every buffer as `stage2` requires.
+            unsafe { stage2::<$t>(part_dgamma, part_dbeta, rows, n, dgamma, dbeta) }
+        }
+    };
+    (@owned $t:ty, $name:ident, $team:ty) => {
+        /// Stage 1, owned (deterministic) mode: args (x, dy, gamma, mean, rstd, dx,
+        /// part_dgamma, part_dbeta, rows, n); the partial buffers hold one row per team.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            x: *const $t,
+            dy: *const $t,
+            gamma: *const $t,
+            mean: *const f32,
+            rstd: *const f32,
+            dx: *mut $t,
+            part_dgamma: *mut f32,
+            part_dbeta: *mut f32,
+            rows: u32,
+            n: u32,
+        ) {
+            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n };
+            // SAFETY: the host sizes every buffer as `stage1_owned` requires.
+            unsafe { stage1_owned::<$t, $team>(r, part_dgamma, part_dbeta) }
+        }
+    };
+    (@locked $t:ty, $name:ident, $team:ty) => {
+        /// Stage 1, locked mode: args (x, dy, gamma, mean, rstd, dx, group_dgamma,
+        /// group_dbeta, words, groups, rows, n); `words` is 2 * groups zeroed u32.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            x: *const $t,
+            dy: *const $t,
+            gamma: *const $t,
+            mean: *const f32,
+            rstd: *const f32,
+            dx: *mut $t,
+            group_dgamma: *mut f32,
+            group_dbeta: *mut f32,
+            words: *mut u32,
+            groups: u32,
+            rows: u32,
+            n: u32,
+        ) {
+            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n };
+            let lock = GroupLock { dgamma: group_dgamma, dbeta: group_dbeta, words, groups, n };
+            // SAFETY: the host sizes every buffer as `stage1_locked` requires.
+            unsafe { stage1_locked::<$t, $team>(r, lock) }
+        }
+    };
+}
+
+backward_kernels!(
+    f32,
+    layer_norm_bwd_owned_warp_f32,
+    layer_norm_bwd_owned_block_f32,
+    layer_norm_bwd_locked_warp_f32,
+    layer_norm_bwd_locked_block_f32,
+    layer_norm_bwd_reduce_f32
+);
+backward_kernels!(
+    crate::element::F16,
+    layer_norm_bwd_owned_warp_f16,
+    layer_norm_bwd_owned_block_f16,
+    layer_norm_bwd_locked_warp_f16,
+    layer_norm_bwd_locked_block_f16,
+    layer_norm_bwd_reduce_f16
+);
+backward_kernels!(
+    crate::element::Bf16,
+    layer_norm_bwd_owned_warp_bf16,
+    layer_norm_bwd_owned_block_bf16,
+    layer_norm_bwd_locked_warp_bf16,
+    layer_norm_bwd_locked_block_bf16,
+    layer_norm_bwd_reduce_bf16
+);

@@ -1,0 +1,201 @@
+//! The few GPU primitives `core` does not give us, each a line or two of PTX.
+//!
+//! Everything here is `#[inline(always)]`: these are single instructions, and a call
+//! boundary in PTX would cost more than the instruction itself.
+
+use core::arch::asm;
+use core::arch::nvptx;
+
+// The kernels' dynamic shared memory. The host sizes it at launch (`SCRATCH_BYTES` in
+// `team.rs` is the most any kernel uses); `.extern` makes PTX take its size from the launch.
+core::arch::global_asm!(".extern .shared .align 16 .b8 dynamic_smem[];");
+
+/// Index of this thread inside its block (x dimension).
+#[inline(always)]
+pub fn thread_idx() -> u32 {
+    // SAFETY: reads the %tid.x special register; no memory is touched.
+    unsafe { nvptx::_thread_idx_x() as u32 }
+}
+
+/// Number of threads in the block (x dimension).
+#[inline(always)]
+pub fn block_dim() -> u32 {
+    // SAFETY: reads the %ntid.x special register.
+    unsafe { nvptx::_block_dim_x() as u32 }
+}
+
+/// Index of this block in the grid (x dimension).
+#[inline(always)]
+pub fn block_idx() -> u32 {
+    // SAFETY: reads the %ctaid.x special register.
+    unsafe { nvptx::_block_idx_x() as u32 }
+}
+
+/// Number of blocks in the grid (x dimension).
+#[inline(always)]
+pub fn grid_dim() -> u32 {
+    // SAFETY: reads the %nctaid.x special register.
+    unsafe { nvptx::_grid_dim_x() as u32 }
+}
+
+/// Block-wide barrier (`bar.sync 0`). Every thread of the block must reach it; global and
+/// shared memory writes made before it are visible to the block's threads after it.
+#[inline(always)]
+pub fn sync_block() {
+    // SAFETY: a barrier; callers keep it on a block-uniform control path.
+    unsafe { nvptx::_syncthreads() }
+}
+
+/// Warp-wide barrier over all 32 lanes (`bar.warp.sync`), the same guarantee for one warp.
+#[inline(always)]
+pub fn sync_warp() {
+    // SAFETY: all 32 lanes of the warp take part; callers keep it warp-uniform.
+    unsafe { asm!("bar.warp.sync 0xffffffff;", options(nostack)) }
+}
+
+/// `v` from the lane `lane ^ mask` (butterfly exchange over the full warp).
+#[inline(always)]
+pub fn shfl_xor(v: f32, mask: u32) -> f32 {
+    let out: f32;
+    // SAFETY: register-only warp exchange; all 32 lanes execute it (full member mask).
+    unsafe {
+        asm!("shfl.sync.bfly.b32 {o}, {v}, {m}, 0x1f, 0xffffffff;",
+             o = out(reg32) out, v = in(reg32) v, m = in(reg32) mask, options(nostack, nomem));
+    }
+    out
+}
+
+/// `v` from lane `lane + delta`; lanes past 31 get their own `v` back.
+#[inline(always)]
+pub fn shfl_down(v: f32, delta: u32) -> f32 {
+    let out: f32;
+    // SAFETY: register-only warp exchange; all 32 lanes execute it (full member mask).
+    unsafe {
+        asm!("shfl.sync.down.b32 {o}, {v}, {d}, 0x1f, 0xffffffff;",
+             o = out(reg32) out, v = in(reg32) v, d = in(reg32) delta, options(nostack, nomem));
+    }
+    out
+}
+
+/// `v` as lane `src` holds it, to every lane.
+#[inline(always)]
+pub fn shfl_idx(v: f32, src: u32) -> f32 {
+    let out: f32;
+    // SAFETY: register-only warp exchange; all 32 lanes execute it (full member mask).
+    unsafe {
+        asm!("shfl.sync.idx.b32 {o}, {v}, {s}, 0x1f, 0xffffffff;",
+             o = out(reg32) out, v = in(reg32) v, s = in(reg32) src, options(nostack, nomem));
+    }
+    out
+}
+
+/// Correctly rounded square root (`sqrt.rn.f32`; `core` has no `f32::sqrt` without std).
+#[inline(always)]
+pub fn sqrt_rn(v: f32) -> f32 {
+    let out: f32;
+    // SAFETY: register-only arithmetic.
+    unsafe { asm!("sqrt.rn.f32 {o}, {v};", o = out(reg32) out, v = in(reg32) v, options(pure, nomem, nostack)) }
+    out
+}
+
+/// IEEE f16 bits to f32 (exact).
+#[inline(always)]
+pub fn f16_to_f32(bits: u16) -> f32 {
+    let out: f32;
+    // SAFETY: register-only conversion.
+    unsafe { asm!("cvt.f32.f16 {o}, {h};", o = out(reg32) out, h = in(reg16) bits, options(pure, nomem, nostack)) }
+    out
+}
+
+/// f32 to IEEE f16 bits, round to nearest even (overflow gives ±inf, as PyTorch's cast does).
+#[inline(always)]
+pub fn f32_to_f16(v: f32) -> u16 {
+    let out: u16;
+    // SAFETY: register-only conversion.
+    unsafe { asm!("cvt.rn.f16.f32 {h}, {v};", h = out(reg16) out, v = in(reg32) v, options(pure, nomem, nostack)) }
+    out
+}
+
+/// bf16 bits to f32: bf16 is the top half of an f32, so this is exact.
+#[inline(always)]
+pub fn bf16_to_f32(bits: u16) -> f32 {
+    f32::from_bits((bits as u32) << 16)
+}
+
+/// f32 to bf16 bits, round to nearest even (`cvt.rn.bf16.f32`, sm_80 and later).
+#[inline(always)]
+pub fn f32_to_bf16(v: f32) -> u16 {
+    let out: u16;
+    // SAFETY: register-only conversion.
+    unsafe { asm!("cvt.rn.bf16.f32 {h}, {v};", h = out(reg16) out, v = in(reg32) v, options(pure, nomem, nostack)) }
+    out
+}
+
+/// Generic pointer to byte `offset` of the block's dynamic shared memory.
+#[inline(always)]
+pub fn shared_ptr<T>(offset: u32) -> *mut T {
+    let base: u64;
+    // SAFETY: takes the address of the module's shared array; no memory is touched.
+    unsafe { asm!("cvta.shared.u64 {p}, dynamic_smem;", p = out(reg64) base, options(pure, nomem, nostack)) }
+    (base + offset as u64) as *mut T
+}
+
+/// Loads 16 bytes from global memory, bypassing L1 (`ld.global.cg`): data a kernel reads
+/// once should not evict what it reads again (gamma, beta).
+///
+/// # Safety
+/// `p` must be 16-byte aligned and valid for a 16-byte read.
+#[inline(always)]
+pub unsafe fn load_16(p: *const u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: the caller guarantees `p` is aligned and readable for 16 bytes.
+    unsafe {
+        asm!("ld.global.cg.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg64) p, options(readonly, nostack));
+    }
+    [a, b, c, d]
+}
+
+/// Loads 16 bytes that other blocks of this launch read too (gamma, beta): kept in L1.
+///
+/// # Safety
+/// `p` must be 16-byte aligned and valid for a 16-byte read.
+#[inline(always)]
+pub unsafe fn load_16_cached(p: *const u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: the caller guarantees `p` is aligned and readable for 16 bytes.
+    unsafe {
+        asm!("ld.global.ca.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg64) p, options(readonly, nostack));
+    }
+    [a, b, c, d]
+}
+
+/// Stores 16 bytes to global memory.
+///
+/// # Safety
+/// `p` must be 16-byte aligned and valid for a 16-byte write.
+#[inline(always)]
+pub unsafe fn store_16(p: *mut u32, v: [u32; 4]) {
+    // SAFETY: the caller guarantees `p` is aligned and writable for 16 bytes.
+    unsafe {
+        asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+             p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2],
+             d = in(reg32) v[3], options(nostack));
+    }
+}
+
+/// Loads one f32 through L2 only (`ld.global.cg`): the lock-guarded group buffers are
+/// written by other multiprocessors, whose writes L1 (not coherent) would not see.
+///
+/// # Safety
+/// `p` must be valid for a 4-byte read.
+#[inline(always)]
+pub unsafe fn load_f32_l2(p: *const f32) -> f32 {
+    let out: f32;
+    // SAFETY: the caller guarantees `p` is readable.
+    unsafe { asm!("ld.global.cg.f32 {o}, [{p}];", o = out(reg32) out, p = in(reg64) p, options(readonly, nostack)) }
+    out
+}

@@ -1,0 +1,160 @@
+//! Storage types the kernels read and write (f32, f16, bf16), all computed in f32.
+//!
+//! Every access is either one element or one 16-byte vector ("pack"): 4 f32 or 8 f16/bf16.
+//! 16 bytes is the widest load a thread can issue; a warp's 32 packs are 512 contiguous
+//! bytes, four full 128-byte lines, so one instruction moves as much as the bus allows.
+
+use crate::device;
+
+/// The most elements one pack holds (8 halves in 16 bytes); f32 uses the first 4.
+pub const MAX_PACK: usize = 8;
+
+/// A pack widened to f32; only the first `T::PACK` entries are meaningful.
+pub type Pack = [f32; MAX_PACK];
+
+/// A storage type of x, y, gamma, beta, dy, dx, dgamma and dbeta.
+pub trait Element: Copy {
+    /// Elements in one 16-byte pack.
+    const PACK: usize;
+
+    fn to_f32(self) -> f32;
+    fn from_f32(v: f32) -> Self;
+
+    /// Widens 16 raw bytes (as four words) into a pack.
+    fn unpack(words: [u32; 4]) -> Pack;
+    /// Narrows a pack into 16 raw bytes.
+    fn pack(v: &Pack) -> [u32; 4];
+}
+
+impl Element for f32 {
+    const PACK: usize = 4;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+    #[inline(always)]
+    fn unpack(w: [u32; 4]) -> Pack {
+        let mut p = [0.0; MAX_PACK];
+        for k in 0..4 {
+            p[k] = f32::from_bits(w[k]);
+        }
+        p
+    }
+    #[inline(always)]
+    fn pack(v: &Pack) -> [u32; 4] {
+        [v[0].to_bits(), v[1].to_bits(), v[2].to_bits(), v[3].to_bits()]
+    }
+}
+
+/// IEEE binary16, as raw bits (no_std has no f16 type we can rely on).
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct F16(pub u16);
+
+/// bfloat16, as raw bits.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Bf16(pub u16);
+
+/// Both 16-bit types pack two elements per word, low half first (little-endian order).
+macro_rules! half_element {
+    ($ty:ident, $to:path, $from:path) => {
+        impl Element for $ty {
+            const PACK: usize = 8;
+            #[inline(always)]
+            fn to_f32(self) -> f32 {
+                $to(self.0)
+            }
+            #[inline(always)]
+            fn from_f32(v: f32) -> Self {
+                $ty($from(v))
+            }
+            #[inline(always)]
+            fn unpack(w: [u32; 4]) -> Pack {
+                let mut p = [0.0; MAX_PACK];
+                for k in 0..4 {
+                    p[2 * k] = $to(w[k] as u16);
+                    p[2 * k + 1] = $to((w[k] >> 16) as u16);
+                }
+                p
+            }
+            #[inline(always)]
+            fn pack(v: &Pack) -> [u32; 4] {
+                let mut w = [0u32; 4];
+                for k in 0..4 {
+                    w[k] = $from(v[2 * k]) as u32 | (($from(v[2 * k + 1]) as u32) << 16);
+                }
+                w
+            }
+        }
+    };
+}
+half_element!(F16, device::f16_to_f32, device::f32_to_f16);
+half_element!(Bf16, device::bf16_to_f32, device::f32_to_bf16);
+
+/// Reads `len` elements from `row[start..]`: one 16-byte load when `len == T::PACK` (the
+/// address must then be 16-byte aligned), else the single element `row[start]`. Data read
+/// once goes around L1 so that gamma and beta stay there.
+///
+/// # Safety
+/// The elements must be in bounds, and a whole pack aligned.
+#[inline(always)]
+pub unsafe fn read<T: Element>(row: *const T, start: u32, len: usize) -> Pack {
+    // SAFETY: the caller guarantees bounds and, for a pack, alignment.
+    unsafe {
+        let p = row.add(start as usize);
+        if len == T::PACK {
+            T::unpack(device::load_16(p as *const u32))
+        } else {
+            let mut v = [0.0; MAX_PACK];
+            v[0] = p.read().to_f32();
+            v
+        }
+    }
+}
+
+/// As [`read`], for vectors every row uses (gamma, beta): these stay in L1.
+///
+/// # Safety
+/// As for [`read`].
+#[inline(always)]
+pub unsafe fn read_cached<T: Element>(v: *const T, start: u32, len: usize) -> Pack {
+    // SAFETY: the caller guarantees bounds and, for a pack, alignment.
+    unsafe {
+        let p = v.add(start as usize);
+        if len == T::PACK {
+            T::unpack(device::load_16_cached(p as *const u32))
+        } else {
+            let mut out = [0.0; MAX_PACK];
+            out[0] = p.read().to_f32();
+            out
+        }
+    }
+}
+
+/// Writes the first `len` entries of `v` to `row[start..]`, as [`read`] reads them.
+///
+/// # Safety
+/// The elements must be in bounds, and a whole pack aligned.
+#[inline(always)]
+pub unsafe fn write<T: Element>(row: *mut T, start: u32, len: usize, v: &Pack) {
+    // SAFETY: the caller guarantees bounds and, for a pack, alignment.
+    unsafe {
+        let p = row.add(start as usize);
+        if len == T::PACK {
+            device::store_16(p as *mut u32, T::pack(v))
+        } else {
+            p.write(T::from_f32(v[0]))
+        }
+    }
+}
+
+/// True where `p` can be read in 16-byte packs.
+#[inline(always)]
+pub fn is_pack_aligned<T>(p: *const T) -> bool {
+    (p as usize) % 16 == 0
+}

@@ -1,0 +1,151 @@
+//! LayerNorm forward over the rows of a row-major `[rows, n]` matrix.
+//!
+//! Per row, in f32 whatever the storage type:
+//!   mean = sum_j x_j / n
+//!   var  = sum_j (x_j - mean)^2 / n          (biased, as PyTorch)
+//!   rstd = 1 / sqrt(var + eps)
+//!   y_j  = (x_j - mean) * rstd * gamma_j + beta_j
+//! `mean` and `rstd` are written per row for the backward.
+//!
+//! Versions (docs/PERF.md has the measurements):
+//!   v1  one pass for the statistics (per-pack exact stats, Chan merges across packs, lanes
+//!       and warps), a second pass that re-reads x (from L2 for rows that fit there) to
+//!       normalize; 16-byte packs when every pointer of the row allows, else element-wise.
+
+use crate::device::sqrt_rn;
+use crate::element::{Element, is_pack_aligned, read, read_cached, write};
+use crate::team::{Block, Stats, Team, Warp, for_each_chunk};
+
+/// Normalizes rows `S::id(), S::id() + S::count(), ...`, one team per row.
+///
+/// # Safety
+/// `x`, `y` hold `rows * n` elements; `gamma`, `beta` hold `n`; `mean`, `rstd` hold `rows`.
+#[inline(always)]
+unsafe fn forward_rows<T: Element, S: Team>(
+    x: *const T,
+    gamma: *const T,
+    beta: *const T,
+    y: *mut T,
+    mean: *mut f32,
+    rstd: *mut f32,
+    rows: u32,
+    n: u32,
+    eps: f32,
+) {
+    let mut row = S::id();
+    while row < rows {
+        let offset = row as usize * n as usize;
+        // SAFETY: the row lies inside x and y (row < rows); the caller sized gamma and beta.
+        let (x_row, y_row) = unsafe { (x.add(offset), y.add(offset)) };
+        let packed = is_pack_aligned(x_row)
+            && is_pack_aligned(y_row)
+            && is_pack_aligned(gamma)
+            && is_pack_aligned(beta);
+        // SAFETY: as above; `packed` was checked for every pointer the packed path reads.
+        let (m, r) = unsafe {
+            if packed {
+                forward_row::<T, S, true>(x_row, gamma, beta, y_row, n, eps)
+            } else {
+                forward_row::<T, S, false>(x_row, gamma, beta, y_row, n, eps)
+            }
+        };
+        if S::rank() == 0 {
+            // SAFETY: row < rows.
+            unsafe {
+                mean.add(row as usize).write(m);
+                rstd.add(row as usize).write(r);
+            }
+        }
+        row += S::count();
+    }
+}
+
+/// One row; returns its (mean, rstd).
+///
+/// # Safety
+/// As for [`forward_rows`], for one row; with `PACKED`, all four pointers 16-byte aligned.
+#[inline(always)]
+unsafe fn forward_row<T: Element, S: Team, const PACKED: bool>(
+    x: *const T,
+    gamma: *const T,
+    beta: *const T,
+    y: *mut T,
+    n: u32,
+    eps: f32,
+) -> (f32, f32) {
+    // Pass 1: statistics. Each pack's own (mean, M2) is exact in registers; merging packs
+    // keeps every subtraction between numbers of the row's own scale.
+    let mut stats = Stats::EMPTY;
+    for_each_chunk::<T, S, PACKED>(n, |j, len| {
+        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
+        let v = unsafe { read(x, j, len) };
+        stats = stats.merge(Stats::of(&v[..len]));
+    });
+    let stats = S::reduce_stats(stats);
+    let mean = stats.mean;
+    let rstd = 1.0 / sqrt_rn(stats.m2 / n as f32 + eps);
+
+    // Pass 2: y = (x - mean) * rstd * gamma + beta. Re-reading x costs L2, not DRAM,
+    // bandwidth while the rows in flight fit in L2.
+    for_each_chunk::<T, S, PACKED>(n, |j, len| {
+        // SAFETY: as above.
+        let (xv, g, b) = unsafe { (read(x, j, len), read_cached(gamma, j, len), read_cached(beta, j, len)) };
+        let mut out = xv;
+        for k in 0..len {
+            out[k] = (xv[k] - mean) * rstd * g[k] + b[k];
+        }
+        // SAFETY: as above.
+        unsafe { write(y, j, len, &out) };
+    });
+    (mean, rstd)
+}
+
+/// Exports the warp-per-row and block-per-row forward kernels of one storage type.
+/// Both take (x, gamma, beta, y, mean, rstd, rows, n, eps).
+macro_rules! forward_kernels {
+    ($t:ty, $warp:ident, $block:ident) => {
+        /// Forward, one warp per row (short rows).
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $warp(
+            x: *const $t,
+            gamma: *const $t,
+            beta: *const $t,
+            y: *mut $t,
+            mean: *mut f32,
+            rstd: *mut f32,
+            rows: u32,
+            n: u32,
+            eps: f32,
+        ) {
+            // SAFETY: the host sizes every buffer as `forward_rows` requires.
+            unsafe { forward_rows::<$t, Warp>(x, gamma, beta, y, mean, rstd, rows, n, eps) }
+        }
+
+        /// Forward, one block per row (long rows).
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $block(
+            x: *const $t,
+            gamma: *const $t,
+            beta: *const $t,
+            y: *mut $t,
+            mean: *mut f32,
+            rstd: *mut f32,
+            rows: u32,
+            n: u32,
+            eps: f32,
+        ) {
+            // SAFETY: the host sizes every buffer as `forward_rows` requires.
+            unsafe { forward_rows::<$t, Block>(x, gamma, beta, y, mean, rstd, rows, n, eps) }
+        }
+    };
+}
+
+forward_kernels!(f32, layer_norm_fwd_warp_f32, layer_norm_fwd_block_f32);
+forward_kernels!(crate::element::F16, layer_norm_fwd_warp_f16, layer_norm_fwd_block_f16);
+forward_kernels!(crate::element::Bf16, layer_norm_fwd_warp_bf16, layer_norm_fwd_block_bf16);

@@ -1,0 +1,24 @@
+//! LayerNorm kernels for NVIDIA GPUs, in `no_std` Rust compiled to PTX by rustc's
+//! `nvptx64-nvidia-cuda` target. The host crate's `build.rs` builds this crate and embeds
+//! the PTX; kernel names and argument lists are the contract with `host/kernels.rs`.
+//!
+//! - `device`: the GPU primitives `core` lacks (indices, barriers, shuffles, conversions).
+//! - `element`: f32 / f16 / bf16 storage, read and written in 16-byte packs.
+//! - `team`: a warp or a block sharing one row, and its reductions.
+//! - `forward`: y, mean and rstd.
+//! - `backward`: dx and the partial dgamma/dbeta (stage 1), and their reduction (stage 2).
+#![no_std]
+#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)]
+
+mod backward;
+mod device;
+mod element;
+mod forward;
+mod team;
+
+/// Any panic (an out-of-range slice index, say) stops the kernel: the host sees the launch fail.
+#[panic_handler]
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    // SAFETY: `trap` aborts the kernel; there is nothing to unwind.
+    unsafe { core::arch::nvptx::trap() }
+}

@@ -1,0 +1,245 @@
+//! Teams: the threads that share one row. A warp (32 lanes, exchanging through shuffles)
+//! for short rows, where a block would leave most threads idle; a whole block (up to 1024
+//! threads, warps exchanging through shared memory) for long rows.
+//!
+//! Every reduction hands all ranks the same bits: sums use a butterfly (a + b == b + a
+//! exactly), mean/variance use one fixed merge tree whose root is then broadcast.
+
+use crate::device::{self, shared_ptr, shfl_down, shfl_idx, shfl_xor};
+use crate::element::Element;
+
+// Block reductions use the first 512 bytes of dynamic shared memory: one 16-byte slot per
+// warp of a 1024-thread block. The host launches every kernel with that much.
+
+/// Count, mean and sum of squared deviations (M2) of a set of values.
+///
+/// Merging two sets (Chan, Golub and LeVeque) with d = mean_b - mean_a, n = n_a + n_b:
+///   mean = mean_a + d * n_b / n
+///   M2   = M2_a + M2_b + d^2 * n_a * n_b / n
+/// never subtracts two large sums, so a row whose mean is large against its spread keeps
+/// its precision, unlike var = E[x^2] - E[x]^2 in f32.
+#[derive(Clone, Copy)]
+pub struct Stats {
+    pub n: f32,
+    pub mean: f32,
+    pub m2: f32,
+}
+
+impl Stats {
+    pub const EMPTY: Stats = Stats { n: 0.0, mean: 0.0, m2: 0.0 };
+
+    #[inline(always)]
+    pub fn merge(self, o: Stats) -> Stats {
+        if o.n == 0.0 {
+            return self;
+        }
+        if self.n == 0.0 {
+            return o;
+        }
+        let n = self.n + o.n;
+        let d = o.mean - self.mean;
+        let w = o.n / n;
+        Stats { n, mean: self.mean + d * w, m2: self.m2 + o.m2 + d * d * self.n * w }
+    }
+
+    /// The statistics of `len` values (a pack, or a single element), computed exactly in
+    /// two passes over registers: mean first, then squared deviations from it.
+    #[inline(always)]
+    pub fn of(v: &[f32]) -> Stats {
+        let mut s = 0.0;
+        for &x in v {
+            s += x;
+        }
+        let n = v.len() as f32;
+        let mean = s / n;
+        let mut m2 = 0.0;
+        for &x in v {
+            m2 += (x - mean) * (x - mean);
+        }
+        Stats { n, mean, m2 }
+    }
+
+    #[inline(always)]
+    fn shfl_down(self, delta: u32) -> Stats {
+        Stats { n: shfl_down(self.n, delta), mean: shfl_down(self.mean, delta), m2: shfl_down(self.m2, delta) }
+    }
+
+    #[inline(always)]
+    fn shfl_idx(self, src: u32) -> Stats {
+        Stats { n: shfl_idx(self.n, src), mean: shfl_idx(self.mean, src), m2: shfl_idx(self.m2, src) }
+    }
+}
+
+/// Merge over a warp; every lane gets lane 0's result of the same fixed tree.
+#[inline(always)]
+fn warp_stats(mut s: Stats) -> Stats {
+    let mut delta = 16;
+    while delta > 0 {
+        // Lanes past 31 - delta merge garbage, but only lanes below delta feed lane 0.
+        s = s.merge(s.shfl_down(delta));
+        delta /= 2;
+    }
+    s.shfl_idx(0)
+}
+
+/// Sums of two values over a warp; the butterfly leaves the same bits in every lane.
+#[inline(always)]
+fn warp_sum2(mut a: f32, mut b: f32) -> (f32, f32) {
+    let mut mask = 16;
+    while mask > 0 {
+        a += shfl_xor(a, mask);
+        b += shfl_xor(b, mask);
+        mask /= 2;
+    }
+    (a, b)
+}
+
+/// The threads sharing one row.
+pub trait Team {
+    /// Index of this thread within the team.
+    fn rank() -> u32;
+    /// Threads in the team.
+    fn size() -> u32;
+    /// Index of this team in the grid.
+    fn id() -> u32;
+    /// Teams in the grid.
+    fn count() -> u32;
+    /// Barrier over the team; memory written before it is visible to the team after it.
+    fn sync();
+    /// `Stats` merged over the team, the same in every rank.
+    fn reduce_stats(s: Stats) -> Stats;
+    /// Two sums over the team, the same in every rank.
+    fn sum2(a: f32, b: f32) -> (f32, f32);
+    /// Rank 0's `v`, to every rank.
+    fn broadcast(v: u32) -> u32;
+}
+
+/// One warp per row: lanes 0..32.
+pub struct Warp;
+
+impl Team for Warp {
+    #[inline(always)]
+    fn rank() -> u32 {
+        device::thread_idx() % 32
+    }
+    #[inline(always)]
+    fn size() -> u32 {
+        32
+    }
+    #[inline(always)]
+    fn id() -> u32 {
+        device::block_idx() * (device::block_dim() / 32) + device::thread_idx() / 32
+    }
+    #[inline(always)]
+    fn count() -> u32 {
+        device::grid_dim() * (device::block_dim() / 32)
+    }
+    #[inline(always)]
+    fn sync() {
+        device::sync_warp()
+    }
+    #[inline(always)]
+    fn reduce_stats(s: Stats) -> Stats {
+        warp_stats(s)
+    }
+    #[inline(always)]
+    fn sum2(a: f32, b: f32) -> (f32, f32) {
+        warp_sum2(a, b)
+    }
+    #[inline(always)]
+    fn broadcast(v: u32) -> u32 {
+        shfl_idx(f32::from_bits(v), 0).to_bits()
+    }
+}
+
+/// One block per row: `blockDim.x` threads, a multiple of 32, at most 1024.
+pub struct Block;
+
+impl Block {
+    /// Writes each warp's slot, then gives every lane `k < warps` the slot of warp `k`.
+    /// The barriers on both sides let the next reduction reuse the slots.
+    #[inline(always)]
+    fn exchange(slot: [f32; 3], empty: [f32; 3]) -> [f32; 3] {
+        let warp = device::thread_idx() / 32;
+        let lane = device::thread_idx() % 32;
+        let smem = shared_ptr::<[f32; 4]>(0);
+        if lane == 0 {
+            // SAFETY: warp < 32 and the scratch holds 32 slots of 16 bytes.
+            unsafe { smem.add(warp as usize).write([slot[0], slot[1], slot[2], 0.0]) };
+        }
+        device::sync_block();
+        let out = if lane < device::block_dim() / 32 {
+            // SAFETY: lane < warps <= 32, and that slot was written before the barrier.
+            let v = unsafe { smem.add(lane as usize).read() };
+            [v[0], v[1], v[2]]
+        } else {
+            empty
+        };
+        device::sync_block();
+        out
+    }
+}
+
+impl Team for Block {
+    #[inline(always)]
+    fn rank() -> u32 {
+        device::thread_idx()
+    }
+    #[inline(always)]
+    fn size() -> u32 {
+        device::block_dim()
+    }
+    #[inline(always)]
+    fn id() -> u32 {
+        device::block_idx()
+    }
+    #[inline(always)]
+    fn count() -> u32 {
+        device::grid_dim()
+    }
+    #[inline(always)]
+    fn sync() {
+        device::sync_block()
+    }
+    #[inline(always)]
+    fn reduce_stats(s: Stats) -> Stats {
+        let w = warp_stats(s);
+        let e = Stats::EMPTY;
+        let v = Self::exchange([w.n, w.mean, w.m2], [e.n, e.mean, e.m2]);
+        warp_stats(Stats { n: v[0], mean: v[1], m2: v[2] })
+    }
+    #[inline(always)]
+    fn sum2(a: f32, b: f32) -> (f32, f32) {
+        let (a, b) = warp_sum2(a, b);
+        let v = Self::exchange([a, b, 0.0], [0.0; 3]);
+        warp_sum2(v[0], v[1])
+    }
+    #[inline(always)]
+    fn broadcast(v: u32) -> u32 {
+        let slot = Self::exchange([f32::from_bits(v), 0.0, 0.0], [0.0; 3]);
+        // Every lane read slot 0's value into lane 0 of its warp; hand it to the others.
+        shfl_idx(slot[0], 0).to_bits()
+    }
+}
+
+/// Calls `f(start, len)` for each piece of an `n`-element row that this rank handles.
+///
+/// With `PACKED` (every pointer of the row 16-byte aligned), rank r takes the packs
+/// r, r + size, ... (len = `T::PACK`), so a warp's loads cover contiguous 512-byte spans;
+/// the `n % PACK` elements after the last whole pack follow one by one (len = 1). Without
+/// it, every element goes one by one.
+#[inline(always)]
+pub fn for_each_chunk<T: Element, S: Team, const PACKED: bool>(n: u32, mut f: impl FnMut(u32, usize)) {
+    let width = if PACKED { T::PACK as u32 } else { 1 };
+    let packs = n / width;
+    let mut p = S::rank();
+    while p < packs {
+        f(p * width, width as usize);
+        p += S::size();
+    }
+    let mut j = packs * width + S::rank();
+    while j < n {
+        f(j, 1);
+        j += S::size();
+    }
+}
