@@ -58,7 +58,13 @@ impl PartialRow {
     unsafe fn at(dgamma: *mut f32, dbeta: *mut f32, r: u32, n: u32, accumulate: bool) -> Self {
         let offset = r as usize * n as usize;
         // SAFETY: the caller guarantees the row is inside both buffers.
-        unsafe { PartialRow { dgamma: dgamma.add(offset), dbeta: dbeta.add(offset), accumulate } }
+        unsafe {
+            PartialRow {
+                dgamma: dgamma.add(offset),
+                dbeta: dbeta.add(offset),
+                accumulate,
+            }
+        }
     }
 
     /// Adds the chunk `[start, start + len)`'s dgamma and dbeta terms.
@@ -126,7 +132,13 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool>(
     let offset = row as usize * r.n as usize;
     // SAFETY: row < rows, so these rows lie inside x, dy, dx, mean and rstd.
     let (x, dy, dx, mean, rstd) = unsafe {
-        (r.x.add(offset), r.dy.add(offset), r.dx.add(offset), *r.mean.add(row as usize), *r.rstd.add(row as usize))
+        (
+            r.x.add(offset),
+            r.dy.add(offset),
+            r.dx.add(offset),
+            *r.mean.add(row as usize),
+            *r.rstd.add(row as usize),
+        )
     };
     let n = r.n;
 
@@ -209,12 +221,18 @@ impl GroupLock {
         let g = self.group(row);
         // SAFETY: g < groups, and lock words are only touched atomically.
         let (lock, count) = unsafe {
-            (AtomicU32::from_ptr(self.words.add(g as usize)), AtomicU32::from_ptr(self.words.add((self.groups + g) as usize)))
+            (
+                AtomicU32::from_ptr(self.words.add(g as usize)),
+                AtomicU32::from_ptr(self.words.add((self.groups + g) as usize)),
+            )
         };
         let mut written = 0;
         if S::rank() == 0 {
             // atom.cas: one thread per team spins; the others wait at the barrier below.
-            while lock.compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed).is_err() {}
+            while lock
+                .compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+            {}
             written = count.load(Ordering::Relaxed);
         }
         let written = S::broadcast(written);
@@ -237,7 +255,10 @@ impl GroupLock {
         if S::rank() == 0 {
             // SAFETY: g < groups; these words are only touched atomically.
             let (lock, count) = unsafe {
-                (AtomicU32::from_ptr(self.words.add(g as usize)), AtomicU32::from_ptr(self.words.add((self.groups + g) as usize)))
+                (
+                    AtomicU32::from_ptr(self.words.add(g as usize)),
+                    AtomicU32::from_ptr(self.words.add((self.groups + g) as usize)),
+                )
             };
             count.store(1, Ordering::Relaxed);
             lock.store(0, Ordering::Release);

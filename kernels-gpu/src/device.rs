@@ -94,7 +94,9 @@ pub fn shfl_idx(v: f32, src: u32) -> f32 {
 pub fn sqrt_rn(v: f32) -> f32 {
     let out: f32;
     // SAFETY: register-only arithmetic.
-    unsafe { asm!("sqrt.rn.f32 {o}, {v};", o = out(reg32) out, v = in(reg32) v, options(pure, nomem, nostack)) }
+    unsafe {
+        asm!("sqrt.rn.f32 {o}, {v};", o = out(reg32) out, v = in(reg32) v, options(pure, nomem, nostack))
+    }
     out
 }
 
@@ -103,7 +105,9 @@ pub fn sqrt_rn(v: f32) -> f32 {
 pub fn f16_to_f32(bits: u16) -> f32 {
     let out: f32;
     // SAFETY: register-only conversion.
-    unsafe { asm!("cvt.f32.f16 {o}, {h};", o = out(reg32) out, h = in(reg16) bits, options(pure, nomem, nostack)) }
+    unsafe {
+        asm!("cvt.f32.f16 {o}, {h};", o = out(reg32) out, h = in(reg16) bits, options(pure, nomem, nostack))
+    }
     out
 }
 
@@ -112,7 +116,9 @@ pub fn f16_to_f32(bits: u16) -> f32 {
 pub fn f32_to_f16(v: f32) -> u16 {
     let out: u16;
     // SAFETY: register-only conversion.
-    unsafe { asm!("cvt.rn.f16.f32 {h}, {v};", h = out(reg16) out, v = in(reg32) v, options(pure, nomem, nostack)) }
+    unsafe {
+        asm!("cvt.rn.f16.f32 {h}, {v};", h = out(reg16) out, v = in(reg32) v, options(pure, nomem, nostack))
+    }
     out
 }
 
@@ -127,7 +133,9 @@ pub fn bf16_to_f32(bits: u16) -> f32 {
 pub fn f32_to_bf16(v: f32) -> u16 {
     let out: u16;
     // SAFETY: register-only conversion.
-    unsafe { asm!("cvt.rn.bf16.f32 {h}, {v};", h = out(reg16) out, v = in(reg32) v, options(pure, nomem, nostack)) }
+    unsafe {
+        asm!("cvt.rn.bf16.f32 {h}, {v};", h = out(reg16) out, v = in(reg32) v, options(pure, nomem, nostack))
+    }
     out
 }
 
@@ -196,6 +204,8 @@ pub unsafe fn store_16(p: *mut u32, v: [u32; 4]) {
 pub unsafe fn load_f32_l2(p: *const f32) -> f32 {
     let out: f32;
     // SAFETY: the caller guarantees `p` is readable.
-    unsafe { asm!("ld.global.cg.f32 {o}, [{p}];", o = out(reg32) out, p = in(reg64) p, options(readonly, nostack)) }
+    unsafe {
+        asm!("ld.global.cg.f32 {o}, [{p}];", o = out(reg32) out, p = in(reg64) p, options(readonly, nostack))
+    }
     out
 }

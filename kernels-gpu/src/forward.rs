@@ -89,7 +89,13 @@ unsafe fn forward_row<T: Element, S: Team, const PACKED: bool>(
     // bandwidth while the rows in flight fit in L2.
     for_each_chunk::<T, S, PACKED>(n, |j, len| {
         // SAFETY: as above.
-        let (xv, g, b) = unsafe { (read(x, j, len), read_cached(gamma, j, len), read_cached(beta, j, len)) };
+        let (xv, g, b) = unsafe {
+            (
+                read(x, j, len),
+                read_cached(gamma, j, len),
+                read_cached(beta, j, len),
+            )
+        };
         let mut out = xv;
         for k in 0..len {
             out[k] = (xv[k] - mean) * rstd * g[k] + b[k];
@@ -147,5 +153,13 @@ macro_rules! forward_kernels {
 }
 
 forward_kernels!(f32, layer_norm_fwd_warp_f32, layer_norm_fwd_block_f32);
-forward_kernels!(crate::element::F16, layer_norm_fwd_warp_f16, layer_norm_fwd_block_f16);
-forward_kernels!(crate::element::Bf16, layer_norm_fwd_warp_bf16, layer_norm_fwd_block_bf16);
+forward_kernels!(
+    crate::element::F16,
+    layer_norm_fwd_warp_f16,
+    layer_norm_fwd_block_f16
+);
+forward_kernels!(
+    crate::element::Bf16,
+    layer_norm_fwd_warp_bf16,
+    layer_norm_fwd_block_bf16
+);

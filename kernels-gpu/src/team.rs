@@ -26,7 +26,11 @@ pub struct Stats {
 }
 
 impl Stats {
-    pub const EMPTY: Stats = Stats { n: 0.0, mean: 0.0, m2: 0.0 };
+    pub const EMPTY: Stats = Stats {
+        n: 0.0,
+        mean: 0.0,
+        m2: 0.0,
+    };
 
     #[inline(always)]
     pub fn merge(self, o: Stats) -> Stats {
@@ -39,7 +43,11 @@ impl Stats {
         let n = self.n + o.n;
         let d = o.mean - self.mean;
         let w = o.n / n;
-        Stats { n, mean: self.mean + d * w, m2: self.m2 + o.m2 + d * d * self.n * w }
+        Stats {
+            n,
+            mean: self.mean + d * w,
+            m2: self.m2 + o.m2 + d * d * self.n * w,
+        }
     }
 
     /// The statistics of `len` values (a pack, or a single element), computed exactly in
@@ -61,12 +69,20 @@ impl Stats {
 
     #[inline(always)]
     fn shfl_down(self, delta: u32) -> Stats {
-        Stats { n: shfl_down(self.n, delta), mean: shfl_down(self.mean, delta), m2: shfl_down(self.m2, delta) }
+        Stats {
+            n: shfl_down(self.n, delta),
+            mean: shfl_down(self.mean, delta),
+            m2: shfl_down(self.m2, delta),
+        }
     }
 
     #[inline(always)]
     fn shfl_idx(self, src: u32) -> Stats {
-        Stats { n: shfl_idx(self.n, src), mean: shfl_idx(self.mean, src), m2: shfl_idx(self.m2, src) }
+        Stats {
+            n: shfl_idx(self.n, src),
+            mean: shfl_idx(self.mean, src),
+            m2: shfl_idx(self.m2, src),
+        }
     }
 }
 
@@ -206,7 +222,11 @@ impl Team for Block {
         let w = warp_stats(s);
         let e = Stats::EMPTY;
         let v = Self::exchange([w.n, w.mean, w.m2], [e.n, e.mean, e.m2]);
-        warp_stats(Stats { n: v[0], mean: v[1], m2: v[2] })
+        warp_stats(Stats {
+            n: v[0],
+            mean: v[1],
+            m2: v[2],
+        })
     }
     #[inline(always)]
     fn sum2(a: f32, b: f32) -> (f32, f32) {
