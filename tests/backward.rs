@@ -1,0 +1,214 @@
+//! Backward against the float64 reference (itself checked by finite differences), in both
+//! modes, plus the spinlock's stress cases and the deterministic mode's reproducibility.
+
+mod common;
+
+use common::{
+    Rng, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, reference, rel_err, to_f64, tolerance,
+};
+use layernorm_cuda::{BackwardMode, Device, Element, Gradients, LayerNorm, bf16, f16};
+use ndarray::{Array1, Array2};
+
+const SHAPES: &[(usize, usize)] = &[
+    (1, 1),
+    (5, 1),
+    (7, 3),
+    (1, 1024),
+    (100, 96),
+    (33, 769),
+    (64, 1024),
+    (9, 4096),
+    (3, 4097),
+    (5, 8192),
+    (3, 65537),
+    (2, 262144),
+];
+
+const LOCKED: BackwardMode = BackwardMode::Locked { groups: None };
+
+/// The float64 reference's backward against central differences of its forward, for the
+/// scalar loss L = sum(y * dy): dL/dx, dL/dgamma and dL/dbeta.
+#[test]
+fn finite_difference_matches_reference() {
+    let mut rng = Rng::new(1);
+    let (rows, n, eps) = (3, 7, 1e-5);
+    let x = Array2::from_shape_fn((rows, n), |_| rng.normal() * 2.0 + 0.5);
+    let dy = Array2::from_shape_fn((rows, n), |_| rng.normal());
+    let gamma = Array1::from_shape_fn(n, |_| 1.0 + 0.5 * rng.uniform());
+    let beta = Array1::from_shape_fn(n, |_| 0.5 * rng.uniform());
+    let loss = |x: &Array2<f64>, g: &Array1<f64>, b: &Array1<f64>| {
+        (reference::forward(x.view(), g.view(), b.view(), eps).0 * &dy).sum()
+    };
+    let (dx, dgamma, dbeta) = reference::backward(x.view(), dy.view(), gamma.view(), eps);
+    let h = 1e-6;
+    let central = |plus: f64, minus: f64| (plus - minus) / (2.0 * h);
+    for i in 0..rows {
+        for j in 0..n {
+            let (mut xp, mut xm) = (x.clone(), x.clone());
+            xp[[i, j]] += h;
+            xm[[i, j]] -= h;
+            let fd = central(loss(&xp, &gamma, &beta), loss(&xm, &gamma, &beta));
+            assert!((fd - dx[[i, j]]).abs() < 1e-6 * (1.0 + fd.abs()), "dx[{i},{j}]: {fd} vs {}", dx[[i, j]]);
+        }
+    }
+    for j in 0..n {
+        let (mut gp, mut gm, mut bp, mut bm) = (gamma.clone(), gamma.clone(), beta.clone(), beta.clone());
+        gp[j] += h;
+        gm[j] -= h;
+        bp[j] += h;
+        bm[j] -= h;
+        let fd_g = central(loss(&x, &gp, &beta), loss(&x, &gm, &beta));
+        let fd_b = central(loss(&x, &gamma, &bp), loss(&x, &gamma, &bm));
+        assert!((fd_g - dgamma[j]).abs() < 1e-6 * (1.0 + fd_g.abs()), "dgamma[{j}]: {fd_g} vs {}", dgamma[j]);
+        assert!((fd_b - dbeta[j]).abs() < 1e-6 * (1.0 + fd_b.abs()), "dbeta[{j}]: {fd_b} vs {}", dbeta[j]);
+    }
+}
+
+/// Inputs of one backward check.
+struct Problem<T: Element> {
+    x: Array2<T>,
+    dy: Array2<T>,
+    gamma: Array1<T>,
+    beta: Array1<T>,
+}
+
+impl<T: Element> Problem<T> {
+    fn random(rows: usize, n: usize, seed: u64) -> Self {
+        let mut rng = Rng::new(seed);
+        Problem {
+            x: mixed_matrix(&mut rng, rows, n),
+            dy: random_matrix(&mut rng, rows, n),
+            gamma: random_vec(&mut rng, n, 1.0, 0.5),
+            beta: random_vec(&mut rng, n, 0.0, 0.5),
+        }
+    }
+
+    /// Forward then backward on `device` with `mode`, into NaN-poisoned outputs.
+    fn run(&self, device: &Device, mode: BackwardMode) -> (Array2<T>, Array1<T>, Array1<T>) {
+        let (rows, n) = self.x.dim();
+        let ln = LayerNorm::from_arrays(device, self.gamma.view(), self.beta.view(), 1e-5)
+            .unwrap()
+            .with_backward_mode(mode)
+            .unwrap();
+        let (_, ctx) = ln.forward(&device.upload(self.x.view()).unwrap()).unwrap();
+        let mut grads = Gradients {
+            dx: poisoned(device, &[rows, n]),
+            dgamma: poisoned(device, &[n]),
+            dbeta: poisoned(device, &[n]),
+        };
+        ln.backward_into(&ctx, &device.upload(self.dy.view()).unwrap(), &mut grads).unwrap();
+        (grads.dx.to_array2().unwrap(), grads.dgamma.to_array1().unwrap(), grads.dbeta.to_array1().unwrap())
+    }
+
+    /// Checks `run`'s result against the reference.
+    fn check(&self, device: &Device, mode: BackwardMode, what: &str) {
+        let (dx, dgamma, dbeta) = self.run(device, mode);
+        let (rdx, rdgamma, rdbeta) = reference::backward(
+            to_f64(self.x.view()).view(),
+            to_f64(self.dy.view()).view(),
+            to_f64(self.gamma.view()).view(),
+            1e-5f32 as f64,
+        );
+        let errs = [
+            ("dx", rel_err(dx.view(), rdx.view())),
+            ("dgamma", rel_err(dgamma.view(), rdgamma.view())),
+            ("dbeta", rel_err(dbeta.view(), rdbeta.view())),
+        ];
+        let what = format!("{} backward {mode:?} {} {:?} {what}", device.name(), T::NAME, self.x.dim());
+        eprintln!("{what}: {errs:?}");
+        // dx subtracts two row means from gamma * dy; allow twice the forward's tolerance.
+        let tol = 2.0 * tolerance::<T>();
+        for (name, err) in errs {
+            assert!(err <= tol, "{what}: {name} error {err:e} > {tol:e}");
+        }
+    }
+}
+
+fn check_all_shapes<T: Element>(device: &Device, mode: BackwardMode, seed: u64) {
+    for (i, &(rows, n)) in SHAPES.iter().enumerate() {
+        let seed = seed + i as u64;
+        Problem::<T>::random(rows, n, seed).check(device, mode, &format!("seed {seed}"));
+    }
+}
+
+#[test]
+fn cpu_backward_matches_reference() {
+    let cpu = Device::cpu();
+    check_all_shapes::<f32>(&cpu, BackwardMode::Deterministic, 1000);
+    check_all_shapes::<f16>(&cpu, BackwardMode::Deterministic, 1100);
+    check_all_shapes::<bf16>(&cpu, BackwardMode::Deterministic, 1200);
+}
+
+#[test]
+fn gpu_backward_deterministic_matches_reference() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    check_all_shapes::<f32>(&gpu, BackwardMode::Deterministic, 1000);
+    check_all_shapes::<f16>(&gpu, BackwardMode::Deterministic, 1100);
+    check_all_shapes::<bf16>(&gpu, BackwardMode::Deterministic, 1200);
+}
+
+#[test]
+fn gpu_backward_locked_matches_reference() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    check_all_shapes::<f32>(&gpu, LOCKED, 1000);
+    check_all_shapes::<f16>(&gpu, LOCKED, 1100);
+    check_all_shapes::<bf16>(&gpu, LOCKED, 1200);
+}
+
+/// Many rows per team, warp- and block-per-row, both modes.
+#[test]
+fn gpu_backward_many_rows() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    for (i, &(rows, n)) in [(20000, 64), (4096, 1024), (3000, 2048), (1500, 8200)].iter().enumerate() {
+        let p = Problem::<f16>::random(rows, n, 1300 + i as u64);
+        p.check(&gpu, BackwardMode::Deterministic, "many rows");
+        p.check(&gpu, LOCKED, "many rows");
+    }
+}
+
+/// The spinlock under its worst cases: one group that every team contends for, more groups
+/// than rows, many rows per group. Each run must finish (no hang), match the reference,
+/// and agree with the deterministic mode.
+#[test]
+fn gpu_spinlock_stress() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let cases: &[(usize, usize, u32)] = &[(8192, 256, 1), (4096, 4096, 1), (10, 512, 64), (2048, 2000, 4)];
+    for (i, &(rows, n, groups)) in cases.iter().enumerate() {
+        let p = Problem::<f32>::random(rows, n, 1400 + i as u64);
+        let what = format!("G = {groups}");
+        p.check(&gpu, BackwardMode::Locked { groups: Some(groups) }, &what);
+        let (dx_l, dg_l, db_l) = p.run(&gpu, BackwardMode::Locked { groups: Some(groups) });
+        let (dx_d, dg_d, db_d) = p.run(&gpu, BackwardMode::Deterministic);
+        // dx does not depend on the mode at all; the sums differ only in addition order.
+        assert_eq!(dx_l, dx_d, "{what}: dx differs between modes");
+        assert!(rel_err(dg_l.view(), to_f64(dg_d.view()).view()) <= 1e-5, "{what}: dgamma modes disagree");
+        assert!(rel_err(db_l.view(), to_f64(db_d.view()).view()) <= 1e-5, "{what}: dbeta modes disagree");
+    }
+}
+
+/// The deterministic mode gives the same bits twice, for every storage type.
+#[test]
+fn gpu_deterministic_mode_is_bitwise_reproducible() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    fn twice<T: Element + PartialEq>(gpu: &Device, rows: usize, n: usize, seed: u64) {
+        let p = Problem::<T>::random(rows, n, seed);
+        let (a, b) = (p.run(gpu, BackwardMode::Deterministic), p.run(gpu, BackwardMode::Deterministic));
+        let bits = |v: &Array1<T>| v.iter().map(|x| x.to_f32().to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&a.1), bits(&b.1), "{} [{rows}, {n}]: dgamma differs between runs", T::NAME);
+        assert_eq!(bits(&a.2), bits(&b.2), "{} [{rows}, {n}]: dbeta differs between runs", T::NAME);
+    }
+    twice::<f32>(&gpu, 4096, 1024, 1500);
+    twice::<f16>(&gpu, 3000, 4096, 1501);
+    twice::<bf16>(&gpu, 777, 20000, 1502);
+}
+
+/// GPU and CPU path agree on the same inputs.
+#[test]
+fn gpu_backward_agrees_with_cpu_path() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let p = Problem::<f32>::random(37, 5000, 1600);
+    let (g, c) = (p.run(&gpu, BackwardMode::Deterministic), p.run(&Device::cpu(), BackwardMode::Deterministic));
+    assert!(rel_err(g.0.view(), to_f64(c.0.view()).view()) <= 1e-5, "dx");
+    assert!(rel_err(g.1.view(), to_f64(c.1.view()).view()) <= 1e-5, "dgamma");
+    assert!(rel_err(g.2.view(), to_f64(c.2.view()).view()) <= 1e-5, "dbeta");
+}

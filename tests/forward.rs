@@ -1,0 +1,97 @@
+//! Forward against the float64 reference, on the CPU path and (where there is one) the GPU.
+
+mod common;
+
+use common::{Rng, gpu_or_skip, mixed_matrix, poisoned, random_vec, reference, rel_err, to_f64, tolerance};
+use layernorm_cuda::{Device, Element, LayerNorm, bf16, f16};
+
+/// (rows, n): single elements and rows; n odd (every row misaligned for 16-byte packs) or
+/// one past a pack multiple; warp-per-row and block-per-row sizes; rows past 64 KB.
+const SHAPES: &[(usize, usize)] = &[
+    (1, 1),
+    (5, 1),
+    (7, 3),
+    (1, 1024),
+    (100, 96),
+    (33, 769),
+    (64, 1024),
+    (9, 4096),
+    (3, 4097),
+    (5, 8192),
+    (3, 65537),
+    (2, 262144),
+];
+
+/// Runs one forward on `device`, with y and the statistics compared to the reference.
+fn check_forward<T: Element>(device: &Device, rows: usize, n: usize, seed: u64) {
+    let mut rng = Rng::new(seed);
+    let x = mixed_matrix::<T>(&mut rng, rows, n);
+    let gamma = random_vec::<T>(&mut rng, n, 1.0, 0.5);
+    let beta = random_vec::<T>(&mut rng, n, 0.0, 0.5);
+    let eps = 1e-5f32;
+    let ln = LayerNorm::from_arrays(device, gamma.view(), beta.view(), eps).unwrap();
+    let mut y = poisoned::<T>(device, &[rows, n]);
+    let ctx = ln.forward_into(&device.upload(x.view()).unwrap(), &mut y).unwrap();
+
+    let (ry, rmean, rrstd) =
+        reference::forward(to_f64(x.view()).view(), to_f64(gamma.view()).view(), to_f64(beta.view()).view(), eps as f64);
+    let err_y = rel_err(y.to_array2().unwrap().view(), ry.view());
+    let err_mean = rel_err(ctx.mean().to_array1().unwrap().view(), rmean.view());
+    let err_rstd = rel_err(ctx.rstd().to_array1().unwrap().view(), rrstd.view());
+    let what = format!("{} forward {} [{rows}, {n}] seed {seed}", device.name(), T::NAME);
+    eprintln!("{what}: y {err_y:.2e} mean {err_mean:.2e} rstd {err_rstd:.2e}");
+    assert!(err_y <= tolerance::<T>(), "{what}: y error {err_y:e} > {:e}", tolerance::<T>());
+    // Statistics are f32 whatever the storage type.
+    assert!(err_mean <= 1e-5, "{what}: mean error {err_mean:e}");
+    assert!(err_rstd <= 1e-5, "{what}: rstd error {err_rstd:e}");
+}
+
+fn check_all_shapes<T: Element>(device: &Device, seed: u64) {
+    for (i, &(rows, n)) in SHAPES.iter().enumerate() {
+        check_forward::<T>(device, rows, n, seed + i as u64);
+    }
+}
+
+#[test]
+fn cpu_forward_matches_reference() {
+    let cpu = Device::cpu();
+    check_all_shapes::<f32>(&cpu, 100);
+    check_all_shapes::<f16>(&cpu, 200);
+    check_all_shapes::<bf16>(&cpu, 300);
+}
+
+#[test]
+fn gpu_forward_matches_reference() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    check_all_shapes::<f32>(&gpu, 100);
+    check_all_shapes::<f16>(&gpu, 200);
+    check_all_shapes::<bf16>(&gpu, 300);
+}
+
+/// Many rows per team: the grid is smaller than the row count, so teams loop.
+#[test]
+fn gpu_forward_many_rows() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    for (i, &(rows, n)) in [(20000, 64), (4096, 1024), (3000, 2048), (1500, 8200)].iter().enumerate() {
+        check_forward::<f16>(&gpu, rows, n, 400 + i as u64);
+        check_forward::<f32>(&gpu, rows, n, 500 + i as u64);
+    }
+}
+
+/// The GPU and the CPU path agree with each other, not only each with the reference.
+#[test]
+fn gpu_forward_agrees_with_cpu_path() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let mut rng = Rng::new(600);
+    let (rows, n) = (37, 5000);
+    let x = mixed_matrix::<f32>(&mut rng, rows, n);
+    let gamma = random_vec::<f32>(&mut rng, n, 1.0, 0.5);
+    let beta = random_vec::<f32>(&mut rng, n, 0.0, 0.5);
+    let run = |d: &Device| {
+        let ln = LayerNorm::from_arrays(d, gamma.view(), beta.view(), 1e-5).unwrap();
+        ln.forward(&d.upload(x.view()).unwrap()).unwrap().0.to_array2().unwrap()
+    };
+    let (on_gpu, on_cpu) = (run(&gpu), run(&Device::cpu()));
+    let err = rel_err(on_gpu.view(), to_f64(on_cpu.view()).view());
+    assert!(err <= 1e-5, "GPU vs CPU path: {err:e}");
+}
