@@ -1,0 +1,132 @@
+//! What one measurement is: a pass (mode), a storage type (dtype) and an implementation
+//! (provider), with the byte count its GB/s are computed from and its check tolerance.
+
+use std::fmt;
+
+use clap::ValueEnum;
+use layernorm_cuda::BackwardMode;
+use serde::Serialize;
+
+/// The pass measured.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Fwd,
+    Bwd,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Fwd => "fwd",
+            Mode::Bwd => "bwd",
+        }
+    }
+
+    /// The providers measured in this pass, in table order.
+    pub fn providers(self) -> &'static [Provider] {
+        match self {
+            Mode::Fwd => &[Provider::Ours],
+            Mode::Bwd => &[Provider::OursDeterministic, Provider::OursLocked],
+        }
+    }
+
+    /// Bytes the pass must move, as the peers count them: forward reads x and writes y;
+    /// backward reads x and dy and writes dx (gamma, beta, dgamma, dbeta and the row
+    /// statistics are small beside these and not counted).
+    pub fn bytes(self, dtype: Dtype, rows: usize, n: usize) -> f64 {
+        let tensors = match self {
+            Mode::Fwd => 2.0,
+            Mode::Bwd => 3.0,
+        };
+        tensors * rows as f64 * n as f64 * dtype.bytes() as f64
+    }
+}
+
+impl fmt::Display for Mode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The storage type of x, y, gamma, beta and the gradients.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    F16,
+    Bf16,
+    F32,
+}
+
+impl Dtype {
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+            Dtype::F32 => "f32",
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::F16 | Dtype::Bf16 => 2,
+            Dtype::F32 => 4,
+        }
+    }
+
+    /// The largest accepted ||out - ref|| / ||ref|| against the float64 reference. Outputs
+    /// are rounded to the storage type, which alone costs up to one unit roundoff per
+    /// element (f16 2^-11, bf16 2^-8): four of them leave room for f32 arithmetic, yet a
+    /// wrong kernel (a missed element, a wrong statistic) lands orders of magnitude above.
+    /// f32's own roundoff (2^-24) is far below what f32 sums over 65536-element rows and
+    /// 4096-row columns can promise, so f32 gets 1e-4.
+    pub fn tolerance(self) -> f64 {
+        let unit_roundoff = match self {
+            Dtype::F16 => 2f64.powi(-11),
+            Dtype::Bf16 => 2f64.powi(-8),
+            Dtype::F32 => 2f64.powi(-24),
+        };
+        (4.0 * unit_roundoff).max(1e-4)
+    }
+}
+
+impl fmt::Display for Dtype {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// An implementation measured: this crate's forward, or its backward in one of its modes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Provider {
+    #[serde(rename = "ours")]
+    Ours,
+    #[serde(rename = "ours-deterministic")]
+    OursDeterministic,
+    #[serde(rename = "ours-locked")]
+    OursLocked,
+}
+
+impl Provider {
+    pub fn name(self) -> &'static str {
+        match self {
+            Provider::Ours => "ours",
+            Provider::OursDeterministic => "ours-deterministic",
+            Provider::OursLocked => "ours-locked",
+        }
+    }
+
+    /// The backward mode this provider runs (the forward has none: `Ours` gets the default).
+    pub fn backward_mode(self) -> BackwardMode {
+        match self {
+            Provider::Ours | Provider::OursDeterministic => BackwardMode::Deterministic,
+            Provider::OursLocked => BackwardMode::Locked { groups: None },
+        }
+    }
+}
+
+impl fmt::Display for Provider {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
