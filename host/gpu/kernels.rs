@@ -6,7 +6,8 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 
 use super::Gpu;
@@ -16,79 +17,98 @@ use crate::error::{DriverContext, Result};
 /// The kernels, built from `kernels-gpu/` by build.rs.
 pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels.ptx"));
 
-/// Dynamic shared memory every kernel is launched with: the block reductions' 32 slots of
-/// 16 bytes (kernels-gpu/src/team.rs).
-const SCRATCH_BYTES: u32 = 32 * 16;
+/// Dynamic shared memory every kernel needs at least: the block reductions' 32 slots of
+/// 16 bytes (`SCRATCH_BYTES` in kernels-gpu/src/team.rs).
+pub(crate) const SCRATCH_BYTES: u32 = 32 * 16;
 
-/// Which threads share a row: one warp (short rows), or a block of `threads`.
+/// Which threads share a row: one warp (short rows), or a whole block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Team {
     Warp,
-    Block { threads: u32 },
+    Block,
 }
 
-/// A launch's team and how many teams run (each loops over rows `id, id + teams, ...`).
+/// One launch's shape. Each team loops over rows `id, id + teams, ...`.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Grid {
-    pub(crate) team: Team,
-    pub(crate) teams: u32,
+pub(crate) struct Launch {
+    pub(crate) blocks: u32,
+    pub(crate) threads: u32,
+    pub(crate) smem: u32,
 }
 
-impl Grid {
-    /// Warps per block for warp teams: 8 warps = 256 threads, 8 rows in flight per block.
-    const WARPS_PER_BLOCK: u32 = 8;
-
+impl Launch {
     fn config(self) -> LaunchConfig {
-        let (blocks, threads) = match self.team {
-            Team::Warp => (
-                self.teams.div_ceil(Self::WARPS_PER_BLOCK),
-                32 * Self::WARPS_PER_BLOCK,
-            ),
-            Team::Block { threads } => (self.teams, threads),
-        };
         LaunchConfig {
-            grid_dim: (blocks, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: SCRATCH_BYTES,
+            grid_dim: (self.blocks, 1, 1),
+            block_dim: (self.threads, 1, 1),
+            shared_mem_bytes: self.smem,
         }
     }
+}
 
-    /// Teams actually launched (warp teams come in whole blocks).
-    pub(crate) fn launched_teams(self) -> u32 {
-        match self.team {
-            Team::Warp => self.teams.div_ceil(Self::WARPS_PER_BLOCK) * Self::WARPS_PER_BLOCK,
-            Team::Block { .. } => self.teams,
-        }
+/// A kernel and what the driver's JIT made of it.
+pub(crate) struct Kernel {
+    func: CudaFunction,
+    /// The most threads a block may have (fewer than 1024 where it needs many registers).
+    pub(crate) max_threads: u32,
+}
+
+impl Kernel {
+    fn load(module: &Arc<CudaModule>, name: &str, max_smem: u32) -> Result<Kernel> {
+        let func = module.load_function(name).during("looking up a kernel")?;
+        // Blocks may take more than the default 48 KB of shared memory (owned-mode partials).
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            max_smem as i32,
+        )
+        .during("raising a kernel's shared memory limit")?;
+        let max_threads = func
+            .max_threads_per_block()
+            .during("reading a kernel's thread limit")? as u32;
+        Ok(Kernel {
+            func,
+            max_threads: max_threads / 32 * 32,
+        })
+    }
+
+    /// Blocks of `threads` threads and `smem` bytes one multiprocessor runs at once (>= 1).
+    pub(crate) fn blocks_per_sm(&self, threads: u32, smem: u32) -> Result<u32> {
+        let n = self
+            .func
+            .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+            .during("querying occupancy")?;
+        Ok(n.max(1))
     }
 }
 
 /// One storage type's kernels.
 pub(crate) struct TypeKernels {
-    fwd_warp: CudaFunction,
-    fwd_block: CudaFunction,
-    bwd_owned_warp: CudaFunction,
-    bwd_owned_block: CudaFunction,
-    bwd_locked_warp: CudaFunction,
-    bwd_locked_block: CudaFunction,
-    bwd_reduce: CudaFunction,
+    pub(crate) fwd_warp: Kernel,
+    pub(crate) fwd_block: Kernel,
+    pub(crate) bwd_owned_warp: Kernel,
+    pub(crate) bwd_owned_block: Kernel,
+    pub(crate) bwd_locked_warp: Kernel,
+    pub(crate) bwd_locked_block: Kernel,
+    bwd_reduce: Kernel,
 }
 
 /// All kernels of the module, by storage type.
 pub(crate) struct KernelTable {
     by_type: [TypeKernels; 3],
+    /// Dynamic shared memory a block may have on this device (the opt-in maximum).
+    pub(crate) max_smem: u32,
 }
 
 impl KernelTable {
-    /// JIT-compiles the PTX for this device (once per `Gpu`) and looks up every kernel.
+    /// JIT-compiles the PTX for this device (once per device) and looks up every kernel.
     pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<KernelTable> {
+        let max_smem = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .during("reading the shared memory limit")? as u32;
         let module = ctx
             .load_module(Ptx::from_src(PTX))
             .during("loading the PTX module")?;
-        let load = |kind: &str, ty: &str| {
-            module
-                .load_function(&format!("layer_norm_{kind}_{ty}"))
-                .during("looking up a kernel")
-        };
+        let load = |kind: &str, ty: &str| Kernel::load(&module, &format!("layer_norm_{kind}_{ty}"), max_smem);
         let of = |ty: &str| -> Result<TypeKernels> {
             Ok(TypeKernels {
                 fwd_warp: load("fwd_warp", ty)?,
@@ -102,10 +122,11 @@ impl KernelTable {
         };
         Ok(KernelTable {
             by_type: [of(f32::NAME)?, of(half::f16::NAME)?, of(half::bf16::NAME)?],
+            max_smem,
         })
     }
 
-    fn of<T: Element>(&self) -> &TypeKernels {
+    pub(crate) fn of<T: Element>(&self) -> &TypeKernels {
         &self.by_type[T::INDEX]
     }
 }
@@ -130,18 +151,19 @@ pub(crate) struct Forward<'a, T> {
     pub(crate) eps: f32,
 }
 
-pub(crate) fn forward<T: Element>(gpu: &Gpu, grid: Grid, a: Forward<'_, T>) -> Result<()> {
+pub(crate) fn forward<T: Element>(gpu: &Gpu, team: Team, launch: Launch, a: Forward<'_, T>) -> Result<()> {
     let (rows, n) = (a.rows as usize, a.n as usize);
     require(a.x.len() >= rows * n && a.y.len() >= rows * n, "x/y");
     require(a.gamma.len() >= n && a.beta.len() >= n, "gamma/beta");
     require(a.mean.len() >= rows && a.rstd.len() >= rows, "mean/rstd");
+    require(launch.smem >= SCRATCH_BYTES, "scratch");
     let k = gpu.kernels.of::<T>();
-    let f = if grid.team == Team::Warp {
+    let f = if team == Team::Warp {
         &k.fwd_warp
     } else {
         &k.fwd_block
     };
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.stream.launch_builder(&f.func);
     b.arg(a.x)
         .arg(a.gamma)
         .arg(a.beta)
@@ -151,7 +173,7 @@ pub(crate) fn forward<T: Element>(gpu: &Gpu, grid: Grid, a: Forward<'_, T>) -> R
     b.arg(&a.rows).arg(&a.n).arg(&a.eps);
     // SAFETY: the argument list matches `forward_kernels!` in kernels-gpu/src/forward.rs,
     // and every buffer holds what the kernel indexes (checked above).
-    unsafe { b.launch(grid.config()) }.during("launching the forward kernel")?;
+    unsafe { b.launch(launch.config()) }.during("launching the forward kernel")?;
     Ok(())
 }
 
@@ -176,44 +198,67 @@ impl<T> Backward<'_, T> {
     }
 }
 
-/// Stage 1, owned mode: partial rows `[grid.launched_teams(), n]`.
+/// Stage 1, owned mode: partial rows `[launch.blocks, n]`. With `local`, each team of a
+/// block sums in its own `8 n` bytes of shared memory after the scratch (warp teams must).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_owned<T: Element>(
     gpu: &Gpu,
-    grid: Grid,
+    team: Team,
+    launch: Launch,
     a: Backward<'_, T>,
     part_dgamma: &mut CudaSlice<f32>,
     part_dbeta: &mut CudaSlice<f32>,
+    local: bool,
 ) -> Result<()> {
     a.check();
-    let parts = grid.launched_teams() as usize * a.n as usize;
+    let parts = launch.blocks as usize * a.n as usize;
     require(
         part_dgamma.len() >= parts && part_dbeta.len() >= parts,
         "owned partials",
     );
+    let teams_per_block = if team == Team::Warp {
+        launch.threads / 32
+    } else {
+        1
+    };
+    let local_bytes = SCRATCH_BYTES as usize + teams_per_block as usize * 8 * a.n as usize;
+    require(
+        launch.smem >= SCRATCH_BYTES && (!local || launch.smem as usize >= local_bytes),
+        "owned smem",
+    );
+    require(local || team == Team::Block, "warp teams sum in shared memory");
     let k = gpu.kernels.of::<T>();
-    let f = if grid.team == Team::Warp {
+    let f = if team == Team::Warp {
         &k.bwd_owned_warp
     } else {
         &k.bwd_owned_block
     };
-    let mut b = gpu.stream.launch_builder(f);
+    let local = local as u32;
+    let mut b = gpu.stream.launch_builder(&f.func);
     b.arg(a.x)
         .arg(a.dy)
         .arg(a.gamma)
         .arg(a.mean)
         .arg(a.rstd)
         .arg(a.dx);
-    b.arg(part_dgamma).arg(part_dbeta).arg(&a.rows).arg(&a.n);
+    b.arg(part_dgamma)
+        .arg(part_dbeta)
+        .arg(&a.rows)
+        .arg(&a.n)
+        .arg(&local);
     // SAFETY: the argument list matches `backward_kernels!(@owned ..)` in
-    // kernels-gpu/src/backward.rs, and every buffer holds what the kernel indexes.
-    unsafe { b.launch(grid.config()) }.during("launching backward stage 1 (owned)")?;
+    // kernels-gpu/src/backward.rs, and every buffer (shared memory included) holds what the
+    // kernel indexes (checked above).
+    unsafe { b.launch(launch.config()) }.during("launching backward stage 1 (owned)")?;
     Ok(())
 }
 
 /// Stage 1, locked mode: `groups` partial rows and `2 * groups` zeroed lock/count words.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_locked<T: Element>(
     gpu: &Gpu,
-    grid: Grid,
+    team: Team,
+    launch: Launch,
     a: Backward<'_, T>,
     group_dgamma: &mut CudaSlice<f32>,
     group_dbeta: &mut CudaSlice<f32>,
@@ -227,13 +272,14 @@ pub(crate) fn backward_locked<T: Element>(
         "groups",
     );
     require(words.len() >= 2 * groups as usize, "lock words");
+    require(launch.smem >= SCRATCH_BYTES, "scratch");
     let k = gpu.kernels.of::<T>();
-    let f = if grid.team == Team::Warp {
+    let f = if team == Team::Warp {
         &k.bwd_locked_warp
     } else {
         &k.bwd_locked_block
     };
-    let mut b = gpu.stream.launch_builder(f);
+    let mut b = gpu.stream.launch_builder(&f.func);
     b.arg(a.x)
         .arg(a.dy)
         .arg(a.gamma)
@@ -249,7 +295,7 @@ pub(crate) fn backward_locked<T: Element>(
     // SAFETY: the argument list matches `backward_kernels!(@locked ..)` in
     // kernels-gpu/src/backward.rs, every buffer holds what the kernel indexes, and the
     // caller zeroed the lock and count words (the kernel's only precondition on them).
-    unsafe { b.launch(grid.config()) }.during("launching backward stage 1 (locked)")?;
+    unsafe { b.launch(launch.config()) }.during("launching backward stage 1 (locked)")?;
     Ok(())
 }
 
@@ -278,7 +324,7 @@ pub(crate) fn backward_reduce<T: Element>(
         block_dim: (threads, 1, 1),
         shared_mem_bytes: SCRATCH_BYTES,
     };
-    let mut b = gpu.stream.launch_builder(&gpu.kernels.of::<T>().bwd_reduce);
+    let mut b = gpu.stream.launch_builder(&gpu.kernels.of::<T>().bwd_reduce.func);
     b.arg(part_dgamma)
         .arg(part_dbeta)
         .arg(&rows)

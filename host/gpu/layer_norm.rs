@@ -4,7 +4,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::Gpu;
-use super::kernels::{self, Backward, Forward, Grid, Team};
+use super::kernels::{self, Backward, Forward, Kernel, Launch, SCRATCH_BYTES, Team};
 use crate::element::Element;
 use crate::error::{DriverContext, Result};
 use crate::layer_norm::BackwardMode;
@@ -13,33 +13,44 @@ use crate::layer_norm::BackwardMode;
 /// 1024-element row in 4 (f16) or 8 (f32) packs each, while a block would idle most threads.
 const WARP_ROW_MAX: u32 = 1024;
 
-/// Threads a multiprocessor runs at once (Ampere and Hopper).
-const THREADS_PER_SM: u32 = 2048;
+/// Warps per block for warp teams: 8 rows in flight per block.
+const WARPS_PER_BLOCK: u32 = 8;
 
-/// The team for rows of `n` elements of `T`: a warp for short rows; else a block sized so
-/// that each thread handles about four 16-byte packs, between 128 and 1024 threads.
-fn team_for<T: Element>(n: u32) -> Team {
+/// The team for rows of `n` elements.
+fn team_for(n: u32) -> Team {
     if n <= WARP_ROW_MAX {
-        return Team::Warp;
+        Team::Warp
+    } else {
+        Team::Block
     }
-    let pack = (16 / size_of::<T>()) as u32;
-    let threads = n.div_ceil(pack * 4).next_multiple_of(32).clamp(128, 1024);
-    Team::Block { threads }
 }
 
-/// A grid of at most as many teams as the device runs at once (`per_sm_cap` limits that
-/// further), and no more than there are rows: each team loops over its rows.
-fn resident_grid<T: Element>(gpu: &Gpu, rows: u32, n: u32, per_sm_cap: Option<u32>) -> Grid {
-    let team = team_for::<T>(n);
-    let per_sm = match team {
-        Team::Warp => THREADS_PER_SM / 32,
-        Team::Block { threads } => THREADS_PER_SM / threads,
-    };
-    let per_sm = per_sm_cap.map_or(per_sm, |cap| per_sm.min(cap));
-    Grid {
-        team,
-        teams: (gpu.sm_count * per_sm).min(rows).max(1),
-    }
+/// Threads of a block team: about `packs_per_thread` 16-byte packs each, at least two warps,
+/// at most what the kernel allows (its registers decide).
+fn block_threads<T: Element>(kernel: &Kernel, n: u32, packs_per_thread: u32) -> u32 {
+    let packs = n.div_ceil((16 / size_of::<T>()) as u32);
+    packs
+        .div_ceil(packs_per_thread)
+        .next_multiple_of(32)
+        .clamp(64, kernel.max_threads)
+}
+
+/// A persistent grid: as many blocks as the device runs at once, and no more than the rows
+/// need; teams loop over the rows.
+fn resident(gpu: &Gpu, kernel: &Kernel, rows: u32, team: Team, threads: u32, smem: u32) -> Result<Launch> {
+    let per_block = if team == Team::Warp { threads / 32 } else { 1 };
+    let per_sm = kernel.blocks_per_sm(threads, smem)?;
+    let blocks = (gpu.sm_count * per_sm).min(rows.div_ceil(per_block)).max(1);
+    Ok(Launch {
+        blocks,
+        threads,
+        smem,
+    })
+}
+
+/// A warp team's block: 8 warps, or fewer where the kernel's registers allow fewer.
+fn warp_threads(kernel: &Kernel) -> u32 {
+    (WARPS_PER_BLOCK * 32).min(kernel.max_threads)
 }
 
 pub(crate) struct ForwardBuffers<'a, T> {
@@ -59,7 +70,15 @@ pub(crate) fn forward<T: Element>(
     n: u32,
     eps: f32,
 ) -> Result<()> {
-    let grid = resident_grid::<T>(gpu, rows, n, None);
+    let k = gpu.kernels.of::<T>();
+    let team = team_for(n);
+    let (kernel, threads) = match team {
+        Team::Warp => (&k.fwd_warp, warp_threads(&k.fwd_warp)),
+        // Four packs per thread, up to eight where the block is capped: rows to 8 packs per
+        // thread stay in registers (kernels-gpu/src/row.rs).
+        Team::Block => (&k.fwd_block, block_threads::<T>(&k.fwd_block, n, 4)),
+    };
+    let launch = resident(gpu, kernel, rows, team, threads, SCRATCH_BYTES)?;
     let a = Forward {
         x: b.x,
         gamma: b.gamma,
@@ -71,7 +90,7 @@ pub(crate) fn forward<T: Element>(
         n,
         eps,
     };
-    kernels::forward(gpu, grid, a)
+    kernels::forward(gpu, team, launch, a)
 }
 
 pub(crate) struct BackwardBuffers<'a, T> {
@@ -114,32 +133,43 @@ pub(crate) fn backward<T: Element>(
         rows,
         n,
     };
+    let k = gpu.kernels.of::<T>();
+    let team = team_for(n);
     let (parts_dgamma, parts_dbeta, part_rows) = match mode {
         BackwardMode::Deterministic => {
-            // Every team owns a partial row: fewer warp teams keep the partials small.
-            let grid = resident_grid::<T>(gpu, rows, n, Some(16));
-            let part_rows = grid.launched_teams();
-            let len = part_rows as usize * n as usize;
-            // The owned-mode kernel writes every element of every partial row (a team
-            // without rows writes zeros).
-            let (mut pg, mut pb) = alloc_partials(gpu, len)?;
-            kernels::backward_owned(gpu, grid, stage1, &mut pg, &mut pb)?;
-            (pg, pb, part_rows)
+            let (kernel, threads) = match team {
+                Team::Warp => (&k.bwd_owned_warp, warp_threads(&k.bwd_owned_warp)),
+                Team::Block => (&k.bwd_owned_block, block_threads::<T>(&k.bwd_owned_block, n, 2)),
+            };
+            // Each team sums its rows' partials in its own 8n bytes of shared memory when
+            // they fit; warp teams always fit (8 warps * 8 KB at n = 1024).
+            let per_block = if team == Team::Warp { threads / 32 } else { 1 };
+            let local_smem = SCRATCH_BYTES as usize + per_block as usize * 8 * n as usize;
+            let local = local_smem <= gpu.kernels.max_smem as usize;
+            let smem = if local { local_smem as u32 } else { SCRATCH_BYTES };
+            let launch = resident(gpu, kernel, rows, team, threads, smem)?;
+            // The owned-mode kernel writes every element of every block's partial row.
+            let (mut pg, mut pb) = alloc_partials(gpu, launch.blocks as usize * n as usize)?;
+            kernels::backward_owned(gpu, team, launch, stage1, &mut pg, &mut pb, local)?;
+            (pg, pb, launch.blocks)
         }
         BackwardMode::Locked { groups } => {
             // Groups beyond `rows` would get no row (row i goes to group i mod G = i), so
             // clamping changes nothing but leaves no group unwritten.
             let groups = groups.unwrap_or_else(|| default_groups(n as usize)).min(rows);
-            let len = groups as usize * n as usize;
             // Every group row is written by its first holder (count word 0) before it is
             // added to, and all `groups` groups get a row since groups <= rows.
-            let (mut pg, mut pb) = alloc_partials(gpu, len)?;
+            let (mut pg, mut pb) = alloc_partials(gpu, groups as usize * n as usize)?;
             let mut words = gpu
                 .stream
                 .alloc_zeros::<u32>(2 * groups as usize)
                 .during("allocating locks")?;
-            let grid = resident_grid::<T>(gpu, rows, n, None);
-            kernels::backward_locked(gpu, grid, stage1, &mut pg, &mut pb, &mut words, groups)?;
+            let (kernel, threads) = match team {
+                Team::Warp => (&k.bwd_locked_warp, warp_threads(&k.bwd_locked_warp)),
+                Team::Block => (&k.bwd_locked_block, block_threads::<T>(&k.bwd_locked_block, n, 2)),
+            };
+            let launch = resident(gpu, kernel, rows, team, threads, SCRATCH_BYTES)?;
+            kernels::backward_locked(gpu, team, launch, stage1, &mut pg, &mut pb, &mut words, groups)?;
             (pg, pb, groups)
         }
     };

@@ -22,12 +22,17 @@
 //! Versions (docs/PERF.md has the measurements):
 //!   v1  three passes over the row: sums, dx (+ partials when owned), and in locked mode a
 //!       third pass under the lock, so that the lock is held only while adding partials.
+//!   v2  rows of up to 4 packs per rank keep x and dy in registers across the passes (one
+//!       read from memory); in owned mode each team adds its partials into its own row of
+//!       shared memory, and the block writes one combined row at the end, so partial sums
+//!       stop costing a read-modify-write through L2 per row.
 
 use core::sync::atomic::{AtomicU32, Ordering, fence};
 
-use crate::device::load_f32_l2;
-use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, read, read_cached, write};
-use crate::team::{Block, Team, Warp, for_each_chunk};
+use crate::device::{self, load_f32_l2, shared_ptr};
+use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, read_cached, write};
+use crate::row::{BWD_HELD, Held, fits, for_each_chunk, values};
+use crate::team::{Block, SCRATCH_BYTES, Team, Warp};
 
 /// The inputs of one backward launch, as the host passes them.
 #[derive(Clone, Copy)]
@@ -42,35 +47,57 @@ struct Rows<T> {
     n: u32,
 }
 
-/// One row of the partial buffers.
+/// One row of partial sums: a group row in global memory (locked mode), a block's row in
+/// global memory, or a team's row in shared memory (owned mode).
 #[derive(Clone, Copy)]
 struct PartialRow {
     dgamma: *mut f32,
     dbeta: *mut f32,
     /// Add to what is there (false: overwrite, for the row's first contribution).
     accumulate: bool,
+    /// Read through L2 (`ld.global.cg`): a locked group row was last written by another
+    /// multiprocessor, whose writes are not in this one's L1.
+    through_l2: bool,
 }
 
 impl PartialRow {
+    /// Row `r` of `[_, n]` buffers in global memory, read through L2.
+    ///
     /// # Safety
-    /// `r` < the buffers' row count; both buffers hold `[_, n]` f32.
+    /// `r` < the buffers' row count.
     #[inline(always)]
-    unsafe fn at(dgamma: *mut f32, dbeta: *mut f32, r: u32, n: u32, accumulate: bool) -> Self {
+    unsafe fn global(dgamma: *mut f32, dbeta: *mut f32, r: u32, n: u32, accumulate: bool) -> Self {
         let offset = r as usize * n as usize;
         // SAFETY: the caller guarantees the row is inside both buffers.
-        unsafe {
-            PartialRow {
-                dgamma: dgamma.add(offset),
-                dbeta: dbeta.add(offset),
-                accumulate,
-            }
+        let (dgamma, dbeta) = unsafe { (dgamma.add(offset), dbeta.add(offset)) };
+        PartialRow {
+            dgamma,
+            dbeta,
+            accumulate,
+            through_l2: true,
+        }
+    }
+
+    /// Team `t`'s row in shared memory: `[dgamma; n]` then `[dbeta; n]` f32 for each team of
+    /// the block, after the reduction scratch. Always accumulates (zeroed first).
+    ///
+    /// # Safety
+    /// The launch gave the block `SCRATCH_BYTES + teams * 8 * n` bytes of shared memory.
+    #[inline(always)]
+    unsafe fn shared(t: u32, n: u32) -> Self {
+        let base = SCRATCH_BYTES as usize + t as usize * 8 * n as usize;
+        let dgamma = shared_ptr::<f32>(base as u32);
+        // SAFETY: the caller guarantees the shared memory holds this team's 8n bytes.
+        let dbeta = unsafe { dgamma.add(n as usize) };
+        PartialRow {
+            dgamma,
+            dbeta,
+            accumulate: true,
+            through_l2: false,
         }
     }
 
     /// Adds the chunk `[start, start + len)`'s dgamma and dbeta terms.
-    ///
-    /// Reads go through L2 (`ld.global.cg`): in locked mode another multiprocessor wrote
-    /// these words last, and its writes are not in this one's L1.
     ///
     /// # Safety
     /// The chunk is inside the row, and no other thread writes it concurrently.
@@ -81,53 +108,38 @@ impl PartialRow {
             // SAFETY: the caller guarantees bounds and exclusive access.
             unsafe {
                 let (g, b) = (self.dgamma.add(j), self.dbeta.add(j));
-                if self.accumulate {
-                    g.write(load_f32_l2(g) + dgamma[k]);
-                    b.write(load_f32_l2(b) + dbeta[k]);
-                } else {
-                    g.write(dgamma[k]);
-                    b.write(dbeta[k]);
-                }
+                let (old_g, old_b) = match (self.accumulate, self.through_l2) {
+                    (false, _) => (0.0, 0.0),
+                    (true, true) => (load_f32_l2(g), load_f32_l2(b)),
+                    (true, false) => (g.read(), b.read()),
+                };
+                g.write(old_g + dgamma[k]);
+                b.write(old_b + dbeta[k]);
             }
         }
     }
 }
 
-/// The terms of one chunk: (xhat, wdy, dy), from x, dy and gamma.
-///
-/// # Safety
-/// As for [`read`].
-#[inline(always)]
-unsafe fn terms<T: Element>(
-    r: &Rows<T>,
-    x: *const T,
-    dy: *const T,
-    mean: f32,
-    rstd: f32,
-    j: u32,
-    len: usize,
-) -> (Pack, Pack, Pack) {
-    // SAFETY: the caller guarantees bounds and alignment.
-    let (xv, dyv, g) = unsafe { (read(x, j, len), read(dy, j, len), read_cached(r.gamma, j, len)) };
-    let (mut xhat, mut wdy) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
-    for k in 0..len {
-        xhat[k] = (xv[k] - mean) * rstd;
-        wdy[k] = g[k] * dyv[k];
-    }
-    (xhat, wdy, dyv)
+/// Where a row's partial dgamma and dbeta go.
+#[derive(Clone, Copy)]
+enum Sink<'a> {
+    /// Added during the dx pass into a row this team alone writes.
+    Owned(PartialRow),
+    /// Added after the dx pass into the row's group, with the group's lock held.
+    Locked(&'a GroupLock),
 }
 
-/// dx for one row, and its partials: into `fused` during the dx pass (owned mode), or
-/// after it under `lock` (locked mode).
+/// dx for one row, and its partials into `sink`; `HELD` packs of x and dy per rank stay in
+/// registers across the passes.
 ///
 /// # Safety
-/// `row` < `r.rows`; with `PACKED` every row pointer and gamma are 16-byte aligned.
+/// `row` < `r.rows`; with `PACKED` every row pointer and gamma are 16-byte aligned; with
+/// `HELD` > 0 the row [`fits`].
 #[inline(always)]
-unsafe fn backward_row<T: Element, S: Team, const PACKED: bool>(
+unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usize>(
     r: &Rows<T>,
     row: u32,
-    fused: Option<PartialRow>,
-    lock: Option<&GroupLock>,
+    sink: Sink<'_>,
 ) {
     let offset = row as usize * r.n as usize;
     // SAFETY: row < rows, so these rows lie inside x, dy, dx, mean and rstd.
@@ -141,12 +153,36 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool>(
         )
     };
     let n = r.n;
+    let packs = if PACKED { n / T::PACK as u32 } else { 0 };
+    // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
+    let (xs, dys) = unsafe {
+        (
+            Held::<HELD>::load::<T, S>(x, packs),
+            Held::<HELD>::load::<T, S>(dy, packs),
+        )
+    };
+    // (xhat, gamma * dy, dy) of one chunk.
+    let terms = |j: u32, len: usize, slot: Option<usize>| -> (Pack, Pack, Pack) {
+        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
+        let (xv, dyv, g) = unsafe {
+            (
+                values(&xs, x, j, len, slot),
+                values(&dys, dy, j, len, slot),
+                read_cached(r.gamma, j, len),
+            )
+        };
+        let (mut xhat, mut wdy) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
+        for k in 0..len {
+            xhat[k] = (xv[k] - mean) * rstd;
+            wdy[k] = g[k] * dyv[k];
+        }
+        (xhat, wdy, dyv)
+    };
 
     // Pass 1: c1 and c2.
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
-    for_each_chunk::<T, S, PACKED>(n, |j, len| {
-        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-        let (xhat, wdy, _) = unsafe { terms(r, x, dy, mean, rstd, j, len) };
+    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+        let (xhat, wdy, _) = terms(j, len, slot);
         for k in 0..len {
             s1 += xhat[k] * wdy[k];
             s2 += wdy[k];
@@ -156,41 +192,62 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool>(
     let (c1, c2) = (s1 / n as f32, s2 / n as f32);
 
     // Pass 2: dx, and in owned mode the partials.
-    for_each_chunk::<T, S, PACKED>(n, |j, len| {
-        // SAFETY: as above.
-        let (xhat, wdy, dyv) = unsafe { terms(r, x, dy, mean, rstd, j, len) };
+    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+        let (xhat, wdy, dyv) = terms(j, len, slot);
         let mut out = [0.0; MAX_PACK];
         let mut dgamma = [0.0; MAX_PACK];
         for k in 0..len {
             out[k] = rstd * (wdy[k] - (xhat[k] * c1 + c2));
             dgamma[k] = dyv[k] * xhat[k];
         }
-        // SAFETY: as above; this team alone owns the partial row.
+        // SAFETY: as above; an owned partial row has this team as its only writer.
         unsafe {
             write(dx, j, len, &out);
-            if let Some(p) = fused {
+            if let Sink::Owned(p) = sink {
                 p.add(j, len, &dgamma, &dyv);
             }
         }
     });
 
     // Pass 3 (locked mode): the partials, with the group held.
-    if let Some(lock) = lock {
+    if let Sink::Locked(lock) = sink {
         // SAFETY: the group index is below G and its lock and count words exist.
         let part = unsafe { lock.acquire::<S>(row) };
-        for_each_chunk::<T, S, PACKED>(n, |j, len| {
-            // SAFETY: as above; the lock makes this team the group row's only writer.
-            unsafe {
-                let (xhat, _, dyv) = terms(r, x, dy, mean, rstd, j, len);
-                let mut dgamma = [0.0; MAX_PACK];
-                for k in 0..len {
-                    dgamma[k] = dyv[k] * xhat[k];
-                }
-                part.add(j, len, &dgamma, &dyv);
+        for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+            let (xhat, _, dyv) = terms(j, len, slot);
+            let mut dgamma = [0.0; MAX_PACK];
+            for k in 0..len {
+                dgamma[k] = dyv[k] * xhat[k];
             }
+            // SAFETY: as above; the lock makes this team the group row's only writer.
+            unsafe { part.add(j, len, &dgamma, &dyv) };
         });
         // SAFETY: this team holds the lock it releases.
         unsafe { lock.release::<S>(row) };
+    }
+}
+
+/// [`backward_row`] with the row's access pattern picked: packed and held in registers,
+/// packed and streamed, or element by element.
+///
+/// # Safety
+/// `row` < `r.rows`.
+#[inline(always)]
+unsafe fn backward_row_any<T: Element, S: Team>(r: &Rows<T>, row: u32, sink: Sink<'_>) {
+    let offset = row as usize * r.n as usize;
+    let packed = is_pack_aligned(r.x.wrapping_add(offset))
+        && is_pack_aligned(r.dy.wrapping_add(offset))
+        && is_pack_aligned(r.dx.wrapping_add(offset))
+        && is_pack_aligned(r.gamma);
+    // SAFETY: row < rows; `packed` was checked for every pointer the packed paths read.
+    unsafe {
+        if packed && fits::<T, S, BWD_HELD>(r.n) {
+            backward_row::<T, S, true, BWD_HELD>(r, row, sink)
+        } else if packed {
+            backward_row::<T, S, true, 0>(r, row, sink)
+        } else {
+            backward_row::<T, S, false, 0>(r, row, sink)
+        }
     }
 }
 
@@ -239,7 +296,7 @@ impl GroupLock {
         // The acquire was rank 0's; every rank orders its own reads after it.
         fence(Ordering::Acquire);
         // SAFETY: g < groups.
-        unsafe { PartialRow::at(self.dgamma, self.dbeta, g, self.n, written != 0) }
+        unsafe { PartialRow::global(self.dgamma, self.dbeta, g, self.n, written != 0) }
     }
 
     /// Publishes the team's writes to the group row, marks it written and unlocks it.
@@ -266,35 +323,96 @@ impl GroupLock {
     }
 }
 
-/// Stage 1, owned mode: team u handles rows u, u + U, ... into partial row u (U = teams).
+/// Stage 1, owned mode: team u handles rows u, u + U, ... (U = teams), and block b writes
+/// partial row b. With `local`, each team sums into its own shared-memory row, and the block
+/// adds its teams' rows (in team order) into row b at the end; without it (block teams whose
+/// rows do not fit in shared memory), the team adds straight into row b in global memory.
 ///
 /// # Safety
-/// `r`'s buffers sized as documented; `part_*` hold `[U, n]` f32.
+/// `r`'s buffers sized as documented; `part_*` hold `[gridDim, n]` f32; with `local`, the
+/// launch gave each block `SCRATCH_BYTES + teams_per_block * 8 * n` bytes of shared memory.
+/// Warp teams require `local`.
 #[inline(always)]
-unsafe fn stage1_owned<T: Element, S: Team>(r: Rows<T>, part_dgamma: *mut f32, part_dbeta: *mut f32) {
-    let unit = S::id();
-    if unit >= r.rows {
-        // More teams than rows: this partial row gets no contribution, so it holds zeros.
-        let zero = [0.0; MAX_PACK];
-        // SAFETY: unit < U, so the partial row exists.
-        let part = unsafe { PartialRow::at(part_dgamma, part_dbeta, unit, r.n, false) };
-        for_each_chunk::<T, S, false>(r.n, |j, len| unsafe { part.add(j, len, &zero, &zero) });
+unsafe fn stage1_owned<T: Element, S: Team>(
+    r: Rows<T>,
+    part_dgamma: *mut f32,
+    part_dbeta: *mut f32,
+    local: bool,
+) {
+    let block = device::block_idx();
+    if local {
+        // SAFETY: the launch sized shared memory for every team of the block.
+        let mine = unsafe { PartialRow::shared(S::index_in_block(), r.n) };
+        let mut j = S::rank();
+        while j < r.n {
+            // SAFETY: j < n, inside this team's row.
+            unsafe {
+                (
+                    mine.dgamma.add(j as usize).write(0.0),
+                    mine.dbeta.add(j as usize).write(0.0),
+                )
+            };
+            j += S::size();
+        }
+        S::sync();
+        let mut row = S::id();
+        while row < r.rows {
+            // SAFETY: row < rows; the shared row is this team's alone.
+            unsafe { backward_row_any::<T, S>(&r, row, Sink::Owned(mine)) };
+            // The next row may map a column to another rank (packed vs unpacked rows); the
+            // barrier orders this row's partial writes before the next row's reads.
+            S::sync();
+            row += S::count();
+        }
+        // Every team of the block is done: add their rows, in team order, into row b.
+        device::sync_block();
+        // SAFETY: block < gridDim, so row b exists.
+        let out = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, false) };
+        let mut j = device::thread_idx();
+        while j < r.n {
+            let (mut g, mut b) = (0.0f32, 0.0f32);
+            for t in 0..S::per_block() {
+                // SAFETY: team t's row exists (launch guarantee) and all teams wrote theirs
+                // before the barrier.
+                unsafe {
+                    let p = PartialRow::shared(t, r.n);
+                    g += p.dgamma.add(j as usize).read();
+                    b += p.dbeta.add(j as usize).read();
+                }
+            }
+            // SAFETY: j < n; this thread alone writes column j of row b.
+            unsafe {
+                out.add(
+                    j,
+                    1,
+                    &[g, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                    &[b, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                )
+            };
+            j += device::block_dim();
+        }
         return;
     }
-    let mut row = unit;
-    while row < r.rows {
-        // SAFETY: unit < U; the first row overwrites, later rows add.
-        let part = unsafe { PartialRow::at(part_dgamma, part_dbeta, unit, r.n, row != unit) };
-        // SAFETY: row < rows; `packed` was checked for every pointer the packed path reads.
-        unsafe {
-            if packed(&r, row) {
-                backward_row::<T, S, true>(&r, row, Some(part), None)
-            } else {
-                backward_row::<T, S, false>(&r, row, Some(part), None)
-            }
+    if block >= r.rows {
+        // More blocks than rows: this partial row gets no contribution, so it holds zeros.
+        let zero = [0.0; MAX_PACK];
+        // SAFETY: block < gridDim, so the partial row exists.
+        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, false) };
+        let mut j = S::rank();
+        while j < r.n {
+            // SAFETY: j < n.
+            unsafe { part.add(j, 1, &zero, &zero) };
+            j += S::size();
         }
-        // The next row may map a column to another rank of the team (aligned vs unaligned
-        // rows); the barrier orders this row's partial writes before the next row's reads.
+        return;
+    }
+    let mut row = block;
+    while row < r.rows {
+        // SAFETY: block < gridDim; the first row overwrites, later rows add. Only block
+        // teams come here (one team per block), so the row is this team's alone.
+        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, row != block) };
+        // SAFETY: row < rows.
+        unsafe { backward_row_any::<T, S>(&r, row, Sink::Owned(part)) };
         S::sync();
         row += S::count();
     }
@@ -308,26 +426,10 @@ unsafe fn stage1_owned<T: Element, S: Team>(r: Rows<T>, part_dgamma: *mut f32, p
 unsafe fn stage1_locked<T: Element, S: Team>(r: Rows<T>, lock: GroupLock) {
     let mut row = S::id();
     while row < r.rows {
-        // SAFETY: row < rows; `packed` was checked for every pointer the packed path reads.
-        unsafe {
-            if packed(&r, row) {
-                backward_row::<T, S, true>(&r, row, None, Some(&lock))
-            } else {
-                backward_row::<T, S, false>(&r, row, None, Some(&lock))
-            }
-        }
+        // SAFETY: row < rows.
+        unsafe { backward_row_any::<T, S>(&r, row, Sink::Locked(&lock)) };
         row += S::count();
     }
-}
-
-/// Whether row `row` can be read in 16-byte packs: x, dy, dx at that row, and gamma.
-#[inline(always)]
-fn packed<T: Element>(r: &Rows<T>, row: u32) -> bool {
-    let offset = row as usize * r.n as usize;
-    is_pack_aligned(r.x.wrapping_add(offset))
-        && is_pack_aligned(r.dy.wrapping_add(offset))
-        && is_pack_aligned(r.dx.wrapping_add(offset))
-        && is_pack_aligned(r.gamma)
 }
 
 /// Stage 2: column j of dgamma and dbeta is the sum of column j over the `rows` partial
@@ -393,7 +495,8 @@ macro_rules! backward_kernels {
     };
     (@owned $t:ty, $name:ident, $team:ty) => {
         /// Stage 1, owned (deterministic) mode: args (x, dy, gamma, mean, rstd, dx,
-        /// part_dgamma, part_dbeta, rows, n); the partial buffers hold one row per team.
+        /// part_dgamma, part_dbeta, rows, n, local); the partial buffers hold one row per
+        /// block; `local` != 0 sums in shared memory first (required for warp teams).
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes.
@@ -409,10 +512,11 @@ macro_rules! backward_kernels {
             part_dbeta: *mut f32,
             rows: u32,
             n: u32,
+            local: u32,
         ) {
             let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n };
             // SAFETY: the host sizes every buffer as `stage1_owned` requires.
-            unsafe { stage1_owned::<$t, $team>(r, part_dgamma, part_dbeta) }
+            unsafe { stage1_owned::<$t, $team>(r, part_dgamma, part_dbeta, local != 0) }
         }
     };
     (@locked $t:ty, $name:ident, $team:ty) => {

@@ -11,10 +11,13 @@
 //!   v1  one pass for the statistics (per-pack exact stats, Chan merges across packs, lanes
 //!       and warps), a second pass that re-reads x (from L2 for rows that fit there) to
 //!       normalize; 16-byte packs when every pointer of the row allows, else element-wise.
+//!   v2  rows of up to 8 packs per rank are held in registers between the passes: x is read
+//!       from memory once, all 8 loads in flight together; longer rows stream as in v1.
 
 use crate::device::sqrt_rn;
-use crate::element::{Element, is_pack_aligned, read, read_cached, write};
-use crate::team::{Block, Stats, Team, Warp, for_each_chunk};
+use crate::element::{Element, is_pack_aligned, read_cached, write};
+use crate::row::{FWD_HELD, Held, fits, for_each_chunk, values};
+use crate::team::{Block, Stats, Team, Warp};
 
 /// Normalizes rows `S::id(), S::id() + S::count(), ...`, one team per row.
 ///
@@ -43,10 +46,12 @@ unsafe fn forward_rows<T: Element, S: Team>(
             && is_pack_aligned(beta);
         // SAFETY: as above; `packed` was checked for every pointer the packed path reads.
         let (m, r) = unsafe {
-            if packed {
-                forward_row::<T, S, true>(x_row, gamma, beta, y_row, n, eps)
+            if packed && fits::<T, S, FWD_HELD>(n) {
+                forward_row::<T, S, true, FWD_HELD>(x_row, gamma, beta, y_row, n, eps)
+            } else if packed {
+                forward_row::<T, S, true, 0>(x_row, gamma, beta, y_row, n, eps)
             } else {
-                forward_row::<T, S, false>(x_row, gamma, beta, y_row, n, eps)
+                forward_row::<T, S, false, 0>(x_row, gamma, beta, y_row, n, eps)
             }
         };
         if S::rank() == 0 {
@@ -60,12 +65,13 @@ unsafe fn forward_rows<T: Element, S: Team>(
     }
 }
 
-/// One row; returns its (mean, rstd).
+/// One row, holding `HELD` packs per rank in registers; returns its (mean, rstd).
 ///
 /// # Safety
-/// As for [`forward_rows`], for one row; with `PACKED`, all four pointers 16-byte aligned.
+/// As for [`forward_rows`], for one row; with `PACKED`, all four pointers 16-byte aligned;
+/// with `HELD` > 0, the row [`fits`].
 #[inline(always)]
-unsafe fn forward_row<T: Element, S: Team, const PACKED: bool>(
+unsafe fn forward_row<T: Element, S: Team, const PACKED: bool, const HELD: usize>(
     x: *const T,
     gamma: *const T,
     beta: *const T,
@@ -73,25 +79,28 @@ unsafe fn forward_row<T: Element, S: Team, const PACKED: bool>(
     n: u32,
     eps: f32,
 ) -> (f32, f32) {
+    // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
+    let held = unsafe { Held::<HELD>::load::<T, S>(x, if PACKED { n / T::PACK as u32 } else { 0 }) };
+
     // Pass 1: statistics. Each pack's own (mean, M2) is exact in registers; merging packs
     // keeps every subtraction between numbers of the row's own scale.
     let mut stats = Stats::EMPTY;
-    for_each_chunk::<T, S, PACKED>(n, |j, len| {
+    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-        let v = unsafe { read(x, j, len) };
+        let v = unsafe { values(&held, x, j, len, slot) };
         stats = stats.merge(Stats::of(&v[..len]));
     });
     let stats = S::reduce_stats(stats);
     let mean = stats.mean;
     let rstd = 1.0 / sqrt_rn(stats.m2 / n as f32 + eps);
 
-    // Pass 2: y = (x - mean) * rstd * gamma + beta. Re-reading x costs L2, not DRAM,
-    // bandwidth while the rows in flight fit in L2.
-    for_each_chunk::<T, S, PACKED>(n, |j, len| {
+    // Pass 2: y = (x - mean) * rstd * gamma + beta, x from registers where held. A
+    // streamed row is read again: from L2, not DRAM, while the rows in flight fit there.
+    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         // SAFETY: as above.
         let (xv, g, b) = unsafe {
             (
-                read(x, j, len),
+                values(&held, x, j, len, slot),
                 read_cached(gamma, j, len),
                 read_cached(beta, j, len),
             )

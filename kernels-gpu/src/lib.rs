@@ -5,6 +5,7 @@
 //! - `device`: the GPU primitives `core` lacks (indices, barriers, shuffles, conversions).
 //! - `element`: f32 / f16 / bf16 storage, read and written in 16-byte packs.
 //! - `team`: a warp or a block sharing one row, and its reductions.
+//! - `row`: how a team walks a row, and the packs it holds in registers.
 //! - `forward`: y, mean and rstd.
 //! - `backward`: dx and the partial dgamma/dbeta (stage 1), and their reduction (stage 2).
 #![no_std]
@@ -14,6 +15,7 @@ mod backward;
 mod device;
 mod element;
 mod forward;
+mod row;
 mod team;
 
 /// Any panic (an out-of-range slice index, say) stops the kernel: the host sees the launch fail.

@@ -6,10 +6,10 @@
 //! exactly), mean/variance use one fixed merge tree whose root is then broadcast.
 
 use crate::device::{self, shared_ptr, shfl_down, shfl_idx, shfl_xor};
-use crate::element::Element;
 
-// Block reductions use the first 512 bytes of dynamic shared memory: one 16-byte slot per
-// warp of a 1024-thread block. The host launches every kernel with that much.
+/// Block reductions use the first 512 bytes of dynamic shared memory: one 16-byte slot per
+/// warp of a 1024-thread block. The host launches every kernel with at least that much.
+pub const SCRATCH_BYTES: u32 = 32 * 16;
 
 /// Count, mean and sum of squared deviations (M2) of a set of values.
 ///
@@ -120,6 +120,10 @@ pub trait Team {
     fn id() -> u32;
     /// Teams in the grid.
     fn count() -> u32;
+    /// Index of this team within its block.
+    fn index_in_block() -> u32;
+    /// Teams per block.
+    fn per_block() -> u32;
     /// Barrier over the team; memory written before it is visible to the team after it.
     fn sync();
     /// `Stats` merged over the team, the same in every rank.
@@ -149,6 +153,14 @@ impl Team for Warp {
     #[inline(always)]
     fn count() -> u32 {
         device::grid_dim() * (device::block_dim() / 32)
+    }
+    #[inline(always)]
+    fn index_in_block() -> u32 {
+        device::thread_idx() / 32
+    }
+    #[inline(always)]
+    fn per_block() -> u32 {
+        device::block_dim() / 32
     }
     #[inline(always)]
     fn sync() {
@@ -214,6 +226,14 @@ impl Team for Block {
         device::grid_dim()
     }
     #[inline(always)]
+    fn index_in_block() -> u32 {
+        0
+    }
+    #[inline(always)]
+    fn per_block() -> u32 {
+        1
+    }
+    #[inline(always)]
     fn sync() {
         device::sync_block()
     }
@@ -239,27 +259,5 @@ impl Team for Block {
         let slot = Self::exchange([f32::from_bits(v), 0.0, 0.0], [0.0; 3]);
         // Every lane read slot 0's value into lane 0 of its warp; hand it to the others.
         shfl_idx(slot[0], 0).to_bits()
-    }
-}
-
-/// Calls `f(start, len)` for each piece of an `n`-element row that this rank handles.
-///
-/// With `PACKED` (every pointer of the row 16-byte aligned), rank r takes the packs
-/// r, r + size, ... (len = `T::PACK`), so a warp's loads cover contiguous 512-byte spans;
-/// the `n % PACK` elements after the last whole pack follow one by one (len = 1). Without
-/// it, every element goes one by one.
-#[inline(always)]
-pub fn for_each_chunk<T: Element, S: Team, const PACKED: bool>(n: u32, mut f: impl FnMut(u32, usize)) {
-    let width = if PACKED { T::PACK as u32 } else { 1 };
-    let packs = n / width;
-    let mut p = S::rank();
-    while p < packs {
-        f(p * width, width as usize);
-        p += S::size();
-    }
-    let mut j = packs * width + S::rank();
-    while j < n {
-        f(j, 1);
-        j += S::size();
     }
 }

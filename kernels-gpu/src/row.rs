@@ -1,0 +1,118 @@
+//! How a team walks one row: which chunks each rank takes, and which of them it holds in
+//! registers so that a second pass over the row costs no memory traffic at all.
+
+use crate::device;
+use crate::element::{Element, Pack, read};
+use crate::team::Team;
+
+/// The most packs per rank a [`Held`] may hold (`for_each_chunk` is written out for 8).
+pub const MAX_HELD: usize = 8;
+/// Packs per rank the forward holds in registers (x): 8 packs = 32 registers of raw words.
+pub const FWD_HELD: usize = 8;
+/// Packs per rank the backward holds (x and dy each): 2 * 4 packs = 32 registers.
+pub const BWD_HELD: usize = 4;
+
+/// Up to `K` packs of a row in registers, as raw 16-byte words: pack `rank + c * size` in
+/// slot c. Raw words take half the registers of widened f16/bf16 values; widening again on
+/// each pass is one `cvt` per element.
+pub struct Held<const K: usize> {
+    words: [[u32; 4]; K],
+}
+
+impl<const K: usize> Held<K> {
+    /// Loads this rank's packs among the row's first `packs`. All K loads are issued before
+    /// any value is used: K independent 16-byte loads in flight per thread hide DRAM latency.
+    ///
+    /// # Safety
+    /// `row` is 16-byte aligned and holds `packs` whole packs.
+    #[inline(always)]
+    pub unsafe fn load<T: Element, S: Team>(row: *const T, packs: u32) -> Self {
+        let mut words = [[0u32; 4]; K];
+        for (c, w) in words.iter_mut().enumerate() {
+            let p = S::rank() + c as u32 * S::size();
+            if p < packs {
+                // SAFETY: p < packs, and the caller guarantees alignment and bounds.
+                *w = unsafe { device::load_16(row.add(p as usize * T::PACK) as *const u32) };
+            }
+        }
+        Held { words }
+    }
+
+    /// The values of slot `c`, widened anew at each call (see [`device::opaque`]).
+    #[inline(always)]
+    pub fn pack<T: Element>(&self, c: usize) -> Pack {
+        T::unpack(self.words[c].map(device::opaque))
+    }
+}
+
+/// The values of chunk (`start`, `len`): from slot `c` of `held`, or read from `row`.
+///
+/// # Safety
+/// As for [`read`] when the chunk is not held.
+#[inline(always)]
+pub unsafe fn values<T: Element, const K: usize>(
+    held: &Held<K>,
+    row: *const T,
+    start: u32,
+    len: usize,
+    slot: Option<usize>,
+) -> Pack {
+    match slot {
+        Some(c) => held.pack::<T>(c),
+        // SAFETY: the caller guarantees bounds and alignment.
+        None => unsafe { read(row, start, len) },
+    }
+}
+
+/// Whether a row of `n` elements fits `K` held packs per rank.
+#[inline(always)]
+pub fn fits<T: Element, S: Team, const K: usize>(n: u32) -> bool {
+    n / T::PACK as u32 <= S::size() * K as u32
+}
+
+/// Calls `f(start, len, slot)` for each piece of an `n`-element row this rank handles.
+///
+/// With `PACKED` (every pointer of the row 16-byte aligned), rank r takes the packs
+/// r, r + size, ... (len = `T::PACK`), so a warp's loads cover contiguous 512-byte spans;
+/// with `K` > 0 these are exactly the packs a [`Held<K>`] holds (the caller checked [`fits`])
+/// and `slot` names them. The `n % PACK` elements after the last whole pack follow one by
+/// one (len = 1, slot None). Without `PACKED`, every element goes one by one.
+#[inline(always)]
+pub fn for_each_chunk<T: Element, S: Team, const PACKED: bool, const K: usize>(
+    n: u32,
+    mut f: impl FnMut(u32, usize, Option<usize>),
+) {
+    let width = if PACKED { T::PACK as u32 } else { 1 };
+    let packs = n / width;
+    if PACKED && K > 0 {
+        const { assert!(K <= MAX_HELD) };
+        // Written out rather than looped: with c a constant in each copy, `Held`'s slots
+        // are registers. A loop LLVM declines to unroll (its body is large) would index
+        // them at run time and move them to local memory.
+        let mut slot = |c: usize| {
+            let p = S::rank() + c as u32 * S::size();
+            if c < K && p < packs {
+                f(p * width, T::PACK, Some(c));
+            }
+        };
+        slot(0);
+        slot(1);
+        slot(2);
+        slot(3);
+        slot(4);
+        slot(5);
+        slot(6);
+        slot(7);
+    } else {
+        let mut p = S::rank();
+        while p < packs {
+            f(p * width, width as usize, None);
+            p += S::size();
+        }
+    }
+    let mut j = packs * width + S::rank();
+    while j < n {
+        f(j, 1, None);
+        j += S::size();
+    }
+}
