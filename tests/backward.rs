@@ -4,7 +4,8 @@
 mod common;
 
 use common::{
-    Rng, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, reference, rel_err, to_f64, tolerance,
+    Rng, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, reference, rel_err, to_f64,
+    tolerance,
 };
 use layernorm_cuda::{BackwardMode, Device, Element, Gradients, LayerNorm, bf16, f16};
 use ndarray::{Array1, Array2};
@@ -48,7 +49,11 @@ fn finite_difference_matches_reference() {
             xp[[i, j]] += h;
             xm[[i, j]] -= h;
             let fd = central(loss(&xp, &gamma, &beta), loss(&xm, &gamma, &beta));
-            assert!((fd - dx[[i, j]]).abs() < 1e-6 * (1.0 + fd.abs()), "dx[{i},{j}]: {fd} vs {}", dx[[i, j]]);
+            assert!(
+                (fd - dx[[i, j]]).abs() < 1e-6 * (1.0 + fd.abs()),
+                "dx[{i},{j}]: {fd} vs {}",
+                dx[[i, j]]
+            );
         }
     }
     for j in 0..n {
@@ -59,8 +64,16 @@ fn finite_difference_matches_reference() {
         bm[j] -= h;
         let fd_g = central(loss(&x, &gp, &beta), loss(&x, &gm, &beta));
         let fd_b = central(loss(&x, &gamma, &bp), loss(&x, &gamma, &bm));
-        assert!((fd_g - dgamma[j]).abs() < 1e-6 * (1.0 + fd_g.abs()), "dgamma[{j}]: {fd_g} vs {}", dgamma[j]);
-        assert!((fd_b - dbeta[j]).abs() < 1e-6 * (1.0 + fd_b.abs()), "dbeta[{j}]: {fd_b} vs {}", dbeta[j]);
+        assert!(
+            (fd_g - dgamma[j]).abs() < 1e-6 * (1.0 + fd_g.abs()),
+            "dgamma[{j}]: {fd_g} vs {}",
+            dgamma[j]
+        );
+        assert!(
+            (fd_b - dbeta[j]).abs() < 1e-6 * (1.0 + fd_b.abs()),
+            "dbeta[{j}]: {fd_b} vs {}",
+            dbeta[j]
+        );
     }
 }
 
@@ -96,8 +109,13 @@ impl<T: Element> Problem<T> {
             dgamma: poisoned(device, &[n]),
             dbeta: poisoned(device, &[n]),
         };
-        ln.backward_into(&ctx, &device.upload(self.dy.view()).unwrap(), &mut grads).unwrap();
-        (grads.dx.to_array2().unwrap(), grads.dgamma.to_array1().unwrap(), grads.dbeta.to_array1().unwrap())
+        ln.backward_into(&ctx, &device.upload(self.dy.view()).unwrap(), &mut grads)
+            .unwrap();
+        (
+            grads.dx.to_array2().unwrap(),
+            grads.dgamma.to_array1().unwrap(),
+            grads.dbeta.to_array1().unwrap(),
+        )
     }
 
     /// Checks `run`'s result against the reference.
@@ -114,7 +132,12 @@ impl<T: Element> Problem<T> {
             ("dgamma", rel_err(dgamma.view(), rdgamma.view())),
             ("dbeta", rel_err(dbeta.view(), rdbeta.view())),
         ];
-        let what = format!("{} backward {mode:?} {} {:?} {what}", device.name(), T::NAME, self.x.dim());
+        let what = format!(
+            "{} backward {mode:?} {} {:?} {what}",
+            device.name(),
+            T::NAME,
+            self.x.dim()
+        );
         eprintln!("{what}: {errs:?}");
         // dx subtracts two row means from gamma * dy; allow twice the forward's tolerance.
         let tol = 2.0 * tolerance::<T>();
@@ -159,7 +182,10 @@ fn gpu_backward_locked_matches_reference() {
 #[test]
 fn gpu_backward_many_rows() {
     let Some(gpu) = gpu_or_skip() else { return };
-    for (i, &(rows, n)) in [(20000, 64), (4096, 1024), (3000, 2048), (1500, 8200)].iter().enumerate() {
+    for (i, &(rows, n)) in [(20000, 64), (4096, 1024), (3000, 2048), (1500, 8200)]
+        .iter()
+        .enumerate()
+    {
         let p = Problem::<f16>::random(rows, n, 1300 + i as u64);
         p.check(&gpu, BackwardMode::Deterministic, "many rows");
         p.check(&gpu, LOCKED, "many rows");
@@ -181,8 +207,14 @@ fn gpu_spinlock_stress() {
         let (dx_d, dg_d, db_d) = p.run(&gpu, BackwardMode::Deterministic);
         // dx does not depend on the mode at all; the sums differ only in addition order.
         assert_eq!(dx_l, dx_d, "{what}: dx differs between modes");
-        assert!(rel_err(dg_l.view(), to_f64(dg_d.view()).view()) <= 1e-5, "{what}: dgamma modes disagree");
-        assert!(rel_err(db_l.view(), to_f64(db_d.view()).view()) <= 1e-5, "{what}: dbeta modes disagree");
+        assert!(
+            rel_err(dg_l.view(), to_f64(dg_d.view()).view()) <= 1e-5,
+            "{what}: dgamma modes disagree"
+        );
+        assert!(
+            rel_err(db_l.view(), to_f64(db_d.view()).view()) <= 1e-5,
+            "{what}: dbeta modes disagree"
+        );
     }
 }
 
@@ -192,10 +224,23 @@ fn gpu_deterministic_mode_is_bitwise_reproducible() {
     let Some(gpu) = gpu_or_skip() else { return };
     fn twice<T: Element + PartialEq>(gpu: &Device, rows: usize, n: usize, seed: u64) {
         let p = Problem::<T>::random(rows, n, seed);
-        let (a, b) = (p.run(gpu, BackwardMode::Deterministic), p.run(gpu, BackwardMode::Deterministic));
+        let (a, b) = (
+            p.run(gpu, BackwardMode::Deterministic),
+            p.run(gpu, BackwardMode::Deterministic),
+        );
         let bits = |v: &Array1<T>| v.iter().map(|x| x.to_f32().to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&a.1), bits(&b.1), "{} [{rows}, {n}]: dgamma differs between runs", T::NAME);
-        assert_eq!(bits(&a.2), bits(&b.2), "{} [{rows}, {n}]: dbeta differs between runs", T::NAME);
+        assert_eq!(
+            bits(&a.1),
+            bits(&b.1),
+            "{} [{rows}, {n}]: dgamma differs between runs",
+            T::NAME
+        );
+        assert_eq!(
+            bits(&a.2),
+            bits(&b.2),
+            "{} [{rows}, {n}]: dbeta differs between runs",
+            T::NAME
+        );
     }
     twice::<f32>(&gpu, 4096, 1024, 1500);
     twice::<f16>(&gpu, 3000, 4096, 1501);
@@ -207,7 +252,10 @@ fn gpu_deterministic_mode_is_bitwise_reproducible() {
 fn gpu_backward_agrees_with_cpu_path() {
     let Some(gpu) = gpu_or_skip() else { return };
     let p = Problem::<f32>::random(37, 5000, 1600);
-    let (g, c) = (p.run(&gpu, BackwardMode::Deterministic), p.run(&Device::cpu(), BackwardMode::Deterministic));
+    let (g, c) = (
+        p.run(&gpu, BackwardMode::Deterministic),
+        p.run(&Device::cpu(), BackwardMode::Deterministic),
+    );
     // Both are f32 computations, each within the f32 tolerance of the reference.
     let tol = tolerance::<f32>();
     for (what, err) in [

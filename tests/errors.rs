@@ -8,8 +8,13 @@ use ndarray::{Array1, Array2, Array3};
 
 fn op(device: &Device, n: usize) -> LayerNorm<f32> {
     let mut rng = Rng::new(7);
-    LayerNorm::from_arrays(device, random_vec(&mut rng, n, 1.0, 0.5).view(), random_vec(&mut rng, n, 0.0, 0.5).view(), 1e-5)
-        .unwrap()
+    LayerNorm::from_arrays(
+        device,
+        random_vec(&mut rng, n, 1.0, 0.5).view(),
+        random_vec(&mut rng, n, 0.0, 0.5).view(),
+        1e-5,
+    )
+    .unwrap()
 }
 
 /// Every device this machine has: the CPU, and the GPU where there is one.
@@ -25,7 +30,10 @@ fn bad_eps_is_refused() {
         let v = device.upload(Array1::<f32>::ones(4).view()).unwrap();
         for eps in [0.0, -1e-5, f32::NAN, f32::INFINITY] {
             let r = LayerNorm::new(v.clone(), v.clone(), eps);
-            assert!(matches!(r, Err(Error::BadEps(e)) if e.to_bits() == eps.to_bits()), "eps {eps}: {r:?}");
+            assert!(
+                matches!(r, Err(Error::BadEps(e)) if e.to_bits() == eps.to_bits()),
+                "eps {eps}: {r:?}"
+            );
         }
     }
 }
@@ -36,18 +44,33 @@ fn shape_mismatches_are_refused() {
         let ln = op(&device, 8);
         let up = |a: Array2<f32>| device.upload(a.view()).unwrap();
         // x with the wrong row length, x of the wrong rank.
-        assert!(matches!(ln.forward(&up(Array2::ones((3, 9)))), Err(Error::Shape { what: "x", .. })));
+        assert!(matches!(
+            ln.forward(&up(Array2::ones((3, 9)))),
+            Err(Error::Shape { what: "x", .. })
+        ));
         let x3 = device.upload(Array3::<f32>::ones((2, 3, 8)).view()).unwrap();
         assert!(matches!(ln.forward(&x3), Err(Error::Shape { what: "x", .. })));
         // gamma and beta of different lengths.
-        let (g, b) = (device.upload(Array1::<f32>::ones(8).view()).unwrap(), device.upload(Array1::<f32>::ones(7).view()).unwrap());
-        assert!(matches!(LayerNorm::new(g, b, 1e-5), Err(Error::Shape { what: "beta", .. })));
+        let (g, b) = (
+            device.upload(Array1::<f32>::ones(8).view()).unwrap(),
+            device.upload(Array1::<f32>::ones(7).view()).unwrap(),
+        );
+        assert!(matches!(
+            LayerNorm::new(g, b, 1e-5),
+            Err(Error::Shape { what: "beta", .. })
+        ));
         // y of the wrong shape; dy of another shape than the forward's x.
         let x = up(Array2::ones((3, 8)));
         let mut y = up(Array2::ones((4, 8)));
-        assert!(matches!(ln.forward_into(&x, &mut y), Err(Error::Shape { what: "y", .. })));
+        assert!(matches!(
+            ln.forward_into(&x, &mut y),
+            Err(Error::Shape { what: "y", .. })
+        ));
         let (_, ctx) = ln.forward(&x).unwrap();
-        assert!(matches!(ln.backward(&ctx, &up(Array2::ones((2, 8)))), Err(Error::Shape { what: "dy", .. })));
+        assert!(matches!(
+            ln.backward(&ctx, &up(Array2::ones((2, 8)))),
+            Err(Error::Shape { what: "dy", .. })
+        ));
     }
 }
 
@@ -68,7 +91,10 @@ fn a_shared_output_is_refused() {
         let x = device.upload(Array2::<f32>::ones((2, 8)).view()).unwrap();
         let mut y = device.upload(Array2::<f32>::ones((2, 8)).view()).unwrap();
         let _other_handle = y.clone();
-        assert!(matches!(ln.forward_into(&x, &mut y), Err(Error::SharedOutput { what: "y" })));
+        assert!(matches!(
+            ln.forward_into(&x, &mut y),
+            Err(Error::SharedOutput { what: "y" })
+        ));
     }
 }
 
@@ -84,7 +110,10 @@ fn rows_past_the_index_limit_are_refused() {
     for device in devices() {
         let ln = op(&device, 0);
         let x = device.full::<f32>(&[MAX_DIM + 1, 0], 0.0).unwrap();
-        assert!(matches!(ln.forward(&x), Err(Error::TooLarge { what: "rows", .. })));
+        assert!(matches!(
+            ln.forward(&x),
+            Err(Error::TooLarge { what: "rows", .. })
+        ));
     }
 }
 
@@ -127,8 +156,13 @@ fn missing_devices_are_typed_errors() {
 fn tensors_from_another_device_are_refused() {
     let Some(gpu) = gpu_or_skip() else { return };
     let ln = op(&gpu, 8);
-    let x_on_cpu = Device::cpu().upload(random_matrix::<f32>(&mut Rng::new(3), 2, 8).view()).unwrap();
-    assert!(matches!(ln.forward(&x_on_cpu), Err(Error::DeviceMismatch { what: "x", .. })));
+    let x_on_cpu = Device::cpu()
+        .upload(random_matrix::<f32>(&mut Rng::new(3), 2, 8).view())
+        .unwrap();
+    assert!(matches!(
+        ln.forward(&x_on_cpu),
+        Err(Error::DeviceMismatch { what: "x", .. })
+    ));
 }
 
 /// Strided and transposed views upload in row-major order, so results match a copy.

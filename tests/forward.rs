@@ -31,16 +31,26 @@ fn check_forward<T: Element>(device: &Device, rows: usize, n: usize, seed: u64) 
     let eps = 1e-5f32;
     let ln = LayerNorm::from_arrays(device, gamma.view(), beta.view(), eps).unwrap();
     let mut y = poisoned::<T>(device, &[rows, n]);
-    let ctx = ln.forward_into(&device.upload(x.view()).unwrap(), &mut y).unwrap();
+    let ctx = ln
+        .forward_into(&device.upload(x.view()).unwrap(), &mut y)
+        .unwrap();
 
-    let (ry, rmean, rrstd) =
-        reference::forward(to_f64(x.view()).view(), to_f64(gamma.view()).view(), to_f64(beta.view()).view(), eps as f64);
+    let (ry, rmean, rrstd) = reference::forward(
+        to_f64(x.view()).view(),
+        to_f64(gamma.view()).view(),
+        to_f64(beta.view()).view(),
+        eps as f64,
+    );
     let err_y = rel_err(y.to_array2().unwrap().view(), ry.view());
     let err_mean = rel_err(ctx.mean().to_array1().unwrap().view(), rmean.view());
     let err_rstd = rel_err(ctx.rstd().to_array1().unwrap().view(), rrstd.view());
     let what = format!("{} forward {} [{rows}, {n}] seed {seed}", device.name(), T::NAME);
     eprintln!("{what}: y {err_y:.2e} mean {err_mean:.2e} rstd {err_rstd:.2e}");
-    assert!(err_y <= tolerance::<T>(), "{what}: y error {err_y:e} > {:e}", tolerance::<T>());
+    assert!(
+        err_y <= tolerance::<T>(),
+        "{what}: y error {err_y:e} > {:e}",
+        tolerance::<T>()
+    );
     // Statistics are f32 whatever the storage type.
     assert!(err_mean <= 1e-5, "{what}: mean error {err_mean:e}");
     assert!(err_rstd <= 1e-5, "{what}: rstd error {err_rstd:e}");
@@ -72,7 +82,10 @@ fn gpu_forward_matches_reference() {
 #[test]
 fn gpu_forward_many_rows() {
     let Some(gpu) = gpu_or_skip() else { return };
-    for (i, &(rows, n)) in [(20000, 64), (4096, 1024), (3000, 2048), (1500, 8200)].iter().enumerate() {
+    for (i, &(rows, n)) in [(20000, 64), (4096, 1024), (3000, 2048), (1500, 8200)]
+        .iter()
+        .enumerate()
+    {
         check_forward::<f16>(&gpu, rows, n, 400 + i as u64);
         check_forward::<f32>(&gpu, rows, n, 500 + i as u64);
     }
@@ -89,7 +102,11 @@ fn gpu_forward_agrees_with_cpu_path() {
     let beta = random_vec::<f32>(&mut rng, n, 0.0, 0.5);
     let run = |d: &Device| {
         let ln = LayerNorm::from_arrays(d, gamma.view(), beta.view(), 1e-5).unwrap();
-        ln.forward(&d.upload(x.view()).unwrap()).unwrap().0.to_array2().unwrap()
+        ln.forward(&d.upload(x.view()).unwrap())
+            .unwrap()
+            .0
+            .to_array2()
+            .unwrap()
     };
     let (on_gpu, on_cpu) = (run(&gpu), run(&Device::cpu()));
     // Both are f32 computations, each within the f32 tolerance of the reference.

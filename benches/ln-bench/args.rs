@@ -18,7 +18,7 @@ pub struct Args {
     pub rows: Option<usize>,
 
     /// Row lengths N, comma-separated [default: 1024, 1536, ..., 15872, 32768, 65536 on a GPU;
-    /// 512, 1024, 4096, 8192 on the CPU].
+    /// 512, 1024, 2048, 4096 on the CPU].
     #[arg(long, value_delimiter = ',', value_parser = dimension, conflicts_with = "quick")]
     pub n: Option<Vec<usize>>,
 
@@ -81,7 +81,10 @@ fn dedup<T: PartialEq + Copy>(items: &mut Vec<T>) {
 
 /// A row count or length: at least 1, at most what the library accepts.
 fn dimension(s: &str) -> Result<usize, String> {
-    let v: usize = s.trim().parse().map_err(|_| format!("`{s}` is not a whole number"))?;
+    let v: usize = s
+        .trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a whole number"))?;
     if (1..=MAX_DIM).contains(&v) {
         Ok(v)
     } else {

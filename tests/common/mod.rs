@@ -40,7 +40,11 @@ pub fn mixed_matrix<T: Element>(rng: &mut Rng, rows: usize, n: usize) -> Array2<
     let mut x = Array2::from_elem((rows, n), T::from_f32(0.0));
     for (i, mut row) in x.rows_mut().into_iter().enumerate() {
         let scale = 10f64.powf(rng.uniform());
-        let offset = if i % 7 == 3 { 1000.0 * scale } else { rng.uniform() * scale };
+        let offset = if i % 7 == 3 {
+            1000.0 * scale
+        } else {
+            rng.uniform() * scale
+        };
         for v in row.iter_mut() {
             *v = T::from_f32((offset + scale * rng.normal()) as f32);
         }
@@ -72,7 +76,11 @@ pub fn rel_err<T: Element, D: Dimension>(out: ArrayView<T, D>, reference: ArrayV
         diff += (o - r) * (o - r);
         norm += r * r;
     }
-    if norm == 0.0 { diff.sqrt() } else { (diff / norm).sqrt() }
+    if norm == 0.0 {
+        diff.sqrt()
+    } else {
+        (diff / norm).sqrt()
+    }
 }
 
 /// Tolerances on `rel_err`, by storage type. Outputs are rounded to the storage type, so
@@ -107,5 +115,7 @@ pub fn gpu_or_skip() -> Option<Device> {
 
 /// A tensor of `shape` full of NaN, to catch outputs a kernel never wrote.
 pub fn poisoned<T: Element>(device: &Device, shape: &[usize]) -> Tensor<T> {
-    device.full(shape, T::from_f32(f32::NAN)).expect("allocate a poisoned tensor")
+    device
+        .full(shape, T::from_f32(f32::NAN))
+        .expect("allocate a poisoned tensor")
 }

@@ -17,7 +17,7 @@ pub fn forward(
     let centered = &x - &mean.view().insert_axis(Axis(1));
     let var = centered.mapv(|c| c * c).sum_axis(Axis(1)) / n;
     let rstd = var.mapv(|v| 1.0 / (v + eps).sqrt());
-    let y = &centered * &rstd.view().insert_axis(Axis(1)) * &gamma + &beta;
+    let y = &centered * &rstd.view().insert_axis(Axis(1)) * gamma + beta;
     (y, mean, rstd)
 }
 

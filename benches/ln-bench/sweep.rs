@@ -1,0 +1,199 @@
+//! The sweep: for each dtype and N, random inputs and their float64 reference, then each
+//! (mode, provider) checked and, if right, timed.
+
+use indicatif::ProgressBar;
+use layernorm_cuda::{Device, Element, Gradients, LayerNorm, Tensor, bf16, f16};
+
+use crate::check::{Check, Reference};
+use crate::config::{Dtype, Mode, Provider};
+use crate::error::BenchError;
+use crate::inputs::Inputs;
+use crate::timing::{Quantiles, Timer};
+
+/// LayerNorm's eps, as in the peers' benchmarks.
+const EPS: f32 = 1e-5;
+
+/// What to measure.
+pub struct Plan {
+    pub rows: usize,
+    pub ns: Vec<usize>,
+    pub modes: Vec<Mode>,
+    pub dtypes: Vec<Dtype>,
+    pub seed: u64,
+}
+
+impl Plan {
+    /// Every (dtype, N, mode, provider) of the plan, in the order they run.
+    pub fn configurations(&self) -> usize {
+        let per_n: usize = self.modes.iter().map(|m| m.providers().len()).sum();
+        self.dtypes.len() * self.ns.len() * per_n
+    }
+}
+
+/// One configuration's result.
+pub struct Measurement {
+    pub mode: Mode,
+    pub dtype: Dtype,
+    pub provider: Provider,
+    pub rows: usize,
+    pub n: usize,
+    /// None where the configuration failed before its outputs could be compared.
+    pub check_error: Option<f64>,
+    pub outcome: Outcome,
+}
+
+pub enum Outcome {
+    Timed(Quantiles),
+    /// A wrong output or an error: never timed.
+    Failed(String),
+}
+
+/// Runs the whole plan; a failing configuration is recorded and the sweep goes on.
+pub fn run(plan: &Plan, device: &Device, timer: &mut Timer, progress: &ProgressBar) -> Vec<Measurement> {
+    let mut results = Vec::with_capacity(plan.configurations());
+    for &dtype in &plan.dtypes {
+        for &n in &plan.ns {
+            let mut sweep = Sweep {
+                plan,
+                device,
+                timer: &mut *timer,
+                progress,
+                dtype,
+                n,
+                results: &mut results,
+            };
+            match dtype {
+                Dtype::F16 => sweep.run_n::<f16>(),
+                Dtype::Bf16 => sweep.run_n::<bf16>(),
+                Dtype::F32 => sweep.run_n::<f32>(),
+            }
+        }
+    }
+    results
+}
+
+/// One (dtype, N) of the sweep.
+struct Sweep<'a> {
+    plan: &'a Plan,
+    device: &'a Device,
+    timer: &'a mut Timer,
+    progress: &'a ProgressBar,
+    dtype: Dtype,
+    n: usize,
+    results: &'a mut Vec<Measurement>,
+}
+
+impl Sweep<'_> {
+    fn run_n<T: Element>(&mut self) {
+        let rows = self.plan.rows;
+        self.progress.set_message(format!(
+            "{} N={}: inputs and float64 reference",
+            self.dtype, self.n
+        ));
+        let inputs = Inputs::<T>::random(rows, self.n, self.plan.seed);
+        let reference = Reference::compute(&inputs, EPS as f64);
+        let uploaded = self
+            .device
+            .upload(inputs.x.view())
+            .and_then(|x| Ok((x, self.device.upload(inputs.dy.view())?)));
+        for &mode in &self.plan.modes {
+            for &provider in mode.providers() {
+                self.progress
+                    .set_message(format!("{mode} {} N={} {provider}", self.dtype, self.n));
+                let (check_error, outcome) = match &uploaded {
+                    Ok((x, dy)) => self.measure(mode, provider, &inputs, x, dy, &reference),
+                    Err(e) => (None, Outcome::Failed(format!("uploading the inputs: {e}"))),
+                };
+                self.results.push(Measurement {
+                    mode,
+                    dtype: self.dtype,
+                    provider,
+                    rows,
+                    n: self.n,
+                    check_error,
+                    outcome,
+                });
+                self.progress.inc(1);
+            }
+        }
+    }
+
+    /// Checks one configuration, then times it if the check passed.
+    fn measure<T: Element>(
+        &mut self,
+        mode: Mode,
+        provider: Provider,
+        inputs: &Inputs<T>,
+        x: &Tensor<T>,
+        dy: &Tensor<T>,
+        reference: &Reference,
+    ) -> (Option<f64>, Outcome) {
+        let measured = LayerNorm::from_arrays(self.device, inputs.gamma.view(), inputs.beta.view(), EPS)
+            .and_then(|ln| ln.with_backward_mode(provider.backward_mode()))
+            .map_err(BenchError::from)
+            .and_then(|ln| match mode {
+                Mode::Fwd => self.forward(&ln, x, reference),
+                Mode::Bwd => self.backward(&ln, x, dy, reference),
+            });
+        measured.unwrap_or_else(|e| (None, Outcome::Failed(e.to_string())))
+    }
+
+    fn forward<T: Element>(
+        &mut self,
+        ln: &LayerNorm<T>,
+        x: &Tensor<T>,
+        reference: &Reference,
+    ) -> Result<(Option<f64>, Outcome), BenchError> {
+        let mut y = poisoned(self.device, x.shape())?;
+        ln.forward_into(x, &mut y)?;
+        let check = reference.check_forward(&y.to_vec()?);
+        Ok(self.time_if_right(check, || {
+            ln.forward_into(x, &mut y)?;
+            Ok(())
+        }))
+    }
+
+    fn backward<T: Element>(
+        &mut self,
+        ln: &LayerNorm<T>,
+        x: &Tensor<T>,
+        dy: &Tensor<T>,
+        reference: &Reference,
+    ) -> Result<(Option<f64>, Outcome), BenchError> {
+        let (_, ctx) = ln.forward(x)?;
+        let mut grads = Gradients {
+            dx: poisoned(self.device, x.shape())?,
+            dgamma: poisoned(self.device, &[self.n])?,
+            dbeta: poisoned(self.device, &[self.n])?,
+        };
+        ln.backward_into(&ctx, dy, &mut grads)?;
+        let check = reference.check_backward(
+            &grads.dx.to_vec()?,
+            &grads.dgamma.to_vec()?,
+            &grads.dbeta.to_vec()?,
+        );
+        // dgamma and dbeta are part of the op: the whole call is timed.
+        Ok(self.time_if_right(check, || Ok(ln.backward_into(&ctx, dy, &mut grads)?)))
+    }
+
+    /// Times `op` if `check` passed; a wrong kernel gets no time.
+    fn time_if_right(
+        &mut self,
+        check: Check,
+        op: impl FnMut() -> Result<(), BenchError>,
+    ) -> (Option<f64>, Outcome) {
+        let outcome = match check.failure(self.dtype.tolerance()) {
+            Some(why) => Outcome::Failed(why),
+            None => match self.timer.time(op) {
+                Ok(time) => Outcome::Timed(time),
+                Err(e) => Outcome::Failed(e.to_string()),
+            },
+        };
+        (Some(check.error), outcome)
+    }
+}
+
+/// A tensor full of NaN, so that an element the op leaves unwritten fails the check.
+fn poisoned<T: Element>(device: &Device, shape: &[usize]) -> Result<Tensor<T>, BenchError> {
+    Ok(device.full(shape, T::from_f32(f32::NAN))?)
+}
