@@ -26,6 +26,16 @@ const CHECKED_IN: &str = "kernels-gpu/layernorm_kernels.ptx";
 const HASH_PREFIX: &str = "// layernorm-cuda kernel sources sha256: ";
 /// The PTX targets sm_80 (A100) and later; Hopper runs it through the driver's JIT.
 const TARGET_CPU: &str = "sm_80";
+/// Launch bounds (`.maxntid`, the most threads a block of the kernel may have), by kernel
+/// name prefix; Rust has no attribute for them, so they are added to the PTX here. For 1024
+/// threads ptxas keeps each thread within 64 registers, so a multiprocessor holds a full
+/// 2048 threads: rows in flight, not registers, then decide the memory traffic under way.
+/// The owned-mode backward holds x and dy and sums partials in shared memory, and spills at
+/// 64 registers; at 512 threads it may use 128 (about 90 in practice).
+const LAUNCH_BOUNDS: &[(&str, &str)] = &[
+    ("layer_norm_bwd_owned_", ".maxntid 512, 1, 1"),
+    ("layer_norm_", ".maxntid 1024, 1, 1"),
+];
 
 fn main() {
     println!("cargo:rerun-if-changed={KERNEL_DIR}/src");
@@ -161,7 +171,29 @@ fn build_ptx(tc: &Toolchain, kernel_dir: &Path, out: &Path) -> String {
         .filter(|p| p.extension().is_some_and(|x| x == "s"))
         .max_by_key(|p| fs::metadata(p).and_then(|m| m.modified()).ok())
         .expect("the kernel build wrote a .s file");
-    fs::read_to_string(newest).expect("read the kernel PTX")
+    with_launch_bounds(&fs::read_to_string(newest).expect("read the kernel PTX"))
+}
+
+/// Adds each kernel's [`LAUNCH_BOUNDS`] after its parameter list, where PTX wants them.
+fn with_launch_bounds(ptx: &str) -> String {
+    let mut out = String::with_capacity(ptx.len() + 4096);
+    let mut bounds = None;
+    for line in ptx.lines() {
+        out.push_str(line);
+        out.push('\n');
+        if let Some(name) = line.strip_prefix(".visible .entry ") {
+            bounds = LAUNCH_BOUNDS
+                .iter()
+                .find(|(prefix, _)| name.starts_with(prefix))
+                .map(|(_, b)| *b);
+        } else if line.trim() == ")"
+            && let Some(b) = bounds.take()
+        {
+            out.push_str(b);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 /// The checked-in PTX, refused if the kernel sources changed since it was built.

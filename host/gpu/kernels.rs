@@ -299,6 +299,10 @@ pub(crate) fn backward_locked<T: Element>(
     Ok(())
 }
 
+/// Slices of partial rows a stage 2 block sums at once (`STAGE2_SLICES` in
+/// kernels-gpu/src/backward.rs).
+const STAGE2_SLICES: u32 = 8;
+
 /// Stage 2: column sums of `[rows, n]` partials into dgamma and dbeta.
 pub(crate) fn backward_reduce<T: Element>(
     gpu: &Gpu,
@@ -318,11 +322,11 @@ pub(crate) fn backward_reduce<T: Element>(
         dgamma.len() >= n as usize && dbeta.len() >= n as usize,
         "dgamma/dbeta",
     );
-    let threads = 256;
+    // 32 columns x 8 slices of partial rows; a few blocks per multiprocessor suffice.
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(threads).max(1), 1, 1),
-        block_dim: (threads, 1, 1),
-        shared_mem_bytes: SCRATCH_BYTES,
+        grid_dim: (n.div_ceil(32).min(gpu.sm_count * 8).max(1), 1, 1),
+        block_dim: (32 * STAGE2_SLICES, 1, 1),
+        shared_mem_bytes: 2 * 4 * 32 * STAGE2_SLICES,
     };
     let mut b = gpu.stream.launch_builder(&gpu.kernels.of::<T>().bwd_reduce.func);
     b.arg(part_dgamma)

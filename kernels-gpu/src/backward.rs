@@ -25,7 +25,9 @@
 //!   v2  rows of up to 4 packs per rank keep x and dy in registers across the passes (one
 //!       read from memory); in owned mode each team adds its partials into its own row of
 //!       shared memory, and the block writes one combined row at the end, so partial sums
-//!       stop costing a read-modify-write through L2 per row.
+//!       stop costing a read-modify-write through L2 per row; partials in a pass of their
+//!       own in both modes, all loads of a chunk before its stores; stage 2 sums each
+//!       column in 8 slices of rows, 4 rows in flight per thread.
 
 use core::sync::atomic::{AtomicU32, Ordering, fence};
 
@@ -97,24 +99,30 @@ impl PartialRow {
         }
     }
 
-    /// Adds the chunk `[start, start + len)`'s dgamma and dbeta terms.
+    /// Adds the chunk `[start, start + len)`'s dgamma and dbeta terms. All loads come
+    /// before any store: a store could alias a later load, so interleaving them would make
+    /// each load wait for the one before it, a full memory latency per element.
     ///
     /// # Safety
     /// The chunk is inside the row, and no other thread writes it concurrently.
     #[inline(always)]
     unsafe fn add(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
-        for k in 0..len {
-            let j = start as usize + k;
-            // SAFETY: the caller guarantees bounds and exclusive access.
-            unsafe {
-                let (g, b) = (self.dgamma.add(j), self.dbeta.add(j));
-                let (old_g, old_b) = match (self.accumulate, self.through_l2) {
-                    (false, _) => (0.0, 0.0),
-                    (true, true) => (load_f32_l2(g), load_f32_l2(b)),
-                    (true, false) => (g.read(), b.read()),
-                };
-                g.write(old_g + dgamma[k]);
-                b.write(old_b + dbeta[k]);
+        // SAFETY: the caller guarantees bounds and exclusive access.
+        unsafe {
+            let (g, b) = (self.dgamma.add(start as usize), self.dbeta.add(start as usize));
+            let (mut old_g, mut old_b) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
+            if self.accumulate {
+                for k in 0..len {
+                    (old_g[k], old_b[k]) = if self.through_l2 {
+                        (load_f32_l2(g.add(k)), load_f32_l2(b.add(k)))
+                    } else {
+                        (g.add(k).read(), b.add(k).read())
+                    };
+                }
+            }
+            for k in 0..len {
+                g.add(k).write(old_g[k] + dgamma[k]);
+                b.add(k).write(old_b[k] + dbeta[k]);
             }
         }
     }
@@ -123,9 +131,9 @@ impl PartialRow {
 /// Where a row's partial dgamma and dbeta go.
 #[derive(Clone, Copy)]
 enum Sink<'a> {
-    /// Added during the dx pass into a row this team alone writes.
+    /// A row this team alone writes.
     Owned(PartialRow),
-    /// Added after the dx pass into the row's group, with the group's lock held.
+    /// The row's group, with the group's lock held.
     Locked(&'a GroupLock),
 }
 
@@ -191,37 +199,35 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
     let (s1, s2) = S::sum2(s1, s2);
     let (c1, c2) = (s1 / n as f32, s2 / n as f32);
 
-    // Pass 2: dx, and in owned mode the partials.
+    // Pass 2: dx.
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
-        let (xhat, wdy, dyv) = terms(j, len, slot);
+        let (xhat, wdy, _) = terms(j, len, slot);
         let mut out = [0.0; MAX_PACK];
-        let mut dgamma = [0.0; MAX_PACK];
         for k in 0..len {
             out[k] = rstd * (wdy[k] - (xhat[k] * c1 + c2));
-            dgamma[k] = dyv[k] * xhat[k];
         }
-        // SAFETY: as above; an owned partial row has this team as its only writer.
-        unsafe {
-            write(dx, j, len, &out);
-            if let Sink::Owned(p) = sink {
-                p.add(j, len, &dgamma, &dyv);
-            }
-        }
+        // SAFETY: as above.
+        unsafe { write(dx, j, len, &out) };
     });
 
-    // Pass 3 (locked mode): the partials, with the group held.
-    if let Sink::Locked(lock) = sink {
+    // Pass 3: the partials (dy * xhat, dy), into the team's own row or, with the lock held,
+    // into the row's group. A pass of its own keeps fewer values live than adding them
+    // during pass 2 (no register spills at 64 per thread), and held rows cost no memory.
+    let (part, lock) = match sink {
+        Sink::Owned(p) => (p, None),
         // SAFETY: the group index is below G and its lock and count words exist.
-        let part = unsafe { lock.acquire::<S>(row) };
-        for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
-            let (xhat, _, dyv) = terms(j, len, slot);
-            let mut dgamma = [0.0; MAX_PACK];
-            for k in 0..len {
-                dgamma[k] = dyv[k] * xhat[k];
-            }
-            // SAFETY: as above; the lock makes this team the group row's only writer.
-            unsafe { part.add(j, len, &dgamma, &dyv) };
-        });
+        Sink::Locked(l) => (unsafe { l.acquire::<S>(row) }, Some(l)),
+    };
+    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+        let (xhat, _, dyv) = terms(j, len, slot);
+        let mut dgamma = [0.0; MAX_PACK];
+        for k in 0..len {
+            dgamma[k] = dyv[k] * xhat[k];
+        }
+        // SAFETY: as above; the row is this team's alone (owned, or locked by it).
+        unsafe { part.add(j, len, &dgamma, &dyv) };
+    });
+    if let Some(lock) = lock {
         // SAFETY: this team holds the lock it releases.
         unsafe { lock.release::<S>(row) };
     }
@@ -432,11 +438,18 @@ unsafe fn stage1_locked<T: Element, S: Team>(r: Rows<T>, lock: GroupLock) {
     }
 }
 
-/// Stage 2: column j of dgamma and dbeta is the sum of column j over the `rows` partial
-/// rows, added in row order (so the owned mode stays reproducible).
+/// Threads of a stage 2 block: 32 columns (one warp reads 128 contiguous bytes of a
+/// partial row) times `STAGE2_SLICES` slices of the partial rows.
+const STAGE2_SLICES: u32 = 8;
+
+/// Stage 2: dgamma_j and dbeta_j are the sums of column j over the `rows` partial rows.
+/// A block takes 32 columns; its 8 warps each sum every 8th partial row (four rows in
+/// flight at a time), then the 8 slice sums are added in slice order. The order of every
+/// addition is fixed, so the owned mode stays bitwise reproducible.
 ///
 /// # Safety
-/// `part_*` hold `[rows, n]` f32; `dgamma`, `dbeta` hold `n`.
+/// `part_*` hold `[rows, n]` f32; `dgamma`, `dbeta` hold `n`; the block is 32 x
+/// `STAGE2_SLICES` threads with `2 * 4 * 32 * STAGE2_SLICES` bytes of shared memory.
 #[inline(always)]
 unsafe fn stage2<T: Element>(
     part_dgamma: *const f32,
@@ -446,24 +459,59 @@ unsafe fn stage2<T: Element>(
     dgamma: *mut T,
     dbeta: *mut T,
 ) {
-    let threads = crate::device::grid_dim() as usize * crate::device::block_dim() as usize;
-    let mut j = crate::device::block_idx() as usize * crate::device::block_dim() as usize
-        + crate::device::thread_idx() as usize;
-    while j < n as usize {
-        let (mut g, mut b) = (0.0f32, 0.0f32);
-        for r in 0..rows as usize {
-            // SAFETY: r < rows and j < n.
-            unsafe {
-                g += *part_dgamma.add(r * n as usize + j);
-                b += *part_dbeta.add(r * n as usize + j);
+    let (lane, slice) = (device::thread_idx() % 32, device::thread_idx() / 32);
+    let slot = device::thread_idx() as usize;
+    let (sums_g, sums_b) = (shared_ptr::<f32>(0), shared_ptr::<f32>(4 * 32 * STAGE2_SLICES));
+    let mut tile = device::block_idx();
+    while tile * 32 < n {
+        let j = (tile * 32 + lane) as usize;
+        let (mut g, mut b) = ([0.0f32; 4], [0.0f32; 4]);
+        if j < n as usize {
+            let at = |r: u32| r as usize * n as usize + j;
+            let mut r = slice;
+            while r + 3 * STAGE2_SLICES < rows {
+                for u in 0..4 {
+                    // SAFETY: r + u * SLICES < rows and j < n.
+                    unsafe {
+                        g[u] += *part_dgamma.add(at(r + u as u32 * STAGE2_SLICES));
+                        b[u] += *part_dbeta.add(at(r + u as u32 * STAGE2_SLICES));
+                    }
+                }
+                r += 4 * STAGE2_SLICES;
+            }
+            while r < rows {
+                // SAFETY: r < rows and j < n.
+                unsafe {
+                    g[0] += *part_dgamma.add(at(r));
+                    b[0] += *part_dbeta.add(at(r));
+                }
+                r += STAGE2_SLICES;
             }
         }
-        // SAFETY: j < n.
+        // SAFETY: slot < 32 * SLICES, inside both shared arrays.
         unsafe {
-            dgamma.add(j).write(T::from_f32(g));
-            dbeta.add(j).write(T::from_f32(b));
+            sums_g.add(slot).write((g[0] + g[1]) + (g[2] + g[3]));
+            sums_b.add(slot).write((b[0] + b[1]) + (b[2] + b[3]));
         }
-        j += threads;
+        device::sync_block();
+        if slice == 0 && j < n as usize {
+            let (mut g, mut b) = (0.0f32, 0.0f32);
+            for s in 0..STAGE2_SLICES as usize {
+                // SAFETY: s * 32 + lane < 32 * SLICES; written before the barrier.
+                unsafe {
+                    g += sums_g.add(s * 32 + lane as usize).read();
+                    b += sums_b.add(s * 32 + lane as usize).read();
+                }
+            }
+            // SAFETY: j < n.
+            unsafe {
+                dgamma.add(j).write(T::from_f32(g));
+                dbeta.add(j).write(T::from_f32(b));
+            }
+        }
+        // The next tile's slice sums overwrite these.
+        device::sync_block();
+        tile += device::grid_dim();
     }
 }
 
