@@ -134,8 +134,16 @@ impl<T: Element> LayerNorm<T> {
         y.expect_shape("y", x.shape())?;
         self.device().check("y", y)?;
         let dev = self.device();
-        // Statistics of an empty row are undefined: NaN, as 0/0 gives.
-        let (mut mean, mut rstd) = (dev.full(&[rows], f32::NAN)?, dev.full(&[rows], f32::NAN)?);
+        // The kernels write every row's statistics; those of an empty row are undefined:
+        // NaN, as 0/0 gives. (Filling from the host would cost a copy per call.)
+        let stats = || {
+            if n == 0 {
+                dev.full(&[rows], f32::NAN)
+            } else {
+                dev.empty::<f32>(&[rows])
+            }
+        };
+        let (mut mean, mut rstd) = (stats()?, stats()?);
         if rows > 0 && n > 0 {
             let y = y.data_mut("y")?;
             let (mean_d, rstd_d) = (mean.data_mut("mean")?, rstd.data_mut("rstd")?);

@@ -60,6 +60,30 @@ struct PartialRow {
     /// Read through L2 (`ld.global.cg`): a locked group row was last written by another
     /// multiprocessor, whose writes are not in this one's L1.
     through_l2: bool,
+    /// Whole packs in a row (`n / T::PACK`): the row's layout, see [`slot`].
+    packs: u32,
+}
+
+/// Where column j lives in a partial row. Element k of pack p goes to `k * packs + p`
+/// (columns past the last whole pack stay in place), so when the ranks of a warp add their
+/// packs p, p + 1, ..., each of the pack's elements is one access to consecutive words:
+/// coalesced in global memory and free of bank conflicts in shared memory, where the plain
+/// layout would put lanes 8 words apart.
+#[inline(always)]
+fn slot<T: Element>(j: u32, packs: u32) -> u32 {
+    let w = T::PACK as u32;
+    if j < packs * w { (j % w) * packs + j / w } else { j }
+}
+
+/// The column stored at slot q: the inverse of [`slot`].
+#[inline(always)]
+fn column<T: Element>(q: u32, packs: u32) -> u32 {
+    let w = T::PACK as u32;
+    if q < packs * w {
+        (q % packs) * w + q / packs
+    } else {
+        q
+    }
 }
 
 impl PartialRow {
@@ -68,7 +92,13 @@ impl PartialRow {
     /// # Safety
     /// `r` < the buffers' row count.
     #[inline(always)]
-    unsafe fn global(dgamma: *mut f32, dbeta: *mut f32, r: u32, n: u32, accumulate: bool) -> Self {
+    unsafe fn global<T: Element>(
+        dgamma: *mut f32,
+        dbeta: *mut f32,
+        r: u32,
+        n: u32,
+        accumulate: bool,
+    ) -> Self {
         let offset = r as usize * n as usize;
         // SAFETY: the caller guarantees the row is inside both buffers.
         let (dgamma, dbeta) = unsafe { (dgamma.add(offset), dbeta.add(offset)) };
@@ -77,6 +107,7 @@ impl PartialRow {
             dbeta,
             accumulate,
             through_l2: true,
+            packs: n / T::PACK as u32,
         }
     }
 
@@ -86,7 +117,7 @@ impl PartialRow {
     /// # Safety
     /// The launch gave the block `SCRATCH_BYTES + teams * 8 * n` bytes of shared memory.
     #[inline(always)]
-    unsafe fn shared(t: u32, n: u32) -> Self {
+    unsafe fn shared<T: Element>(t: u32, n: u32) -> Self {
         let base = SCRATCH_BYTES as usize + t as usize * 8 * n as usize;
         let dgamma = shared_ptr::<f32>(base as u32);
         // SAFETY: the caller guarantees the shared memory holds this team's 8n bytes.
@@ -96,6 +127,7 @@ impl PartialRow {
             dbeta,
             accumulate: true,
             through_l2: false,
+            packs: n / T::PACK as u32,
         }
     }
 
@@ -106,23 +138,32 @@ impl PartialRow {
     /// # Safety
     /// The chunk is inside the row, and no other thread writes it concurrently.
     #[inline(always)]
-    unsafe fn add(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
-        // SAFETY: the caller guarantees bounds and exclusive access.
+    unsafe fn add<T: Element>(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
+        // A whole pack starts at a multiple of PACK below `packs * PACK` (see `slot`).
+        let pos = |k: usize| {
+            if len == T::PACK {
+                (k as u32 * self.packs + start / T::PACK as u32) as usize
+            } else {
+                slot::<T>(start, self.packs) as usize
+            }
+        };
+        // SAFETY: the caller guarantees bounds and exclusive access; `slot` maps the row
+        // onto itself.
         unsafe {
-            let (g, b) = (self.dgamma.add(start as usize), self.dbeta.add(start as usize));
+            let (g, b) = (self.dgamma, self.dbeta);
             let (mut old_g, mut old_b) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
             if self.accumulate {
                 for k in 0..len {
                     (old_g[k], old_b[k]) = if self.through_l2 {
-                        (load_f32_l2(g.add(k)), load_f32_l2(b.add(k)))
+                        (load_f32_l2(g.add(pos(k))), load_f32_l2(b.add(pos(k))))
                     } else {
-                        (g.add(k).read(), b.add(k).read())
+                        (g.add(pos(k)).read(), b.add(pos(k)).read())
                     };
                 }
             }
             for k in 0..len {
-                g.add(k).write(old_g[k] + dgamma[k]);
-                b.add(k).write(old_b[k] + dbeta[k]);
+                g.add(pos(k)).write(old_g[k] + dgamma[k]);
+                b.add(pos(k)).write(old_b[k] + dbeta[k]);
             }
         }
     }
@@ -216,7 +257,7 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
     let (part, lock) = match sink {
         Sink::Owned(p) => (p, None),
         // SAFETY: the group index is below G and its lock and count words exist.
-        Sink::Locked(l) => (unsafe { l.acquire::<S>(row) }, Some(l)),
+        Sink::Locked(l) => (unsafe { l.acquire::<T, S>(row) }, Some(l)),
     };
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         let (xhat, _, dyv) = terms(j, len, slot);
@@ -225,7 +266,7 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
             dgamma[k] = dyv[k] * xhat[k];
         }
         // SAFETY: as above; the row is this team's alone (owned, or locked by it).
-        unsafe { part.add(j, len, &dgamma, &dyv) };
+        unsafe { part.add::<T>(j, len, &dgamma, &dyv) };
     });
     if let Some(lock) = lock {
         // SAFETY: this team holds the lock it releases.
@@ -280,7 +321,7 @@ impl GroupLock {
     /// # Safety
     /// `words` holds 2 * `groups` words, the group buffers `[groups, n]` f32.
     #[inline(always)]
-    unsafe fn acquire<S: Team>(&self, row: u32) -> PartialRow {
+    unsafe fn acquire<T: Element, S: Team>(&self, row: u32) -> PartialRow {
         let g = self.group(row);
         // SAFETY: g < groups, and lock words are only touched atomically.
         let (lock, count) = unsafe {
@@ -302,7 +343,7 @@ impl GroupLock {
         // The acquire was rank 0's; every rank orders its own reads after it.
         fence(Ordering::Acquire);
         // SAFETY: g < groups.
-        unsafe { PartialRow::global(self.dgamma, self.dbeta, g, self.n, written != 0) }
+        unsafe { PartialRow::global::<T>(self.dgamma, self.dbeta, g, self.n, written != 0) }
     }
 
     /// Publishes the team's writes to the group row, marks it written and unlocks it.
@@ -348,7 +389,7 @@ unsafe fn stage1_owned<T: Element, S: Team>(
     let block = device::block_idx();
     if local {
         // SAFETY: the launch sized shared memory for every team of the block.
-        let mine = unsafe { PartialRow::shared(S::index_in_block(), r.n) };
+        let mine = unsafe { PartialRow::shared::<T>(S::index_in_block(), r.n) };
         let mut j = S::rank();
         while j < r.n {
             // SAFETY: j < n, inside this team's row.
@@ -373,42 +414,38 @@ unsafe fn stage1_owned<T: Element, S: Team>(
         // Every team of the block is done: add their rows, in team order, into row b.
         device::sync_block();
         // SAFETY: block < gridDim, so row b exists.
-        let out = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, false) };
-        let mut j = device::thread_idx();
-        while j < r.n {
+        let out = unsafe { PartialRow::global::<T>(part_dgamma, part_dbeta, block, r.n, false) };
+        // Rows share one layout, so slot q adds to slot q.
+        let mut q = device::thread_idx() as usize;
+        while q < r.n as usize {
             let (mut g, mut b) = (0.0f32, 0.0f32);
             for t in 0..S::per_block() {
                 // SAFETY: team t's row exists (launch guarantee) and all teams wrote theirs
                 // before the barrier.
                 unsafe {
-                    let p = PartialRow::shared(t, r.n);
-                    g += p.dgamma.add(j as usize).read();
-                    b += p.dbeta.add(j as usize).read();
+                    let p = PartialRow::shared::<T>(t, r.n);
+                    g += p.dgamma.add(q).read();
+                    b += p.dbeta.add(q).read();
                 }
             }
-            // SAFETY: j < n; this thread alone writes column j of row b.
+            // SAFETY: q < n; this thread alone writes slot q of row b.
             unsafe {
-                out.add(
-                    j,
-                    1,
-                    &[g, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-                    &[b, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
-                )
-            };
-            j += device::block_dim();
+                out.dgamma.add(q).write(g);
+                out.dbeta.add(q).write(b);
+            }
+            q += device::block_dim() as usize;
         }
         return;
     }
     if block >= r.rows {
         // More blocks than rows: this partial row gets no contribution, so it holds zeros.
-        let zero = [0.0; MAX_PACK];
         // SAFETY: block < gridDim, so the partial row exists.
-        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, false) };
-        let mut j = S::rank();
-        while j < r.n {
-            // SAFETY: j < n.
-            unsafe { part.add(j, 1, &zero, &zero) };
-            j += S::size();
+        let part = unsafe { PartialRow::global::<T>(part_dgamma, part_dbeta, block, r.n, false) };
+        let mut q = S::rank() as usize;
+        while q < r.n as usize {
+            // SAFETY: q < n.
+            unsafe { (part.dgamma.add(q).write(0.0), part.dbeta.add(q).write(0.0)) };
+            q += S::size() as usize;
         }
         return;
     }
@@ -416,7 +453,7 @@ unsafe fn stage1_owned<T: Element, S: Team>(
     while row < r.rows {
         // SAFETY: block < gridDim; the first row overwrites, later rows add. Only block
         // teams come here (one team per block), so the row is this team's alone.
-        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, row != block) };
+        let part = unsafe { PartialRow::global::<T>(part_dgamma, part_dbeta, block, r.n, row != block) };
         // SAFETY: row < rows.
         unsafe { backward_row_any::<T, S>(&r, row, Sink::Owned(part)) };
         S::sync();
@@ -443,9 +480,10 @@ unsafe fn stage1_locked<T: Element, S: Team>(r: Rows<T>, lock: GroupLock) {
 const STAGE2_SLICES: u32 = 8;
 
 /// Stage 2: dgamma_j and dbeta_j are the sums of column j over the `rows` partial rows.
-/// A block takes 32 columns; its 8 warps each sum every 8th partial row (four rows in
-/// flight at a time), then the 8 slice sums are added in slice order. The order of every
-/// addition is fixed, so the owned mode stays bitwise reproducible.
+/// A block takes 32 consecutive slots (coalesced reads; see [`slot`]); its 8 warps each sum
+/// every 8th partial row (four rows in flight at a time), then the 8 slice sums are added
+/// in slice order and written to the slots' columns. The order of every addition is fixed,
+/// so the owned mode stays bitwise reproducible.
 ///
 /// # Safety
 /// `part_*` hold `[rows, n]` f32; `dgamma`, `dbeta` hold `n`; the block is 32 x
@@ -464,7 +502,7 @@ unsafe fn stage2<T: Element>(
     let (sums_g, sums_b) = (shared_ptr::<f32>(0), shared_ptr::<f32>(4 * 32 * STAGE2_SLICES));
     let mut tile = device::block_idx();
     while tile * 32 < n {
-        let j = (tile * 32 + lane) as usize;
+        let j = (tile * 32 + lane) as usize; // a slot of the partial rows
         let (mut g, mut b) = ([0.0f32; 4], [0.0f32; 4]);
         if j < n as usize {
             let at = |r: u32| r as usize * n as usize + j;
@@ -503,10 +541,11 @@ unsafe fn stage2<T: Element>(
                     b += sums_b.add(s * 32 + lane as usize).read();
                 }
             }
-            // SAFETY: j < n.
+            let column = column::<T>(j as u32, n / T::PACK as u32) as usize;
+            // SAFETY: column < n (`column` maps the slots onto the columns).
             unsafe {
-                dgamma.add(j).write(T::from_f32(g));
-                dbeta.add(j).write(T::from_f32(b));
+                dgamma.add(column).write(T::from_f32(g));
+                dbeta.add(column).write(T::from_f32(b));
             }
         }
         // The next tile's slice sums overwrite these.
