@@ -171,7 +171,15 @@ fn build_ptx(tc: &Toolchain, kernel_dir: &Path, out: &Path) -> String {
         .filter(|p| p.extension().is_some_and(|x| x == "s"))
         .max_by_key(|p| fs::metadata(p).and_then(|m| m.modified()).ok())
         .expect("the kernel build wrote a .s file");
-    with_launch_bounds(&fs::read_to_string(newest).expect("read the kernel PTX"))
+    let ptx = fs::read_to_string(newest).expect("read the kernel PTX");
+    // Only this crate's code is in the PTX: a call into `core` (a panic on an unguarded
+    // division, say) stays an unresolved `.extern .func`, and the driver refuses the module.
+    if let Some(line) = ptx.lines().find(|l| l.starts_with(".extern .func")) {
+        panic!(
+            "the kernel PTX calls a function it does not contain ({line}); remove the code path that needs it"
+        );
+    }
+    with_launch_bounds(&ptx)
 }
 
 /// Adds each kernel's [`LAUNCH_BOUNDS`] after its parameter list, where PTX wants them.

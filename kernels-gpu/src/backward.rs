@@ -79,7 +79,9 @@ fn slot<T: Element>(j: u32, packs: u32) -> u32 {
 #[inline(always)]
 fn column<T: Element>(q: u32, packs: u32) -> u32 {
     let w = T::PACK as u32;
-    if q < packs * w {
+    // `packs > 0` spelled out: LLVM then drops the division-by-zero panic, whose symbol
+    // the PTX cannot resolve.
+    if packs > 0 && q < packs * w {
         (q % packs) * w + q / packs
     } else {
         q
