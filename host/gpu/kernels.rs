@@ -199,7 +199,7 @@ impl<T> Backward<'_, T> {
 }
 
 /// Stage 1, owned mode: partial rows `[launch.blocks, n]`. With `local`, each team of a
-/// block sums in its own `8 n` bytes of shared memory after the scratch (warp teams must).
+/// block sums in its own rows of shared memory after the scratch (warp teams must).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_owned<T: Element>(
     gpu: &Gpu,
@@ -221,7 +221,7 @@ pub(crate) fn backward_owned<T: Element>(
     } else {
         1
     };
-    let local_bytes = SCRATCH_BYTES as usize + teams_per_block as usize * 8 * a.n as usize;
+    let local_bytes = owned_local_smem(teams_per_block, a.n);
     require(
         launch.smem >= SCRATCH_BYTES && (!local || launch.smem as usize >= local_bytes),
         "owned smem",
@@ -251,6 +251,14 @@ pub(crate) fn backward_owned<T: Element>(
     // kernel indexes (checked above).
     unsafe { b.launch(launch.config()) }.during("launching backward stage 1 (owned)")?;
     Ok(())
+}
+
+/// Shared memory of an owned-mode block whose `teams` sum partials locally: the scratch,
+/// then per team a dgamma and a dbeta row of `n` f32 padded by a word per 32, plus one
+/// (`padded_len` in kernels-gpu/src/backward.rs).
+pub(crate) fn owned_local_smem(teams: u32, n: u32) -> usize {
+    let words = (n + n / 32) as usize + 1;
+    SCRATCH_BYTES as usize + teams as usize * 2 * 4 * words
 }
 
 /// Stage 1, locked mode: `groups` partial rows and `2 * groups` zeroed lock/count words.

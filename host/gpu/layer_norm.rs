@@ -141,10 +141,10 @@ pub(crate) fn backward<T: Element>(
                 Team::Warp => (&k.bwd_owned_warp, warp_threads(&k.bwd_owned_warp)),
                 Team::Block => (&k.bwd_owned_block, block_threads::<T>(&k.bwd_owned_block, n, 2)),
             };
-            // Each team sums its rows' partials in its own 8n bytes of shared memory when
-            // they fit; warp teams always fit (8 warps * 8 KB at n = 1024).
+            // Each team sums its rows' partials in its own shared memory (about 8n bytes)
+            // when they fit; warp teams always fit (8 warps * 8.3 KB at n = 1024).
             let per_block = if team == Team::Warp { threads / 32 } else { 1 };
-            let local_smem = SCRATCH_BYTES as usize + per_block as usize * 8 * n as usize;
+            let local_smem = kernels::owned_local_smem(per_block, n);
             let local = local_smem <= gpu.kernels.max_smem as usize;
             let smem = if local { local_smem as u32 } else { SCRATCH_BYTES };
             let launch = resident(gpu, kernel, rows, team, threads, smem)?;

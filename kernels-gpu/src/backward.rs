@@ -28,6 +28,8 @@
 //!       stop costing a read-modify-write through L2 per row; partials in a pass of their
 //!       own in both modes, all loads of a chunk before its stores; stage 2 sums each
 //!       column in 8 slices of rows, 4 rows in flight per thread.
+//!   v4  shared-memory partial rows padded by a word per 32 (no bank conflicts); global
+//!       partial rows read and written in 16-byte vectors.
 
 use core::sync::atomic::{AtomicU32, Ordering, fence};
 
@@ -57,50 +59,35 @@ struct PartialRow {
     dbeta: *mut f32,
     /// Add to what is there (false: overwrite, for the row's first contribution).
     accumulate: bool,
-    /// Read through L2 (`ld.global.cg`): a locked group row was last written by another
-    /// multiprocessor, whose writes are not in this one's L1.
-    through_l2: bool,
-    /// Whole packs in a row (`n / T::PACK`): the row's layout, see [`slot`].
-    packs: u32,
+    /// In shared memory (padded, see [`padded`]) rather than global memory.
+    shared: bool,
 }
 
-/// Where column j lives in a partial row. Element k of pack p goes to `k * packs + p`
-/// (columns past the last whole pack stay in place), so when the ranks of a warp add their
-/// packs p, p + 1, ..., each of the pack's elements is one access to consecutive words:
-/// coalesced in global memory and free of bank conflicts in shared memory, where the plain
-/// layout would put lanes 8 words apart.
+/// Where column j lives in a shared-memory partial row: one padding word after every 32.
+/// A rank's pack starts `PACK` words after its neighbour's, so in the plain layout lanes
+/// i and i + 32 / PACK hit the same bank (an 8-way conflict for f16); the padding shifts
+/// each group of 32 words by one bank, which spreads a warp's 32 lanes over all 32 banks.
+/// A pack never straddles a padding word (PACK divides 32), so its words stay contiguous.
 #[inline(always)]
-fn slot<T: Element>(j: u32, packs: u32) -> u32 {
-    let w = T::PACK as u32;
-    if j < packs * w { (j % w) * packs + j / w } else { j }
+fn padded(j: u32) -> usize {
+    (j + j / 32) as usize
 }
 
-/// The column stored at slot q: the inverse of [`slot`].
+/// Words of a padded shared-memory row of `n` columns.
 #[inline(always)]
-fn column<T: Element>(q: u32, packs: u32) -> u32 {
-    let w = T::PACK as u32;
-    // `packs > 0` spelled out: LLVM then drops the division-by-zero panic, whose symbol
-    // the PTX cannot resolve.
-    if packs > 0 && q < packs * w {
-        (q % packs) * w + q / packs
-    } else {
-        q
-    }
+fn padded_len(n: u32) -> usize {
+    padded(n)
 }
 
 impl PartialRow {
-    /// Row `r` of `[_, n]` buffers in global memory, read through L2.
+    /// Row `r` of `[_, n]` buffers in global memory, read through L2 (`ld.global.cg`): a
+    /// locked group row was last written by another multiprocessor, whose writes are not
+    /// in this one's L1.
     ///
     /// # Safety
     /// `r` < the buffers' row count.
     #[inline(always)]
-    unsafe fn global<T: Element>(
-        dgamma: *mut f32,
-        dbeta: *mut f32,
-        r: u32,
-        n: u32,
-        accumulate: bool,
-    ) -> Self {
+    unsafe fn global(dgamma: *mut f32, dbeta: *mut f32, r: u32, n: u32, accumulate: bool) -> Self {
         let offset = r as usize * n as usize;
         // SAFETY: the caller guarantees the row is inside both buffers.
         let (dgamma, dbeta) = unsafe { (dgamma.add(offset), dbeta.add(offset)) };
@@ -108,64 +95,89 @@ impl PartialRow {
             dgamma,
             dbeta,
             accumulate,
-            through_l2: true,
-            packs: n / T::PACK as u32,
+            shared: false,
         }
     }
 
-    /// Team `t`'s row in shared memory: `[dgamma; n]` then `[dbeta; n]` f32 for each team of
+    /// Team `t`'s row in shared memory: padded dgamma then padded dbeta for each team of
     /// the block, after the reduction scratch. Always accumulates (zeroed first).
     ///
     /// # Safety
-    /// The launch gave the block `SCRATCH_BYTES + teams * 8 * n` bytes of shared memory.
+    /// The launch gave the block `SCRATCH_BYTES + teams * 8 * (padded_len(n) + 1)` bytes.
     #[inline(always)]
-    unsafe fn shared<T: Element>(t: u32, n: u32) -> Self {
-        let base = SCRATCH_BYTES as usize + t as usize * 8 * n as usize;
+    unsafe fn shared(t: u32, n: u32) -> Self {
+        let words = padded_len(n) + 1;
+        let base = SCRATCH_BYTES as usize + t as usize * 8 * words;
         let dgamma = shared_ptr::<f32>(base as u32);
-        // SAFETY: the caller guarantees the shared memory holds this team's 8n bytes.
-        let dbeta = unsafe { dgamma.add(n as usize) };
+        // SAFETY: the caller guarantees the shared memory holds this team's two rows.
+        let dbeta = unsafe { dgamma.add(words) };
         PartialRow {
             dgamma,
             dbeta,
             accumulate: true,
-            through_l2: false,
-            packs: n / T::PACK as u32,
+            shared: true,
         }
     }
 
-    /// Adds the chunk `[start, start + len)`'s dgamma and dbeta terms. All loads come
-    /// before any store: a store could alias a later load, so interleaving them would make
-    /// each load wait for the one before it, a full memory latency per element.
+    /// Adds the chunk `[start, start + len)`'s dgamma and dbeta terms. Every load of the
+    /// chunk comes before its stores: a store could alias a later load, so interleaving
+    /// them would make each load wait a full memory latency for the one before.
     ///
     /// # Safety
     /// The chunk is inside the row, and no other thread writes it concurrently.
     #[inline(always)]
     unsafe fn add<T: Element>(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
-        // A whole pack starts at a multiple of PACK below `packs * PACK` (see `slot`).
-        let pos = |k: usize| {
-            if len == T::PACK {
-                (k as u32 * self.packs + start / T::PACK as u32) as usize
-            } else {
-                slot::<T>(start, self.packs) as usize
-            }
+        let at = if self.shared {
+            padded(start)
+        } else {
+            start as usize
         };
-        // SAFETY: the caller guarantees bounds and exclusive access; `slot` maps the row
-        // onto itself.
+        // SAFETY: the caller guarantees bounds and exclusive access.
+        let (g, b) = unsafe { (self.dgamma.add(at), self.dbeta.add(at)) };
+        let (mut old_g, mut old_b) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
+        let vector = !self.shared && len == T::PACK && is_pack_aligned(g) && is_pack_aligned(b);
+        // SAFETY: as above; vectors only where both rows are 16-byte aligned.
         unsafe {
-            let (g, b) = (self.dgamma, self.dbeta);
-            let (mut old_g, mut old_b) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
             if self.accumulate {
-                for k in 0..len {
-                    (old_g[k], old_b[k]) = if self.through_l2 {
-                        (load_f32_l2(g.add(pos(k))), load_f32_l2(b.add(pos(k))))
-                    } else {
-                        (g.add(pos(k)).read(), b.add(pos(k)).read())
-                    };
+                if vector {
+                    // A global row: 16-byte loads through L2, 4 f32 each.
+                    for v in 0..len / 4 {
+                        let (wg, wb) = (
+                            device::load_16(g.add(4 * v) as *const u32),
+                            device::load_16(b.add(4 * v) as *const u32),
+                        );
+                        for k in 0..4 {
+                            (old_g[4 * v + k], old_b[4 * v + k]) =
+                                (f32::from_bits(wg[k]), f32::from_bits(wb[k]));
+                        }
+                    }
+                } else {
+                    for k in 0..len {
+                        (old_g[k], old_b[k]) = if self.shared {
+                            (g.add(k).read(), b.add(k).read())
+                        } else {
+                            (load_f32_l2(g.add(k)), load_f32_l2(b.add(k)))
+                        };
+                    }
                 }
             }
-            for k in 0..len {
-                g.add(pos(k)).write(old_g[k] + dgamma[k]);
-                b.add(pos(k)).write(old_b[k] + dbeta[k]);
+            if vector {
+                for v in 0..len / 4 {
+                    let word = |a: &Pack, d: &Pack, k: usize| (a[4 * v + k] + d[4 * v + k]).to_bits();
+                    device::store_16(
+                        g.add(4 * v) as *mut u32,
+                        [0, 1, 2, 3].map(|k| word(&old_g, dgamma, k)),
+                    );
+                    device::store_16(
+                        b.add(4 * v) as *mut u32,
+                        [0, 1, 2, 3].map(|k| word(&old_b, dbeta, k)),
+                    );
+                }
+            } else {
+                for k in 0..len {
+                    g.add(k).write(old_g[k] + dgamma[k]);
+                    b.add(k).write(old_b[k] + dbeta[k]);
+                }
             }
         }
     }
@@ -345,7 +357,7 @@ impl GroupLock {
         // The acquire was rank 0's; every rank orders its own reads after it.
         fence(Ordering::Acquire);
         // SAFETY: g < groups.
-        unsafe { PartialRow::global::<T>(self.dgamma, self.dbeta, g, self.n, written != 0) }
+        unsafe { PartialRow::global(self.dgamma, self.dbeta, g, self.n, written != 0) }
     }
 
     /// Publishes the team's writes to the group row, marks it written and unlocks it.
@@ -379,7 +391,8 @@ impl GroupLock {
 ///
 /// # Safety
 /// `r`'s buffers sized as documented; `part_*` hold `[gridDim, n]` f32; with `local`, the
-/// launch gave each block `SCRATCH_BYTES + teams_per_block * 8 * n` bytes of shared memory.
+/// launch gave each block `SCRATCH_BYTES + teams_per_block * 8 * (padded_len(n) + 1)` bytes of
+/// shared memory.
 /// Warp teams require `local`.
 #[inline(always)]
 unsafe fn stage1_owned<T: Element, S: Team>(
@@ -391,17 +404,12 @@ unsafe fn stage1_owned<T: Element, S: Team>(
     let block = device::block_idx();
     if local {
         // SAFETY: the launch sized shared memory for every team of the block.
-        let mine = unsafe { PartialRow::shared::<T>(S::index_in_block(), r.n) };
-        let mut j = S::rank();
-        while j < r.n {
-            // SAFETY: j < n, inside this team's row.
-            unsafe {
-                (
-                    mine.dgamma.add(j as usize).write(0.0),
-                    mine.dbeta.add(j as usize).write(0.0),
-                )
-            };
-            j += S::size();
+        let mine = unsafe { PartialRow::shared(S::index_in_block(), r.n) };
+        let mut q = S::rank() as usize;
+        while q < padded_len(r.n) {
+            // SAFETY: q < padded_len(n), inside this team's rows.
+            unsafe { (mine.dgamma.add(q).write(0.0), mine.dbeta.add(q).write(0.0)) };
+            q += S::size() as usize;
         }
         S::sync();
         let mut row = S::id();
@@ -416,33 +424,32 @@ unsafe fn stage1_owned<T: Element, S: Team>(
         // Every team of the block is done: add their rows, in team order, into row b.
         device::sync_block();
         // SAFETY: block < gridDim, so row b exists.
-        let out = unsafe { PartialRow::global::<T>(part_dgamma, part_dbeta, block, r.n, false) };
-        // Rows share one layout, so slot q adds to slot q.
-        let mut q = device::thread_idx() as usize;
-        while q < r.n as usize {
+        let out = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, false) };
+        let mut j = device::thread_idx();
+        while j < r.n {
             let (mut g, mut b) = (0.0f32, 0.0f32);
             for t in 0..S::per_block() {
-                // SAFETY: team t's row exists (launch guarantee) and all teams wrote theirs
+                // SAFETY: team t's rows exist (launch guarantee) and all teams wrote theirs
                 // before the barrier.
                 unsafe {
-                    let p = PartialRow::shared::<T>(t, r.n);
-                    g += p.dgamma.add(q).read();
-                    b += p.dbeta.add(q).read();
+                    let p = PartialRow::shared(t, r.n);
+                    g += p.dgamma.add(padded(j)).read();
+                    b += p.dbeta.add(padded(j)).read();
                 }
             }
-            // SAFETY: q < n; this thread alone writes slot q of row b.
+            // SAFETY: j < n; this thread alone writes column j of row b.
             unsafe {
-                out.dgamma.add(q).write(g);
-                out.dbeta.add(q).write(b);
+                out.dgamma.add(j as usize).write(g);
+                out.dbeta.add(j as usize).write(b);
             }
-            q += device::block_dim() as usize;
+            j += device::block_dim();
         }
         return;
     }
     if block >= r.rows {
         // More blocks than rows: this partial row gets no contribution, so it holds zeros.
         // SAFETY: block < gridDim, so the partial row exists.
-        let part = unsafe { PartialRow::global::<T>(part_dgamma, part_dbeta, block, r.n, false) };
+        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, false) };
         let mut q = S::rank() as usize;
         while q < r.n as usize {
             // SAFETY: q < n.
@@ -455,7 +462,7 @@ unsafe fn stage1_owned<T: Element, S: Team>(
     while row < r.rows {
         // SAFETY: block < gridDim; the first row overwrites, later rows add. Only block
         // teams come here (one team per block), so the row is this team's alone.
-        let part = unsafe { PartialRow::global::<T>(part_dgamma, part_dbeta, block, r.n, row != block) };
+        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, row != block) };
         // SAFETY: row < rows.
         unsafe { backward_row_any::<T, S>(&r, row, Sink::Owned(part)) };
         S::sync();
@@ -482,10 +489,10 @@ unsafe fn stage1_locked<T: Element, S: Team>(r: Rows<T>, lock: GroupLock) {
 const STAGE2_SLICES: u32 = 8;
 
 /// Stage 2: dgamma_j and dbeta_j are the sums of column j over the `rows` partial rows.
-/// A block takes 32 consecutive slots (coalesced reads; see [`slot`]); its 8 warps each sum
-/// every 8th partial row (four rows in flight at a time), then the 8 slice sums are added
-/// in slice order and written to the slots' columns. The order of every addition is fixed,
-/// so the owned mode stays bitwise reproducible.
+/// A block takes 32 columns (a warp reads 128 contiguous bytes of a row); its 8 warps each
+/// sum every 8th partial row (four rows in flight at a time), then the 8 slice sums are
+/// added in slice order. The order of every addition is fixed, so the owned mode stays
+/// bitwise reproducible.
 ///
 /// # Safety
 /// `part_*` hold `[rows, n]` f32; `dgamma`, `dbeta` hold `n`; the block is 32 x
@@ -504,7 +511,7 @@ unsafe fn stage2<T: Element>(
     let (sums_g, sums_b) = (shared_ptr::<f32>(0), shared_ptr::<f32>(4 * 32 * STAGE2_SLICES));
     let mut tile = device::block_idx();
     while tile * 32 < n {
-        let j = (tile * 32 + lane) as usize; // a slot of the partial rows
+        let j = (tile * 32 + lane) as usize;
         let (mut g, mut b) = ([0.0f32; 4], [0.0f32; 4]);
         if j < n as usize {
             let at = |r: u32| r as usize * n as usize + j;
@@ -543,11 +550,10 @@ unsafe fn stage2<T: Element>(
                     b += sums_b.add(s * 32 + lane as usize).read();
                 }
             }
-            let column = column::<T>(j as u32, n / T::PACK as u32) as usize;
-            // SAFETY: column < n (`column` maps the slots onto the columns).
+            // SAFETY: j < n.
             unsafe {
-                dgamma.add(column).write(T::from_f32(g));
-                dbeta.add(column).write(T::from_f32(b));
+                dgamma.add(j).write(T::from_f32(g));
+                dbeta.add(j).write(T::from_f32(b));
             }
         }
         // The next tile's slice sums overwrite these.
