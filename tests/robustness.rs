@@ -1,0 +1,186 @@
+//! Non-finite inputs, values at the edges of the storage types, constant rows, and two
+//! host threads sharing one GPU.
+
+mod common;
+
+use common::{
+    Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec, reference, rel_err, to_f64, tolerance,
+};
+use layernorm_cuda::{Device, Element, LayerNorm, Tensor, f16};
+use ndarray::{Array1, Array2, s};
+
+fn devices() -> Vec<Device> {
+    let mut d = vec![Device::cpu()];
+    d.extend(gpu_or_skip());
+    d
+}
+
+fn op<T: Element>(device: &Device, gamma: &Array1<T>, beta: &Array1<T>) -> LayerNorm<T> {
+    LayerNorm::from_arrays(device, gamma.view(), beta.view(), 1e-5).unwrap()
+}
+
+/// A NaN or an infinity makes its own row's y and dx NaN, as in PyTorch, and leaves every
+/// other row exactly as it would be without it. dgamma and dbeta sum over all rows, so they
+/// are NaN too.
+fn check_non_finite_rows<T: Element>(device: &Device, n: usize) {
+    let mut rng = Rng::new(70);
+    let rows = 6;
+    let mut x = mixed_matrix::<T>(&mut rng, rows, n);
+    let clean = x.clone();
+    x[[1, n / 2]] = T::from_f32(f32::NAN);
+    x[[4, 0]] = T::from_f32(f32::INFINITY);
+    let dy = random_matrix::<T>(&mut rng, rows, n);
+    let (gamma, beta) = (
+        random_vec::<T>(&mut rng, n, 1.0, 0.5),
+        random_vec::<T>(&mut rng, n, 0.0, 0.5),
+    );
+    let ln = op(device, &gamma, &beta);
+    let run = |x: &Array2<T>| {
+        let (y, ctx) = ln.forward(&device.upload(x.view()).unwrap()).unwrap();
+        let g = ln.backward(&ctx, &device.upload(dy.view()).unwrap()).unwrap();
+        (
+            y.to_array2().unwrap(),
+            g.dx.to_array2().unwrap(),
+            g.dgamma.to_array1().unwrap(),
+        )
+    };
+    let ((y, dx, dgamma), (y_clean, dx_clean, _)) = (run(&x), run(&clean));
+    let what = format!("{} {} n = {n}", device.name(), T::NAME);
+    for r in 0..rows {
+        let bad = r == 1 || r == 4;
+        for (name, out, out_clean) in [("y", &y, &y_clean), ("dx", &dx, &dx_clean)] {
+            let row = out.slice(s![r, ..]);
+            if bad {
+                assert!(
+                    row.iter().all(|v| v.to_f32().is_nan()),
+                    "{what}: {name} row {r} should be NaN"
+                );
+            } else {
+                let same = row
+                    .iter()
+                    .zip(out_clean.slice(s![r, ..]))
+                    .all(|(a, b)| a.to_f32().to_bits() == b.to_f32().to_bits());
+                assert!(same, "{what}: {name} row {r} changed by another row's NaN");
+            }
+        }
+    }
+    assert!(
+        dgamma.iter().all(|v| v.to_f32().is_nan()),
+        "{what}: dgamma should be NaN"
+    );
+}
+
+#[test]
+fn non_finite_values_stay_in_their_row() {
+    for device in devices() {
+        for n in [7, 1000, 4096] {
+            check_non_finite_rows::<f32>(&device, n);
+            check_non_finite_rows::<f16>(&device, n);
+        }
+    }
+}
+
+/// Rows at the edges of f16: near its largest value (65504), in its subnormal range, and
+/// constant (var = 0, so y = beta exactly). All finite and within tolerance.
+#[test]
+fn extreme_and_constant_rows_are_finite_and_correct() {
+    for device in devices() {
+        let n = 2048;
+        let mut rng = Rng::new(71);
+        let x = Array2::from_shape_fn((4, n), |(i, j)| {
+            let v = match i {
+                0 => 60000.0 * if j % 2 == 0 { 1.0 } else { -1.0 } + 100.0 * rng.uniform(),
+                1 => 65000.0 - 1000.0 * rng.uniform().abs(),
+                2 => 5e-7 * rng.uniform(),
+                _ => 3.25,
+            };
+            f16::from_f32(v as f32)
+        });
+        let (gamma, beta) = (
+            random_vec::<f16>(&mut rng, n, 1.0, 0.5),
+            random_vec::<f16>(&mut rng, n, 0.0, 0.5),
+        );
+        let (y, ctx) = op(&device, &gamma, &beta)
+            .forward(&device.upload(x.view()).unwrap())
+            .unwrap();
+        let y = y.to_array2().unwrap();
+        let (ry, _, _) = reference::forward(
+            to_f64(x.view()).view(),
+            to_f64(gamma.view()).view(),
+            to_f64(beta.view()).view(),
+            1e-5f32 as f64,
+        );
+        let what = device.name();
+        assert!(
+            y.iter().all(|v| v.to_f32().is_finite()),
+            "{what}: non-finite output"
+        );
+        for r in 0..3 {
+            let err = rel_err(y.slice(s![r, ..]), ry.slice(s![r, ..]));
+            assert!(err <= tolerance::<f16>(), "{what}: row {r} error {err:e}");
+        }
+        assert_eq!(y.slice(s![3, ..]), beta, "{what}: a constant row must give beta");
+        assert!(ctx.rstd().to_vec().unwrap().iter().all(|r| r.is_finite()));
+    }
+}
+
+/// Two host threads, each with a stream of its own on one GPU, run forward and backward at
+/// the same time on different data; each gets its own correct result.
+#[test]
+fn two_streams_on_one_gpu_run_concurrently() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    std::thread::scope(|scope| {
+        for t in 0..2u64 {
+            let device = gpu.with_new_stream().unwrap();
+            scope.spawn(move || {
+                let mut rng = Rng::new(80 + t);
+                let (rows, n) = (512 + 256 * t as usize, 3000);
+                let gamma = random_vec::<f32>(&mut rng, n, 1.0, 0.5);
+                let beta = random_vec::<f32>(&mut rng, n, 0.0, 0.5);
+                let ln = op(&device, &gamma, &beta);
+                for round in 0..20 {
+                    let x = mixed_matrix::<f32>(&mut rng, rows, n);
+                    let dy = random_matrix::<f32>(&mut rng, rows, n);
+                    let (y, ctx) = ln.forward(&device.upload(x.view()).unwrap()).unwrap();
+                    let g = ln.backward(&ctx, &device.upload(dy.view()).unwrap()).unwrap();
+                    let (ry, _, _) = reference::forward(
+                        to_f64(x.view()).view(),
+                        to_f64(gamma.view()).view(),
+                        to_f64(beta.view()).view(),
+                        1e-5f32 as f64,
+                    );
+                    let (rdx, rdg, _) = reference::backward(
+                        to_f64(x.view()).view(),
+                        to_f64(dy.view()).view(),
+                        to_f64(gamma.view()).view(),
+                        1e-5f32 as f64,
+                    );
+                    let tol = 2.0 * tolerance::<f32>();
+                    assert!(
+                        rel_err(y.to_array2().unwrap().view(), ry.view()) <= tol,
+                        "thread {t} round {round}: y"
+                    );
+                    assert!(
+                        rel_err(g.dx.to_array2().unwrap().view(), rdx.view()) <= tol,
+                        "thread {t} round {round}: dx"
+                    );
+                    assert!(
+                        rel_err(g.dgamma.to_array1().unwrap().view(), rdg.view()) <= tol,
+                        "thread {t} round {round}: dgamma"
+                    );
+                }
+            });
+        }
+    });
+}
+
+/// What may cross threads: device handles, tensors, ops and contexts are all Send + Sync
+/// (each wraps reference-counted driver objects; a handle's work is ordered on its stream).
+#[test]
+fn handles_are_send_and_sync() {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<Device>();
+    send_sync::<Tensor<f32>>();
+    send_sync::<LayerNorm<f16>>();
+    send_sync::<layernorm_cuda::Context<f32>>();
+}
