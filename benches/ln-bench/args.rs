@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-use clap::Parser;
+use clap::error::ErrorKind;
+use clap::{CommandFactory, Parser};
 use layernorm_cuda::MAX_DIM;
 
 use crate::config::{Dtype, Mode};
@@ -73,10 +74,29 @@ pub fn parse() -> Args {
 fn dedup<T: PartialEq + Copy>(items: &mut Vec<T>) {
     let mut seen = Vec::with_capacity(items.len());
     items.retain(|item| {
-        let new = !seen.contains(item);
+        if seen.contains(item) {
+            return false;
+        }
         seen.push(*item);
-        new
+        true
     });
+}
+
+/// The most elements one `[M, N]` tensor may hold: x, dy, an output and their host copies
+/// live at once, 8 GiB each in f32, which the GPU machine (80 GiB device, 128 GiB host)
+/// holds and a larger size would not.
+pub const MAX_ELEMENTS: usize = 1 << 31;
+
+/// Stops with clap's usage error (exit code 2) where M x N is too large for any N.
+pub fn check_sizes(rows: usize, ns: &[usize]) {
+    if let Some(n) = ns.iter().find(|&&n| rows.saturating_mul(n) > MAX_ELEMENTS) {
+        Args::command()
+            .error(
+                ErrorKind::ValueValidation,
+                format!("M x N = {rows} x {n} exceeds this benchmark's limit of 2^31 elements per tensor"),
+            )
+            .exit();
+    }
 }
 
 /// A row count or length: at least 1, at most what the library accepts.

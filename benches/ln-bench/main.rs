@@ -82,6 +82,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
         seed: args.seed,
     };
     let (reps, warmup) = (args.reps.unwrap_or(reps), args.warmup.unwrap_or(warmup));
+    args::check_sizes(plan.rows, &plan.ns);
 
     let (mut timer, memory) = match device.cuda_stream() {
         Some(stream) => (Timer::gpu(stream, warmup, reps)?, memory_of(stream.context())),
