@@ -137,9 +137,12 @@ pub(crate) fn backward<T: Element>(
     let team = team_for(n);
     let (parts_dgamma, parts_dbeta, part_rows) = match mode {
         BackwardMode::Deterministic => {
+            // Block teams: 4 packs per thread, all held (BWD_HELD in kernels-gpu/src/row.rs).
+            // The fewest threads per row leave room for the most rows per multiprocessor at
+            // the backward's 80 to 128 registers per thread.
             let (kernel, threads) = match team {
                 Team::Warp => (&k.bwd_owned_warp, warp_threads(&k.bwd_owned_warp)),
-                Team::Block => (&k.bwd_owned_block, block_threads::<T>(&k.bwd_owned_block, n, 2)),
+                Team::Block => (&k.bwd_owned_block, block_threads::<T>(&k.bwd_owned_block, n, 4)),
             };
             // Each team sums its rows' partials in its own shared memory (about 8n bytes)
             // when they fit; warp teams always fit (8 warps * 8.3 KB at n = 1024).
@@ -166,7 +169,7 @@ pub(crate) fn backward<T: Element>(
                 .during("allocating locks")?;
             let (kernel, threads) = match team {
                 Team::Warp => (&k.bwd_locked_warp, warp_threads(&k.bwd_locked_warp)),
-                Team::Block => (&k.bwd_locked_block, block_threads::<T>(&k.bwd_locked_block, n, 2)),
+                Team::Block => (&k.bwd_locked_block, block_threads::<T>(&k.bwd_locked_block, n, 4)),
             };
             let launch = resident(gpu, kernel, rows, team, threads, SCRATCH_BYTES)?;
             kernels::backward_locked(gpu, team, launch, stage1, &mut pg, &mut pb, &mut words, groups)?;

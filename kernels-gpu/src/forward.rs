@@ -13,6 +13,8 @@
 //!       normalize; 16-byte packs when every pointer of the row allows, else element-wise.
 //!   v2  rows of up to 8 packs per rank are held in registers between the passes: x is read
 //!       from memory once, all 8 loads in flight together; longer rows stream as in v1.
+//!   v5  held rows take their statistics in two exact passes over registers with plain
+//!       sums: no division per pack nor in the reduction tree, and two cheap reductions.
 
 use crate::device::sqrt_rn;
 use crate::element::{Element, is_pack_aligned, read_cached, write};
@@ -82,17 +84,37 @@ unsafe fn forward_row<T: Element, S: Team, const PACKED: bool, const HELD: usize
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let held = unsafe { Held::<HELD>::load::<T, S>(x, if PACKED { n / T::PACK as u32 } else { 0 }) };
 
-    // Pass 1: statistics. Each pack's own (mean, M2) is exact in registers; merging packs
-    // keeps every subtraction between numbers of the row's own scale.
-    let mut stats = Stats::EMPTY;
-    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
-        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-        let v = unsafe { values(&held, x, j, len, slot) };
-        stats = stats.merge(Stats::of(&v[..len]));
-    });
-    let stats = S::reduce_stats(stats);
-    let mean = stats.mean;
-    let rstd = 1.0 / sqrt_rn(stats.m2 / n as f32 + eps);
+    // Pass 1: statistics, with every subtraction between numbers of the row's own scale.
+    let (mean, m2) = if HELD > 0 {
+        // Held rows: exactly two passes over registers, plain sums (no divisions in the
+        // reductions): mean = sum x / n, then M2 = sum (x - mean)^2.
+        let mut sum = 0.0;
+        for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+            // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
+            let v = unsafe { values(&held, x, j, len, slot) };
+            sum += v[..len].iter().sum::<f32>();
+        });
+        let mean = S::sum2(sum, 0.0).0 / n as f32;
+        let mut m2 = 0.0;
+        for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+            // SAFETY: as above.
+            let v = unsafe { values(&held, x, j, len, slot) };
+            m2 += v[..len].iter().map(|&v| (v - mean) * (v - mean)).sum::<f32>();
+        });
+        (mean, S::sum2(m2, 0.0).0)
+    } else {
+        // Streamed rows: one pass over memory. Each pack's own (mean, M2) is exact in
+        // registers, and Chan's merges combine them.
+        let mut stats = Stats::EMPTY;
+        for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+            // SAFETY: as above.
+            let v = unsafe { values(&held, x, j, len, slot) };
+            stats = stats.merge(Stats::of(&v[..len]));
+        });
+        let stats = S::reduce_stats(stats);
+        (stats.mean, stats.m2)
+    };
+    let rstd = 1.0 / sqrt_rn(m2 / n as f32 + eps);
 
     // Pass 2: y = (x - mean) * rstd * gamma + beta, x from registers where held. A
     // streamed row is read again: from L2, not DRAM, while the rows in flight fit there.
