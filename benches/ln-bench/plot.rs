@@ -84,6 +84,10 @@ fn chart<DB: DrawingBackend>(
     });
     // A log axis needs a range of positive width, even for a single N.
     let (n_min, n_max) = (n_min / 1.2, n_max * 1.2);
+    // Ticks at powers of two: the sizes people think in, and never crowded on a log axis.
+    let ticks: Vec<f64> = (n_min.log2().ceil() as i32..=n_max.log2().floor() as i32)
+        .map(|k| 2f64.powi(k))
+        .collect();
     let fastest = results
         .iter()
         .filter_map(|m| run.speed(m).map(|s| s.0))
@@ -94,9 +98,13 @@ fn chart<DB: DrawingBackend>(
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d((n_min..n_max).log_scale(), 0.0..fastest * 1.1)?;
+        .build_cartesian_2d(
+            (n_min..n_max).log_scale().with_key_points(ticks),
+            0.0..fastest * 1.1,
+        )?;
     chart
         .configure_mesh()
+        .max_light_lines(0)
         .x_desc("N")
         .y_desc("GB/s")
         .x_label_formatter(&|n| format!("{n:.0}"))
