@@ -101,8 +101,8 @@ impl Reference {
     pub fn check_backward<T: Element>(&self, dx: &[T], dgamma: &[T], dbeta: &[T]) -> Check {
         Check::worst([
             self.sampled("dx", dx, &self.dx),
-            whole("dgamma", dgamma, &self.dgamma.view()),
-            whole("dbeta", dbeta, &self.dbeta.view()),
+            whole("dgamma", dgamma, self.dgamma.view()),
+            whole("dbeta", dbeta, self.dbeta.view()),
         ])
     }
 
@@ -123,11 +123,11 @@ impl Reference {
 }
 
 /// All of `out` against `reference` (a 1-D output).
-fn whole<T: Element>(what: &'static str, out: &[T], reference: &ArrayView1<'_, f64>) -> Check {
+fn whole<T: Element>(what: &'static str, out: &[T], reference: ArrayView1<'_, f64>) -> Check {
     if let Some(i) = first_non_finite(out) {
         return Check::non_finite(what, 0, i);
     }
-    let (diff, norm) = squared_error(out, reference.view());
+    let (diff, norm) = squared_error(out, reference);
     Check::from_sums(what, diff, norm)
 }
 
