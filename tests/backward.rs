@@ -4,26 +4,11 @@
 mod common;
 
 use common::{
-    Rng, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, reference, rel_err, to_f64,
+    Rng, SHAPES, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, reference, rel_err, to_f64,
     tolerance,
 };
 use layernorm_cuda::{BackwardMode, Device, Element, Gradients, LayerNorm, bf16, f16};
 use ndarray::{Array1, Array2};
-
-const SHAPES: &[(usize, usize)] = &[
-    (1, 1),
-    (5, 1),
-    (7, 3),
-    (1, 1024),
-    (100, 96),
-    (33, 769),
-    (64, 1024),
-    (9, 4096),
-    (3, 4097),
-    (5, 8192),
-    (3, 65537),
-    (2, 262144),
-];
 
 const LOCKED: BackwardMode = BackwardMode::Locked { groups: None };
 

@@ -2,25 +2,10 @@
 
 mod common;
 
-use common::{Rng, gpu_or_skip, mixed_matrix, poisoned, random_vec, reference, rel_err, to_f64, tolerance};
+use common::{
+    Rng, SHAPES, gpu_or_skip, mixed_matrix, poisoned, random_vec, reference, rel_err, to_f64, tolerance,
+};
 use layernorm_cuda::{Device, Element, LayerNorm, bf16, f16};
-
-/// (rows, n): single elements and rows; n odd (every row misaligned for 16-byte packs) or
-/// one past a pack multiple; warp-per-row and block-per-row sizes; rows past 64 KB.
-const SHAPES: &[(usize, usize)] = &[
-    (1, 1),
-    (5, 1),
-    (7, 3),
-    (1, 1024),
-    (100, 96),
-    (33, 769),
-    (64, 1024),
-    (9, 4096),
-    (3, 4097),
-    (5, 8192),
-    (3, 65537),
-    (2, 262144),
-];
 
 /// Runs one forward on `device`, with y and the statistics compared to the reference.
 fn check_forward<T: Element>(device: &Device, rows: usize, n: usize, seed: u64) {

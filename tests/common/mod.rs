@@ -7,6 +7,23 @@ pub mod reference;
 use layernorm_cuda::{Device, Element, Error, Tensor};
 use ndarray::{Array, Array1, Array2, ArrayView, Dimension};
 
+/// (rows, n): single elements and rows; n odd (every row misaligned for 16-byte packs) or
+/// one past a pack multiple; warp-per-row and block-per-row sizes; rows past 64 KB.
+pub const SHAPES: &[(usize, usize)] = &[
+    (1, 1),
+    (5, 1),
+    (7, 3),
+    (1, 1024),
+    (100, 96),
+    (33, 769),
+    (64, 1024),
+    (9, 4096),
+    (3, 4097),
+    (5, 8192),
+    (3, 65537),
+    (2, 262144),
+];
+
 /// SplitMix64: small, seedable and the same on every platform, so a failing seed replays.
 pub struct Rng(u64);
 

@@ -4,21 +4,27 @@
 
 use ndarray::{Array1, Array2, ArrayView1, ArrayView2, Axis};
 
-/// (y, mean, rstd) of each row: mean = sum x / n, var = sum (x - mean)^2 / n,
-/// rstd = 1 / sqrt(var + eps), y = (x - mean) * rstd * gamma + beta.
+/// Per row: mean = sum x / n, var = sum (x - mean)^2 / n, rstd = 1 / sqrt(var + eps);
+/// returns (mean, rstd, xhat = (x - mean) * rstd).
+fn normalized(x: ArrayView2<f64>, eps: f64) -> (Array1<f64>, Array1<f64>, Array2<f64>) {
+    let n = x.ncols() as f64;
+    let mean = x.sum_axis(Axis(1)) / n;
+    let centered = &x - &mean.view().insert_axis(Axis(1));
+    let var = centered.mapv(|c| c * c).sum_axis(Axis(1)) / n;
+    let rstd = var.mapv(|v| 1.0 / (v + eps).sqrt());
+    let xhat = centered * rstd.view().insert_axis(Axis(1));
+    (mean, rstd, xhat)
+}
+
+/// (y, mean, rstd) of each row, y = xhat * gamma + beta.
 pub fn forward(
     x: ArrayView2<f64>,
     gamma: ArrayView1<f64>,
     beta: ArrayView1<f64>,
     eps: f64,
 ) -> (Array2<f64>, Array1<f64>, Array1<f64>) {
-    let n = x.ncols() as f64;
-    let mean = x.sum_axis(Axis(1)) / n;
-    let centered = &x - &mean.view().insert_axis(Axis(1));
-    let var = centered.mapv(|c| c * c).sum_axis(Axis(1)) / n;
-    let rstd = var.mapv(|v| 1.0 / (v + eps).sqrt());
-    let y = &centered * &rstd.view().insert_axis(Axis(1)) * gamma + beta;
-    (y, mean, rstd)
+    let (mean, rstd, xhat) = normalized(x, eps);
+    (xhat * gamma + beta, mean, rstd)
 }
 
 /// (dx, dgamma, dbeta) for upstream gradient dy, from the closed form
@@ -32,11 +38,8 @@ pub fn backward(
     eps: f64,
 ) -> (Array2<f64>, Array1<f64>, Array1<f64>) {
     let n = x.ncols() as f64;
-    let mean = x.sum_axis(Axis(1)) / n;
-    let centered = &x - &mean.view().insert_axis(Axis(1));
-    let var = centered.mapv(|c| c * c).sum_axis(Axis(1)) / n;
-    let rstd = var.mapv(|v| 1.0 / (v + eps).sqrt()).insert_axis(Axis(1));
-    let xhat = &centered * &rstd;
+    let (_, rstd, xhat) = normalized(x, eps);
+    let rstd = rstd.insert_axis(Axis(1));
     let g = &dy * &gamma;
     let mean_g = (g.sum_axis(Axis(1)) / n).insert_axis(Axis(1));
     let mean_gx = ((&g * &xhat).sum_axis(Axis(1)) / n).insert_axis(Axis(1));
