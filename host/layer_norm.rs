@@ -11,7 +11,8 @@ use crate::cpu;
 use crate::device::{Device, Kind};
 use crate::element::Element;
 use crate::error::{DriverContext, Error, Result};
-use crate::gpu::layer_norm::{self as gpu, BackwardBuffers, ForwardBuffers};
+use crate::gpu::kernels::{Backward, Forward};
+use crate::gpu::layer_norm as gpu;
 use crate::tensor::{Data, Tensor};
 
 /// The largest row count and row length: the kernels index rows and columns with u32 and
@@ -158,15 +159,18 @@ impl<T: Element> LayerNorm<T> {
                     host1_mut(rstd_d),
                 ),
                 Kind::Cuda(g) => {
-                    let b = ForwardBuffers {
+                    let a = Forward {
                         x: cuda(x),
                         gamma: cuda(&self.gamma),
                         beta: cuda(&self.beta),
                         y: cuda_mut(y),
                         mean: cuda_mut(mean_d),
                         rstd: cuda_mut(rstd_d),
+                        rows: rows as u32,
+                        n: n as u32,
+                        eps: self.eps,
                     };
-                    gpu::forward(g, b, rows as u32, n as u32, self.eps)?;
+                    gpu::forward(g, a)?;
                 }
             }
         }
@@ -234,17 +238,17 @@ impl<T: Element> LayerNorm<T> {
                 host1_mut(dbeta),
             ),
             Kind::Cuda(g) => {
-                let b = BackwardBuffers {
+                let a = Backward {
                     x: cuda(&ctx.x),
                     dy: cuda(dy),
                     gamma: cuda(&self.gamma),
                     mean: cuda(&ctx.mean),
                     rstd: cuda(&ctx.rstd),
                     dx: cuda_mut(dx),
-                    dgamma: cuda_mut(dgamma),
-                    dbeta: cuda_mut(dbeta),
+                    rows: rows as u32,
+                    n: n as u32,
                 };
-                gpu::backward(g, self.mode, b, rows as u32, n as u32)?;
+                gpu::backward(g, self.mode, a, cuda_mut(dgamma), cuda_mut(dbeta))?;
             }
         }
         Ok(())

@@ -53,23 +53,9 @@ fn warp_threads(kernel: &Kernel) -> u32 {
     (WARPS_PER_BLOCK * 32).min(kernel.max_threads)
 }
 
-pub(crate) struct ForwardBuffers<'a, T> {
-    pub(crate) x: &'a CudaSlice<T>,
-    pub(crate) gamma: &'a CudaSlice<T>,
-    pub(crate) beta: &'a CudaSlice<T>,
-    pub(crate) y: &'a mut CudaSlice<T>,
-    pub(crate) mean: &'a mut CudaSlice<f32>,
-    pub(crate) rstd: &'a mut CudaSlice<f32>,
-}
-
 /// Queues the forward of `[rows, n]` (rows, n >= 1).
-pub(crate) fn forward<T: Element>(
-    gpu: &Gpu,
-    b: ForwardBuffers<'_, T>,
-    rows: u32,
-    n: u32,
-    eps: f32,
-) -> Result<()> {
+pub(crate) fn forward<T: Element>(gpu: &Gpu, a: Forward<'_, T>) -> Result<()> {
+    let (rows, n) = (a.rows, a.n);
     let k = gpu.kernels.of::<T>();
     let team = team_for(n);
     let (kernel, threads) = match team {
@@ -79,29 +65,7 @@ pub(crate) fn forward<T: Element>(
         Team::Block => (&k.fwd_block, block_threads::<T>(&k.fwd_block, n, 4)),
     };
     let launch = resident(gpu, kernel, rows, team, threads, SCRATCH_BYTES)?;
-    let a = Forward {
-        x: b.x,
-        gamma: b.gamma,
-        beta: b.beta,
-        y: b.y,
-        mean: b.mean,
-        rstd: b.rstd,
-        rows,
-        n,
-        eps,
-    };
     kernels::forward(gpu, team, launch, a)
-}
-
-pub(crate) struct BackwardBuffers<'a, T> {
-    pub(crate) x: &'a CudaSlice<T>,
-    pub(crate) dy: &'a CudaSlice<T>,
-    pub(crate) gamma: &'a CudaSlice<T>,
-    pub(crate) mean: &'a CudaSlice<f32>,
-    pub(crate) rstd: &'a CudaSlice<f32>,
-    pub(crate) dx: &'a mut CudaSlice<T>,
-    pub(crate) dgamma: &'a mut CudaSlice<T>,
-    pub(crate) dbeta: &'a mut CudaSlice<T>,
 }
 
 /// The tutorial's group count for the locked mode: more groups for short rows, where many
@@ -119,20 +83,11 @@ pub(crate) fn default_groups(n: usize) -> u32 {
 pub(crate) fn backward<T: Element>(
     gpu: &Gpu,
     mode: BackwardMode,
-    b: BackwardBuffers<'_, T>,
-    rows: u32,
-    n: u32,
+    stage1: Backward<'_, T>,
+    dgamma: &mut CudaSlice<T>,
+    dbeta: &mut CudaSlice<T>,
 ) -> Result<()> {
-    let stage1 = Backward {
-        x: b.x,
-        dy: b.dy,
-        gamma: b.gamma,
-        mean: b.mean,
-        rstd: b.rstd,
-        dx: b.dx,
-        rows,
-        n,
-    };
+    let (rows, n) = (stage1.rows, stage1.n);
     let k = gpu.kernels.of::<T>();
     let team = team_for(n);
     let (parts_dgamma, parts_dbeta, part_rows) = match mode {
@@ -176,7 +131,7 @@ pub(crate) fn backward<T: Element>(
             (pg, pb, groups)
         }
     };
-    kernels::backward_reduce(gpu, &parts_dgamma, &parts_dbeta, part_rows, n, b.dgamma, b.dbeta)
+    kernels::backward_reduce(gpu, &parts_dgamma, &parts_dbeta, part_rows, n, dgamma, dbeta)
 }
 
 /// Two f32 partial buffers of `len`, uninitialized: stage 1 writes every element before
