@@ -1,5 +1,8 @@
-//! Builds `kernels-gpu/` to PTX and hands it to the host crate as
-//! `$OUT_DIR/layernorm_kernels.ptx` (embedded with `include_str!` in `host/gpu/kernels.rs`).
+//! Builds `kernels-gpu/` to PTX twice and hands both modules to the host crate (embedded
+//! with `include_str!` in `host/gpu/kernels.rs`, which loads the one the device runs):
+//! - `layernorm_kernels.ptx`, sm_80: every GPU from the A100 on;
+//! - `layernorm_kernels_sm90.ptx`, sm_90 (Hopper) with `--cfg layernorm_sm90`: the same
+//!   kernels plus those that use thread-block clusters.
 //!
 //! The kernel toolchain (a rustc that can build `core` for `nvptx64-nvidia-cuda`) is looked
 //! for in this order:
@@ -8,11 +11,11 @@
 //!      /usr/lib/rustlib/src/rust/library);
 //!   3. a rustup `nightly` toolchain with the `rust-src` component.
 //!
-//! Where none exists (or `LAYERNORM_KERNEL_PTX=checked-in`), the PTX checked in at
-//! `kernels-gpu/layernorm_kernels.ptx` is used. Its first line records the SHA-256 of the
-//! kernel sources it was built from; if the sources have changed since, the build fails
+//! Where none exists (or `LAYERNORM_KERNEL_PTX=checked-in`), the PTX checked in beside the
+//! kernel crate (`kernels-gpu/*.ptx`) is used. Each file's first line records the SHA-256 of
+//! the kernel sources it was built from; if the sources have changed since, the build fails
 //! rather than ship kernels that do not match them. `LAYERNORM_KERNEL_PTX=update` writes
-//! the freshly built PTX back to that file (run it after changing a kernel).
+//! the freshly built PTX back to those files (run it after changing a kernel).
 
 use std::env;
 use std::fs;
@@ -22,10 +25,30 @@ use std::process::Command;
 use sha2::{Digest, Sha256};
 
 const KERNEL_DIR: &str = "kernels-gpu";
-const CHECKED_IN: &str = "kernels-gpu/layernorm_kernels.ptx";
 const HASH_PREFIX: &str = "// layernorm-cuda kernel sources sha256: ";
-/// The PTX targets sm_80 (A100) and later; Hopper runs it through the driver's JIT.
-const TARGET_CPU: &str = "sm_80";
+
+/// One PTX module: its file name (in `$OUT_DIR` and, checked in, in `kernels-gpu/`), the
+/// GPU it targets, and the extra rustc flags of its build.
+struct Module {
+    file: &'static str,
+    target_cpu: &'static str,
+    flags: &'static [&'static str],
+}
+
+const MODULES: &[Module] = &[
+    // sm_80 (A100) and later, Hopper included through the driver's JIT.
+    Module {
+        file: "layernorm_kernels.ptx",
+        target_cpu: "sm_80",
+        flags: &[],
+    },
+    // Hopper: clusters and distributed shared memory exist from sm_90 on.
+    Module {
+        file: "layernorm_kernels_sm90.ptx",
+        target_cpu: "sm_90",
+        flags: &["--cfg", "layernorm_sm90"],
+    },
+];
 /// Launch bounds (`.maxntid`, the most threads a block of the kernel may have), by kernel
 /// name prefix; Rust has no attribute for them, so they are added to the PTX here. For 1024
 /// threads ptxas keeps each thread within 64 registers, so a multiprocessor holds a full
@@ -33,8 +56,10 @@ const TARGET_CPU: &str = "sm_80";
 /// The backward's stage 1 holds x and dy and adds partials a whole pack at a time, and
 /// spills at 64 registers: the locked mode fits 80 (768 threads), the owned mode, with its
 /// shared-memory rows and their final combine, 128 (512 threads).
+/// The cluster kernels are owned-mode kernels too.
 const LAUNCH_BOUNDS: &[(&str, &str)] = &[
     ("layer_norm_bwd_owned_", ".maxntid 512, 1, 1"),
+    ("layer_norm_bwd_cluster", ".maxntid 512, 1, 1"),
     ("layer_norm_bwd_locked_", ".maxntid 768, 1, 1"),
     ("layer_norm_", ".maxntid 1024, 1, 1"),
 ];
@@ -42,7 +67,9 @@ const LAUNCH_BOUNDS: &[(&str, &str)] = &[
 fn main() {
     println!("cargo:rerun-if-changed={KERNEL_DIR}/src");
     println!("cargo:rerun-if-changed={KERNEL_DIR}/Cargo.toml");
-    println!("cargo:rerun-if-changed={CHECKED_IN}");
+    for m in MODULES {
+        println!("cargo:rerun-if-changed={KERNEL_DIR}/{}", m.file);
+    }
     for var in [
         "LAYERNORM_KERNEL_CARGO",
         "LAYERNORM_KERNEL_RUSTC",
@@ -60,19 +87,25 @@ fn main() {
     } else {
         find_toolchain()
     };
-    let ptx = match toolchain {
-        Some(tc) => {
-            let body = build_ptx(&tc, &root.join(KERNEL_DIR), &out);
-            let ptx = format!("{HASH_PREFIX}{hash}\n{body}");
-            if mode == "update" {
-                fs::write(root.join(CHECKED_IN), &ptx).expect("write the checked-in PTX");
-                println!("cargo:warning=updated {CHECKED_IN} from the kernel sources");
+    for m in MODULES {
+        let checked_in = root.join(KERNEL_DIR).join(m.file);
+        let ptx = match &toolchain {
+            Some(tc) => {
+                let body = build_ptx(tc, m, &root.join(KERNEL_DIR), &out);
+                let ptx = format!("{HASH_PREFIX}{hash}\n{body}");
+                if mode == "update" {
+                    fs::write(&checked_in, &ptx).expect("write the checked-in PTX");
+                    println!(
+                        "cargo:warning=updated {} from the kernel sources",
+                        checked_in.display()
+                    );
+                }
+                ptx
             }
-            ptx
-        }
-        None => checked_in_ptx(&root, &hash),
-    };
-    fs::write(out.join("layernorm_kernels.ptx"), ptx).expect("write PTX to OUT_DIR");
+            None => checked_in_ptx(&checked_in, &hash),
+        };
+        fs::write(out.join(m.file), ptx).expect("write PTX to OUT_DIR");
+    }
 }
 
 /// A cargo/rustc pair that can build `core` for nvptx64, and how to run it.
@@ -123,8 +156,11 @@ fn find_toolchain() -> Option<Toolchain> {
 }
 
 /// Runs the nested cargo and returns the PTX text.
-fn build_ptx(tc: &Toolchain, kernel_dir: &Path, out: &Path) -> String {
-    let target_dir = out.join("kernels-target");
+fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> String {
+    // A target dir per module: cargo does not count `cargo rustc`'s extra flags as a change,
+    // so with one dir the second module's build would be skipped as fresh and read back
+    // the first module's PTX.
+    let target_dir = out.join(format!("kernels-target-{}", module.target_cpu));
     let mut cmd = Command::new(&tc.cargo);
     // The outer build's CARGO*/RUST* variables (its rustc, its flags, its lock) must not
     // leak into the nested one: a stable rustc meeting nightly library sources fails.
@@ -155,7 +191,13 @@ fn build_ptx(tc: &Toolchain, kernel_dir: &Path, out: &Path) -> String {
             "--target-dir",
         ])
         .arg(&target_dir)
-        .args(["--", "--emit=asm", "-C", &format!("target-cpu={TARGET_CPU}")]);
+        .args([
+            "--",
+            "--emit=asm",
+            "-C",
+            &format!("target-cpu={}", module.target_cpu),
+        ])
+        .args(module.flags);
     let status = cmd
         .status()
         .unwrap_or_else(|e| panic!("could not run {}: {e}", tc.cargo.display()));
@@ -184,32 +226,38 @@ fn build_ptx(tc: &Toolchain, kernel_dir: &Path, out: &Path) -> String {
     with_launch_bounds(&ptx)
 }
 
-/// Adds each kernel's [`LAUNCH_BOUNDS`] after its parameter list, where PTX wants them.
+/// Adds each kernel's [`LAUNCH_BOUNDS`] after its parameter list, where PTX wants them,
+/// and to each `layer_norm_bwd_cluster<C>_*` kernel its cluster size: with
+/// `.reqnctapercluster` a plain launch forms the clusters (no extended launch API needed).
 fn with_launch_bounds(ptx: &str) -> String {
     let mut out = String::with_capacity(ptx.len() + 4096);
-    let mut bounds = None;
+    let mut directives = Vec::new();
     for line in ptx.lines() {
         out.push_str(line);
         out.push('\n');
         if let Some(name) = line.strip_prefix(".visible .entry ") {
-            bounds = LAUNCH_BOUNDS
-                .iter()
-                .find(|(prefix, _)| name.starts_with(prefix))
-                .map(|(_, b)| *b);
-        } else if line.trim() == ")"
-            && let Some(b) = bounds.take()
-        {
-            out.push_str(b);
-            out.push('\n');
+            directives.clear();
+            if let Some((_, b)) = LAUNCH_BOUNDS.iter().find(|(prefix, _)| name.starts_with(prefix)) {
+                directives.push(b.to_string());
+            }
+            if let Some(rest) = name.strip_prefix("layer_norm_bwd_cluster") {
+                let size: String = rest.chars().take_while(char::is_ascii_digit).collect();
+                assert!(!size.is_empty(), "cluster kernel {name} has no size in its name");
+                directives.push(format!(".reqnctapercluster {size}, 1, 1"));
+            }
+        } else if line.trim() == ")" {
+            for d in directives.drain(..) {
+                out.push_str(&d);
+                out.push('\n');
+            }
         }
     }
     out
 }
 
 /// The checked-in PTX, refused if the kernel sources changed since it was built.
-fn checked_in_ptx(root: &Path, hash: &str) -> String {
-    let path = root.join(CHECKED_IN);
-    let text = fs::read_to_string(&path)
+fn checked_in_ptx(path: &Path, hash: &str) -> String {
+    let text = fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("no kernel toolchain, and {}: {e}", path.display()));
     let recorded = text
         .lines()
@@ -218,12 +266,13 @@ fn checked_in_ptx(root: &Path, hash: &str) -> String {
         .unwrap_or("");
     if recorded != hash {
         panic!(
-            "{CHECKED_IN} was built from other kernel sources (recorded {recorded}, now {hash}), \
+            "{} was built from other kernel sources (recorded {recorded}, now {hash}), \
              and no kernel toolchain was found to rebuild it. Install one \
              (Debian: `apt-get install rustc-web cargo-web rust-web-src`; rustup: \
              `rustup toolchain install nightly --component rust-src`), or set \
              LAYERNORM_KERNEL_CARGO and LAYERNORM_KERNEL_RUSTC; then rebuild, and refresh the \
-             checked-in file with LAYERNORM_KERNEL_PTX=update."
+             checked-in files with LAYERNORM_KERNEL_PTX=update.",
+            path.display()
         );
     }
     text

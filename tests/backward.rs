@@ -177,6 +177,28 @@ fn gpu_backward_many_rows() {
     }
 }
 
+/// Rows too long for one block to hold in registers or to sum in shared memory (8n
+/// bytes): on Hopper, clusters of 8 blocks split each row (kernels-gpu/src/cluster.rs),
+/// elsewhere partials go through global memory. Many rows per cluster, fewer rows than clusters,
+/// odd n (misaligned rows, a ragged last slice), each storage type.
+#[test]
+fn gpu_backward_long_rows() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let f16_cases = [(300, 32768), (200, 65536), (3, 40000)];
+    for (i, &(rows, n)) in f16_cases.iter().enumerate() {
+        Problem::<f16>::random(rows, n, 1700 + i as u64).check(
+            &gpu,
+            BackwardMode::Deterministic,
+            "long rows",
+        );
+    }
+    // f32 rows past 4 packs a thread of one block: clustered so that they stay in registers.
+    Problem::<f32>::random(100, 15872, 1713).check(&gpu, BackwardMode::Deterministic, "long rows");
+    Problem::<f32>::random(130, 32768, 1710).check(&gpu, BackwardMode::Deterministic, "long rows");
+    Problem::<f32>::random(40, 65536, 1711).check(&gpu, BackwardMode::Deterministic, "long rows");
+    Problem::<bf16>::random(67, 100001, 1712).check(&gpu, BackwardMode::Deterministic, "long rows");
+}
+
 /// The spinlock under its worst cases: one group that every team contends for, more groups
 /// than rows, many rows per group. Each run must finish (no hang), match the reference,
 /// and agree with the deterministic mode.
@@ -230,6 +252,9 @@ fn gpu_deterministic_mode_is_bitwise_reproducible() {
     twice::<f32>(&gpu, 4096, 1024, 1500);
     twice::<f16>(&gpu, 3000, 4096, 1501);
     twice::<bf16>(&gpu, 777, 20000, 1502);
+    // Clusters on Hopper: the row sums cross blocks through distributed shared memory.
+    twice::<f16>(&gpu, 257, 32768, 1503);
+    twice::<f32>(&gpu, 33, 65537, 1504);
 }
 
 /// GPU and CPU path agree on the same inputs.

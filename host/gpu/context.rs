@@ -41,7 +41,7 @@ impl Gpu {
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .during("reading the multiprocessor count")? as u32;
-        let kernels = Arc::new(KernelTable::load(&ctx)?);
+        let kernels = Arc::new(KernelTable::load(&ctx, major)?);
         let stream = ctx.new_stream().during("creating a stream")?;
         Ok(Gpu {
             stream,

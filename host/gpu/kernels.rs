@@ -14,8 +14,15 @@ use super::Gpu;
 use crate::element::Element;
 use crate::error::{DriverContext, Result};
 
-/// The kernels, built from `kernels-gpu/` by build.rs.
-pub(crate) const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels.ptx"));
+/// The kernels for sm_80 and later, built from `kernels-gpu/` by build.rs.
+const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels.ptx"));
+/// The same kernels for sm_90 (Hopper) and later, plus the cluster kernels.
+const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels_sm90.ptx"));
+
+/// Blocks per cluster of the `layer_norm_bwd_cluster8_<T>` kernels (the most a launch may
+/// have without opting in to non-portable sizes; `CLUSTER_SIZE` in kernels-gpu's
+/// backward.rs).
+pub(crate) const CLUSTER_SIZE: u32 = 8;
 
 /// Dynamic shared memory every kernel needs at least: the block reductions' 32 slots of
 /// 16 bytes (`SCRATCH_BYTES` in kernels-gpu/src/team.rs).
@@ -71,6 +78,21 @@ impl Kernel {
         })
     }
 
+    /// Clusters of the kernel's (compile-time) [`CLUSTER_SIZE`], `threads` and `smem` per
+    /// block, that the device runs at once (>= 1).
+    pub(crate) fn active_clusters(&self, gpu: &Gpu, threads: u32, smem: u32) -> Result<u32> {
+        let config = LaunchConfig {
+            grid_dim: (CLUSTER_SIZE, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let n = self
+            .func
+            .occupancy_max_active_clusters(config, &gpu.stream)
+            .during("querying cluster occupancy")?;
+        Ok(n.max(1))
+    }
+
     /// Blocks of `threads` threads and `smem` bytes one multiprocessor runs at once (>= 1).
     pub(crate) fn blocks_per_sm(&self, threads: u32, smem: u32) -> Result<u32> {
         let n = self
@@ -90,6 +112,8 @@ pub(crate) struct TypeKernels {
     pub(crate) bwd_locked_warp: Kernel,
     pub(crate) bwd_locked_block: Kernel,
     bwd_reduce: Kernel,
+    /// Owned-mode stage 1 over clusters of [`CLUSTER_SIZE`] blocks; None before sm_90.
+    pub(crate) bwd_cluster: Option<Kernel>,
 }
 
 /// All kernels of the module, by storage type.
@@ -100,13 +124,16 @@ pub(crate) struct KernelTable {
 }
 
 impl KernelTable {
-    /// JIT-compiles the PTX for this device (once per device) and looks up every kernel.
-    pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<KernelTable> {
+    /// JIT-compiles the PTX for this device (once per device) and looks up every kernel:
+    /// the sm_90 module (with the cluster kernels) on compute capability 9.0 and later.
+    pub(crate) fn load(ctx: &Arc<CudaContext>, major: i32) -> Result<KernelTable> {
         let max_smem = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .during("reading the shared memory limit")? as u32;
+        let hopper = major >= 9;
+        let ptx = if hopper { PTX_SM90 } else { PTX_SM80 };
         let module = ctx
-            .load_module(Ptx::from_src(PTX))
+            .load_module(Ptx::from_src(ptx))
             .during("loading the PTX module")?;
         let load = |kind: &str, ty: &str| Kernel::load(&module, &format!("layer_norm_{kind}_{ty}"), max_smem);
         let of = |ty: &str| -> Result<TypeKernels> {
@@ -118,6 +145,11 @@ impl KernelTable {
                 bwd_locked_warp: load("bwd_locked_warp", ty)?,
                 bwd_locked_block: load("bwd_locked_block", ty)?,
                 bwd_reduce: load("bwd_reduce", ty)?,
+                bwd_cluster: if hopper {
+                    Some(load(&format!("bwd_cluster{CLUSTER_SIZE}"), ty)?)
+                } else {
+                    None
+                },
             })
         };
         Ok(KernelTable {
@@ -259,6 +291,54 @@ pub(crate) fn backward_owned<T: Element>(
 pub(crate) fn owned_local_smem(teams: u32, n: u32) -> usize {
     let words = (n + n / 32) as usize + 1;
     SCRATCH_BYTES as usize + teams as usize * 2 * 4 * words
+}
+
+/// Stage 1, owned mode over clusters of [`CLUSTER_SIZE`] blocks: `launch.blocks / 8`
+/// partial rows, each block of a cluster summing one slice of the row in shared memory.
+pub(crate) fn backward_cluster<T: Element>(
+    gpu: &Gpu,
+    launch: Launch,
+    a: Backward<'_, T>,
+    part_dgamma: &mut CudaSlice<f32>,
+    part_dbeta: &mut CudaSlice<f32>,
+) -> Result<()> {
+    a.check();
+    require(launch.blocks % CLUSTER_SIZE == 0, "whole clusters");
+    let parts = (launch.blocks / CLUSTER_SIZE) as usize * a.n as usize;
+    require(
+        part_dgamma.len() >= parts && part_dbeta.len() >= parts,
+        "cluster partials",
+    );
+    require(launch.smem as usize >= cluster_smem::<T>(a.n), "cluster smem");
+    let Some(f) = &gpu.kernels.of::<T>().bwd_cluster else {
+        panic!("layernorm-cuda bug: a cluster launch on a device without cluster kernels");
+    };
+    let mut b = gpu.stream.launch_builder(&f.func);
+    b.arg(a.x)
+        .arg(a.dy)
+        .arg(a.gamma)
+        .arg(a.mean)
+        .arg(a.rstd)
+        .arg(a.dx);
+    b.arg(part_dgamma).arg(part_dbeta).arg(&a.rows).arg(&a.n);
+    // SAFETY: the argument list matches `cluster_kernels!` in kernels-gpu/src/backward.rs,
+    // every buffer (shared memory included) holds what the kernel indexes (checked above),
+    // and the grid is whole clusters of the size the kernel declares.
+    unsafe { b.launch(launch.config()) }.during("launching backward stage 1 (clusters)")?;
+    Ok(())
+}
+
+/// Columns of one block's slice when a cluster shares a row of `n`: whole 16-byte packs
+/// (`slice_width` in kernels-gpu/src/cluster.rs).
+pub(crate) fn cluster_slice<T: Element>(n: u32) -> u32 {
+    let pack = (16 / size_of::<T>()) as u32;
+    n.div_ceil(pack).div_ceil(CLUSTER_SIZE) * pack
+}
+
+/// Shared memory of a cluster block: the scratch and the exchange slot
+/// (`CLUSTER_SCRATCH_BYTES`), then a padded dgamma and dbeta row of one slice.
+pub(crate) fn cluster_smem<T: Element>(n: u32) -> usize {
+    owned_local_smem(1, cluster_slice::<T>(n)) + 16
 }
 
 /// Stage 1, locked mode: `groups` partial rows and `2 * groups` zeroed lock/count words.

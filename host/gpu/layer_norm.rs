@@ -91,6 +91,21 @@ pub(crate) fn backward<T: Element>(
     let k = gpu.kernels.of::<T>();
     let team = team_for(n);
     let (parts_dgamma, parts_dbeta, part_rows) = match mode {
+        BackwardMode::Deterministic if team == Team::Block && cluster_for::<T>(gpu, n).is_some() => {
+            let kernel = cluster_for::<T>(gpu, n).expect("checked by the guard");
+            let threads = block_threads::<T>(kernel, kernels::cluster_slice::<T>(n), 4);
+            let smem = kernels::cluster_smem::<T>(n) as u32;
+            let clusters = kernel.active_clusters(gpu, threads, smem)?.min(rows);
+            let launch = Launch {
+                blocks: clusters * kernels::CLUSTER_SIZE,
+                threads,
+                smem,
+            };
+            // Each cluster writes every column of its partial row (each block its slice).
+            let (mut pg, mut pb) = alloc_partials(gpu, clusters as usize * n as usize)?;
+            kernels::backward_cluster(gpu, launch, stage1, &mut pg, &mut pb)?;
+            (pg, pb, clusters)
+        }
         BackwardMode::Deterministic => {
             // Block teams: 4 packs per thread, all held (BWD_HELD in kernels-gpu/src/row.rs).
             // The fewest threads per row leave room for the most rows per multiprocessor at
@@ -132,6 +147,18 @@ pub(crate) fn backward<T: Element>(
         }
     };
     kernels::backward_reduce(gpu, &parts_dgamma, &parts_dbeta, part_rows, n, dgamma, dbeta)
+}
+
+/// The cluster kernel, where it should run the owned backward of block-team rows of `n`:
+/// on sm_90 and later, for rows that one block can neither hold in registers (4 packs a
+/// thread) nor sum in shared memory (8n bytes), as long as an eighth of the row fits.
+fn cluster_for<T: Element>(gpu: &Gpu, n: u32) -> Option<&Kernel> {
+    let k = gpu.kernels.of::<T>();
+    let kernel = k.bwd_cluster.as_ref()?;
+    let max_smem = gpu.kernels.max_smem as usize;
+    let packs = n.div_ceil((16 / size_of::<T>()) as u32);
+    let one_block = kernels::owned_local_smem(1, n) <= max_smem && packs <= k.bwd_owned_block.max_threads * 4;
+    (!one_block && kernels::cluster_smem::<T>(n) <= max_smem).then_some(kernel)
 }
 
 /// Two f32 partial buffers of `len`, uninitialized: stage 1 writes every element before

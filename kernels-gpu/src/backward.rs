@@ -33,12 +33,16 @@
 
 use core::sync::atomic::{AtomicU32, Ordering, fence};
 
+#[cfg(layernorm_sm90)]
+use crate::cluster::{CLUSTER_SCRATCH_BYTES, Cluster, slice_width};
 use crate::device::{self, load_f32_l2, shared_ptr};
 use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, read_cached, write};
-use crate::row::{BWD_HELD, Held, fits, for_each_chunk, values};
+use crate::row::{BWD_HELD, Held, fits, for_each_chunk, prefetch, values};
 use crate::team::{Block, SCRATCH_BYTES, Team, Warp};
 
-/// The inputs of one backward launch, as the host passes them.
+/// The inputs of one backward launch, as the host passes them. A team walks `cols` columns
+/// from the row pointers: all `n` of them, or (clusters) a slice, with `x`, `dy`, `gamma`
+/// and `dx` then pointing at the slice's first column.
 #[derive(Clone, Copy)]
 struct Rows<T> {
     x: *const T,
@@ -48,7 +52,10 @@ struct Rows<T> {
     rstd: *const f32,
     dx: *mut T,
     rows: u32,
+    /// Row length: the stride between rows, and the n of c1 and c2.
     n: u32,
+    /// Columns this team walks.
+    cols: u32,
 }
 
 /// One row of partial sums: a group row in global memory (locked mode), a block's row in
@@ -100,14 +107,15 @@ impl PartialRow {
     }
 
     /// Team `t`'s row in shared memory: padded dgamma then padded dbeta for each team of
-    /// the block, after the reduction scratch. Always accumulates (zeroed first).
+    /// the block, after `scratch` bytes of reduction scratch. Always accumulates (zeroed
+    /// first).
     ///
     /// # Safety
-    /// The launch gave the block `SCRATCH_BYTES + teams * 8 * (padded_len(n) + 1)` bytes.
+    /// The launch gave the block `scratch + teams * 8 * (padded_len(n) + 1)` bytes.
     #[inline(always)]
-    unsafe fn shared(t: u32, n: u32) -> Self {
+    unsafe fn shared(scratch: u32, t: u32, n: u32) -> Self {
         let words = padded_len(n) + 1;
-        let base = SCRATCH_BYTES as usize + t as usize * 8 * words;
+        let base = scratch as usize + t as usize * 8 * words;
         let dgamma = shared_ptr::<f32>(base as u32);
         // SAFETY: the caller guarantees the shared memory holds this team's two rows.
         let dbeta = unsafe { dgamma.add(words) };
@@ -215,8 +223,8 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
             *r.rstd.add(row as usize),
         )
     };
-    let n = r.n;
-    let packs = if PACKED { n / T::PACK as u32 } else { 0 };
+    let (n, cols) = (r.n, r.cols);
+    let packs = if PACKED { cols / T::PACK as u32 } else { 0 };
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let (xs, dys) = unsafe {
         (
@@ -224,6 +232,17 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
             Held::<HELD>::load::<T, S>(dy, packs),
         )
     };
+    // The team's next row streams into L2 while this one is worked on (teams that gain
+    // from it: see `Team::PREFETCH_NEXT_ROW`).
+    let next = row + S::count();
+    if S::PREFETCH_NEXT_ROW && next < r.rows {
+        let at = next as usize * n as usize;
+        // SAFETY: next < rows, so its `cols` columns lie inside x and dy.
+        unsafe {
+            prefetch::<T, S>(r.x.add(at), cols);
+            prefetch::<T, S>(r.dy.add(at), cols);
+        }
+    }
     // (xhat, gamma * dy, dy) of one chunk.
     let terms = |j: u32, len: usize, slot: Option<usize>| -> (Pack, Pack, Pack) {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
@@ -244,7 +263,7 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
 
     // Pass 1: c1 and c2.
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
-    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+    for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, wdy, _) = terms(j, len, slot);
         for k in 0..len {
             s1 += xhat[k] * wdy[k];
@@ -255,7 +274,7 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
     let (c1, c2) = (s1 / n as f32, s2 / n as f32);
 
     // Pass 2: dx.
-    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+    for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, wdy, _) = terms(j, len, slot);
         let mut out = [0.0; MAX_PACK];
         for k in 0..len {
@@ -273,7 +292,7 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
         // SAFETY: the group index is below G and its lock and count words exist.
         Sink::Locked(l) => (unsafe { l.acquire::<T, S>(row) }, Some(l)),
     };
-    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+    for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, _, dyv) = terms(j, len, slot);
         let mut dgamma = [0.0; MAX_PACK];
         for k in 0..len {
@@ -302,7 +321,7 @@ unsafe fn backward_row_any<T: Element, S: Team>(r: &Rows<T>, row: u32, sink: Sin
         && is_pack_aligned(r.gamma);
     // SAFETY: row < rows; `packed` was checked for every pointer the packed paths read.
     unsafe {
-        if packed && fits::<T, S, BWD_HELD>(r.n) {
+        if packed && fits::<T, S, BWD_HELD>(r.cols) {
             backward_row::<T, S, true, BWD_HELD>(r, row, sink)
         } else if packed {
             backward_row::<T, S, true, 0>(r, row, sink)
@@ -384,6 +403,57 @@ impl GroupLock {
     }
 }
 
+/// The owned mode with partials in shared memory: each team sums its rows' partials in its
+/// own shared-memory row (after `scratch` bytes), then the block adds its teams' rows, in
+/// team order, into `out` (columns 0..r.cols, overwritten).
+///
+/// # Safety
+/// `r`'s buffers sized as documented; `out` holds `r.cols` columns that no other block
+/// writes; the launch gave each block `scratch + per_block * 8 * (padded_len(cols) + 1)`
+/// bytes of shared memory.
+#[inline(always)]
+unsafe fn owned_in_shared<T: Element, S: Team>(r: &Rows<T>, scratch: u32, out: PartialRow) {
+    // SAFETY: the launch sized shared memory for every team of the block.
+    let mine = unsafe { PartialRow::shared(scratch, S::index_in_block(), r.cols) };
+    let mut q = S::rank() as usize;
+    while q < padded_len(r.cols) {
+        // SAFETY: q < padded_len(cols), inside this team's rows.
+        unsafe { (mine.dgamma.add(q).write(0.0), mine.dbeta.add(q).write(0.0)) };
+        q += S::size() as usize;
+    }
+    S::sync();
+    let mut row = S::id();
+    while row < r.rows {
+        // SAFETY: row < rows; the shared row is this team's alone.
+        unsafe { backward_row_any::<T, S>(r, row, Sink::Owned(mine)) };
+        // The next row may map a column to another rank (packed vs unpacked rows); the
+        // barrier orders this row's partial writes before the next row's reads.
+        S::sync();
+        row += S::count();
+    }
+    // Every team of the block is done: add their rows, in team order, into `out`.
+    device::sync_block();
+    let mut j = device::thread_idx();
+    while j < r.cols {
+        let (mut g, mut b) = (0.0f32, 0.0f32);
+        for t in 0..S::per_block() {
+            // SAFETY: team t's rows exist (launch guarantee) and all teams wrote theirs
+            // before the barrier.
+            unsafe {
+                let p = PartialRow::shared(scratch, t, r.cols);
+                g += p.dgamma.add(padded(j)).read();
+                b += p.dbeta.add(padded(j)).read();
+            }
+        }
+        // SAFETY: j < cols; this thread alone writes column j of `out`.
+        unsafe {
+            out.dgamma.add(j as usize).write(g);
+            out.dbeta.add(j as usize).write(b);
+        }
+        j += device::block_dim();
+    }
+}
+
 /// Stage 1, owned mode: team u handles rows u, u + U, ... (U = teams), and block b writes
 /// partial row b. With `local`, each team sums into its own shared-memory row, and the block
 /// adds its teams' rows (in team order) into row b at the end; without it (block teams whose
@@ -403,46 +473,11 @@ unsafe fn stage1_owned<T: Element, S: Team>(
 ) {
     let block = device::block_idx();
     if local {
-        // SAFETY: the launch sized shared memory for every team of the block.
-        let mine = unsafe { PartialRow::shared(S::index_in_block(), r.n) };
-        let mut q = S::rank() as usize;
-        while q < padded_len(r.n) {
-            // SAFETY: q < padded_len(n), inside this team's rows.
-            unsafe { (mine.dgamma.add(q).write(0.0), mine.dbeta.add(q).write(0.0)) };
-            q += S::size() as usize;
-        }
-        S::sync();
-        let mut row = S::id();
-        while row < r.rows {
-            // SAFETY: row < rows; the shared row is this team's alone.
-            unsafe { backward_row_any::<T, S>(&r, row, Sink::Owned(mine)) };
-            // The next row may map a column to another rank (packed vs unpacked rows); the
-            // barrier orders this row's partial writes before the next row's reads.
-            S::sync();
-            row += S::count();
-        }
-        // Every team of the block is done: add their rows, in team order, into row b.
-        device::sync_block();
-        // SAFETY: block < gridDim, so row b exists.
-        let out = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, false) };
-        let mut j = device::thread_idx();
-        while j < r.n {
-            let (mut g, mut b) = (0.0f32, 0.0f32);
-            for t in 0..S::per_block() {
-                // SAFETY: team t's rows exist (launch guarantee) and all teams wrote theirs
-                // before the barrier.
-                unsafe {
-                    let p = PartialRow::shared(t, r.n);
-                    g += p.dgamma.add(padded(j)).read();
-                    b += p.dbeta.add(padded(j)).read();
-                }
-            }
-            // SAFETY: j < n; this thread alone writes column j of row b.
-            unsafe {
-                out.dgamma.add(j as usize).write(g);
-                out.dbeta.add(j as usize).write(b);
-            }
-            j += device::block_dim();
+        // SAFETY: block < gridDim, so row b exists; the launch sized shared memory for
+        // every team of the block.
+        unsafe {
+            let out = PartialRow::global(part_dgamma, part_dbeta, block, r.n, false);
+            owned_in_shared::<T, S>(&r, SCRATCH_BYTES, out);
         }
         return;
     }
@@ -468,6 +503,49 @@ unsafe fn stage1_owned<T: Element, S: Team>(
         S::sync();
         row += S::count();
     }
+}
+
+/// Stage 1, owned mode over clusters of `C` blocks (sm_90): cluster u handles rows u,
+/// u + U, ... (U = clusters); block q of the cluster takes the q-th slice of each row
+/// ([`slice_width`] columns), keeps that slice's partials in its shared memory, and writes
+/// them into columns of partial row u at the end. The row sums c1 and c2 come from all C
+/// slices ([`Cluster`]'s `sum2`).
+///
+/// # Safety
+/// `r`'s buffers sized as documented (`r.cols` = `r.n`); `part_*` hold `[clusters, n]` f32;
+/// the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * (padded_len(W) + 1)` bytes of
+/// shared memory (W = `slice_width(n, PACK, C)`), in clusters of `C` blocks.
+#[cfg(layernorm_sm90)]
+#[inline(always)]
+unsafe fn stage1_cluster<T: Element, const C: u32>(r: Rows<T>, part_dgamma: *mut f32, part_dbeta: *mut f32) {
+    let width = slice_width(r.n, T::PACK as u32, C);
+    let start = (Cluster::<C>::block_rank() * width).min(r.n);
+    let cols = width.min(r.n - start);
+    let at = start as usize;
+    // The slice's first column. A cluster's last slices may be empty (start == n); their
+    // pointers are then never read.
+    let slice = Rows {
+        x: r.x.wrapping_add(at),
+        dy: r.dy.wrapping_add(at),
+        gamma: r.gamma.wrapping_add(at),
+        dx: r.dx.wrapping_add(at),
+        cols,
+        ..r
+    };
+    Cluster::<C>::begin();
+    // SAFETY: the cluster's partial row exists (cluster id < clusters) and only this block
+    // writes its slice's columns of it; the launch sized shared memory for one slice.
+    unsafe {
+        let out = PartialRow::global(
+            part_dgamma.wrapping_add(at),
+            part_dbeta.wrapping_add(at),
+            Cluster::<C>::id(),
+            r.n,
+            false,
+        );
+        owned_in_shared::<T, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out);
+    }
+    Cluster::<C>::end();
 }
 
 /// Stage 1, locked mode: rows spread over teams, partials into group `row mod G`.
@@ -609,7 +687,7 @@ macro_rules! backward_kernels {
             n: u32,
             local: u32,
         ) {
-            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n };
+            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
             // SAFETY: the host sizes every buffer as `stage1_owned` requires.
             unsafe { stage1_owned::<$t, $team>(r, part_dgamma, part_dbeta, local != 0) }
         }
@@ -635,7 +713,7 @@ macro_rules! backward_kernels {
             rows: u32,
             n: u32,
         ) {
-            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n };
+            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
             let lock = GroupLock { dgamma: group_dgamma, dbeta: group_dbeta, words, groups, n };
             // SAFETY: the host sizes every buffer as `stage1_locked` requires.
             unsafe { stage1_locked::<$t, $team>(r, lock) }
@@ -667,3 +745,57 @@ backward_kernels!(
     layer_norm_bwd_locked_block_bf16,
     layer_norm_bwd_reduce_bf16
 );
+
+/// Blocks per cluster of the cluster stage 1: the portable maximum. Measured against 2
+/// and 4 (docs/PERF.md, v6): the smaller slices leave room for more blocks, hence more
+/// rows in flight, per multiprocessor, which outweighs the wider barrier.
+#[cfg(layernorm_sm90)]
+const CLUSTER_SIZE: u32 = 8;
+
+/// Exports the cluster stage 1 (sm_90 module only) of one storage type; build.rs gives it
+/// `.reqnctapercluster 8` from its name.
+#[cfg(layernorm_sm90)]
+macro_rules! cluster_kernels {
+    ($t:ty, $name:ident) => {
+        /// Stage 1, owned mode over a cluster of 8 blocks: args (x, dy, gamma, mean, rstd,
+        /// dx, part_dgamma, part_dbeta, rows, n); the partial buffers hold one row per
+        /// cluster.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            x: *const $t,
+            dy: *const $t,
+            gamma: *const $t,
+            mean: *const f32,
+            rstd: *const f32,
+            dx: *mut $t,
+            part_dgamma: *mut f32,
+            part_dbeta: *mut f32,
+            rows: u32,
+            n: u32,
+        ) {
+            let r = Rows {
+                x,
+                dy,
+                gamma,
+                mean,
+                rstd,
+                dx,
+                rows,
+                n,
+                cols: n,
+            };
+            // SAFETY: the host sizes every buffer as `stage1_cluster` requires.
+            unsafe { stage1_cluster::<$t, CLUSTER_SIZE>(r, part_dgamma, part_dbeta) }
+        }
+    };
+}
+
+#[cfg(layernorm_sm90)]
+cluster_kernels!(f32, layer_norm_bwd_cluster8_f32);
+#[cfg(layernorm_sm90)]
+cluster_kernels!(crate::element::F16, layer_norm_bwd_cluster8_f16);
+#[cfg(layernorm_sm90)]
+cluster_kernels!(crate::element::Bf16, layer_norm_bwd_cluster8_bf16);

@@ -195,6 +195,17 @@ pub unsafe fn store_16(p: *mut u32, v: [u32; 4]) {
     }
 }
 
+/// Asks L2 to fetch the 128-byte line holding `p` (`prefetch.global.L2`); no value comes
+/// back and nothing waits for it.
+///
+/// # Safety
+/// `p` points into a global allocation.
+#[inline(always)]
+pub unsafe fn prefetch_l2(p: *const u8) {
+    // SAFETY: a cache hint on a valid global address (the caller's guarantee).
+    unsafe { asm!("prefetch.global.L2 [{p}];", p = in(reg64) p, options(readonly, nostack)) }
+}
+
 /// Loads one f32 through L2 only (`ld.global.cg`): the lock-guarded group buffers are
 /// written by other multiprocessors, whose writes L1 (not coherent) would not see.
 ///

@@ -19,14 +19,14 @@
 use crate::device::sqrt_rn;
 use crate::element::{Element, is_pack_aligned, read_cached, write};
 use crate::row::{FWD_HELD, Held, fits, for_each_chunk, values};
-use crate::team::{Block, Stats, Team, Warp};
+use crate::team::{Block, Stats, StatsTeam, Warp};
 
 /// Normalizes rows `S::id(), S::id() + S::count(), ...`, one team per row.
 ///
 /// # Safety
 /// `x`, `y` hold `rows * n` elements; `gamma`, `beta` hold `n`; `mean`, `rstd` hold `rows`.
 #[inline(always)]
-unsafe fn forward_rows<T: Element, S: Team>(
+unsafe fn forward_rows<T: Element, S: StatsTeam>(
     x: *const T,
     gamma: *const T,
     beta: *const T,
@@ -73,7 +73,7 @@ unsafe fn forward_rows<T: Element, S: Team>(
 /// As for [`forward_rows`], for one row; with `PACKED`, all four pointers 16-byte aligned;
 /// with `HELD` > 0, the row [`fits`].
 #[inline(always)]
-unsafe fn forward_row<T: Element, S: Team, const PACKED: bool, const HELD: usize>(
+unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
     x: *const T,
     gamma: *const T,
     beta: *const T,

@@ -8,10 +8,16 @@
 //! - `row`: how a team walks a row, and the packs it holds in registers.
 //! - `forward`: y, mean and rstd.
 //! - `backward`: dx and the partial dgamma/dbeta (stage 1), and their reduction (stage 2).
+//! - `cluster` (sm_90 module only): thread-block clusters sharing a row through DSMEM.
+//!
+//! build.rs builds two modules: sm_80 (A100 and later) and sm_90 (Hopper, with
+//! `--cfg layernorm_sm90`: the cluster kernels); the host loads the one its device runs.
 #![no_std]
 #![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)]
 
 mod backward;
+#[cfg(layernorm_sm90)]
+mod cluster;
 mod device;
 mod element;
 mod forward;

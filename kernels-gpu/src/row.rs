@@ -64,6 +64,29 @@ pub unsafe fn values<T: Element, const K: usize>(
     }
 }
 
+/// Prefetches the `n` elements at `row` into L2, one 128-byte line per rank at a time.
+/// A team calls it for its next row while the current row's loads are in flight: the next
+/// row then streams from DRAM during this row's reductions and stores, which otherwise
+/// leave the memory system idle, and its loads find it in L2.
+///
+/// # Safety
+/// `row` holds `n` elements.
+#[inline(always)]
+pub unsafe fn prefetch<T, S: Team>(row: *const T, n: u32) {
+    let bytes = n as usize * size_of::<T>();
+    let start = row as usize;
+    // Lines from the one holding the first byte to the one holding the last.
+    let (first, last) = (start / 128, (start + bytes).saturating_sub(1) / 128);
+    let mut line = first + S::rank() as usize;
+    while bytes > 0 && line <= last {
+        // The part of the line inside the row: its start, or the row's first byte.
+        let at = (line * 128).max(start);
+        // SAFETY: start <= at < start + bytes, inside the row.
+        unsafe { device::prefetch_l2(at as *const u8) };
+        line += S::size() as usize;
+    }
+}
+
 /// Whether a row of `n` elements fits `K` held packs per rank.
 #[inline(always)]
 pub fn fits<T: Element, S: Team, const K: usize>(n: u32) -> bool {

@@ -112,6 +112,12 @@ fn warp_sum2(mut a: f32, mut b: f32) -> (f32, f32) {
 
 /// The threads sharing one row.
 pub trait Team {
+    /// Whether the backward prefetches the team's next row into L2 while it works on the
+    /// current one. Measured (docs/PERF.md, v6): it pays for cluster teams, whose rows
+    /// wait on a cluster-wide barrier with nothing in flight; for warp and block teams the
+    /// extra instructions and L2 lines cost more than the overlap gains.
+    const PREFETCH_NEXT_ROW: bool = false;
+
     /// Index of this thread within the team.
     fn rank() -> u32;
     /// Threads in the team.
@@ -126,12 +132,16 @@ pub trait Team {
     fn per_block() -> u32;
     /// Barrier over the team; memory written before it is visible to the team after it.
     fn sync();
-    /// `Stats` merged over the team, the same in every rank.
-    fn reduce_stats(s: Stats) -> Stats;
     /// Two sums over the team, the same in every rank.
     fn sum2(a: f32, b: f32) -> (f32, f32);
     /// Rank 0's `v`, to every rank.
     fn broadcast(v: u32) -> u32;
+}
+
+/// A team that can merge row statistics (the forward's streamed rows).
+pub trait StatsTeam: Team {
+    /// `Stats` merged over the team, the same in every rank.
+    fn reduce_stats(s: Stats) -> Stats;
 }
 
 /// One warp per row: lanes 0..32.
@@ -167,16 +177,19 @@ impl Team for Warp {
         device::sync_warp()
     }
     #[inline(always)]
-    fn reduce_stats(s: Stats) -> Stats {
-        warp_stats(s)
-    }
-    #[inline(always)]
     fn sum2(a: f32, b: f32) -> (f32, f32) {
         warp_sum2(a, b)
     }
     #[inline(always)]
     fn broadcast(v: u32) -> u32 {
         shfl_idx(f32::from_bits(v), 0).to_bits()
+    }
+}
+
+impl StatsTeam for Warp {
+    #[inline(always)]
+    fn reduce_stats(s: Stats) -> Stats {
+        warp_stats(s)
     }
 }
 
@@ -238,17 +251,6 @@ impl Team for Block {
         device::sync_block()
     }
     #[inline(always)]
-    fn reduce_stats(s: Stats) -> Stats {
-        let w = warp_stats(s);
-        let e = Stats::EMPTY;
-        let v = Self::exchange([w.n, w.mean, w.m2], [e.n, e.mean, e.m2]);
-        warp_stats(Stats {
-            n: v[0],
-            mean: v[1],
-            m2: v[2],
-        })
-    }
-    #[inline(always)]
     fn sum2(a: f32, b: f32) -> (f32, f32) {
         let (a, b) = warp_sum2(a, b);
         let v = Self::exchange([a, b, 0.0], [0.0; 3]);
@@ -259,5 +261,19 @@ impl Team for Block {
         let slot = Self::exchange([f32::from_bits(v), 0.0, 0.0], [0.0; 3]);
         // Every lane read slot 0's value into lane 0 of its warp; hand it to the others.
         shfl_idx(slot[0], 0).to_bits()
+    }
+}
+
+impl StatsTeam for Block {
+    #[inline(always)]
+    fn reduce_stats(s: Stats) -> Stats {
+        let w = warp_stats(s);
+        let e = Stats::EMPTY;
+        let v = Self::exchange([w.n, w.mean, w.m2], [e.n, e.mean, e.m2]);
+        warp_stats(Stats {
+            n: v[0],
+            mean: v[1],
+            m2: v[2],
+        })
     }
 }
