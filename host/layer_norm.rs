@@ -223,8 +223,8 @@ impl<T: Element> LayerNorm<T> {
         }
         if rows == 0 {
             // Sums over no rows.
-            fill(dev, dgamma, T::from_f32(0.0))?;
-            return fill(dev, dbeta, T::from_f32(0.0));
+            zero(dev, dgamma)?;
+            return zero(dev, dbeta);
         }
         match &dev.kind {
             Kind::Cpu => cpu::backward(
@@ -282,14 +282,11 @@ fn check_dim(what: &'static str, value: usize) -> Result<()> {
     }
 }
 
-/// Sets every element of a tensor's storage to `v`.
-fn fill<T: Element>(dev: &Device, data: &mut Data<T>, v: T) -> Result<()> {
+/// Sets every element of a tensor's storage to zero.
+fn zero<T: Element>(dev: &Device, data: &mut Data<T>) -> Result<()> {
     match (data, &dev.kind) {
-        (Data::Host(h), _) => h.fill(v),
-        (Data::Cuda(s), Kind::Cuda(g)) => {
-            let host = vec![v; s.len()];
-            g.stream.memcpy_htod(&host, s).during("filling a tensor")?;
-        }
+        (Data::Host(h), _) => h.fill(T::from_f32(0.0)),
+        (Data::Cuda(s), Kind::Cuda(g)) => g.stream.memset_zeros(s).during("zeroing a tensor")?,
         (Data::Cuda(_), Kind::Cpu) => unreachable!("checked: tensors live on the op's device"),
     }
     Ok(())

@@ -23,8 +23,48 @@ pub(crate) enum Data<T> {
     Cuda(CudaSlice<T>),
 }
 
+impl<T> Data<T> {
+    fn len(&self) -> usize {
+        match self {
+            Data::Host(v) => v.len(),
+            Data::Cuda(s) => s.len(),
+        }
+    }
+}
+
+/// The number of elements of `shape`, or a shape error naming `what` where the product, in
+/// bytes of `T`, does not fit in `isize` (the most one allocation may hold).
+pub(crate) fn element_count<T: Element>(what: &'static str, shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |count, &d| count.checked_mul(d))
+        .filter(|&count| {
+            count
+                .checked_mul(size_of::<T>())
+                .is_some_and(|b| b <= isize::MAX as usize)
+        })
+        .ok_or_else(|| Error::Shape {
+            what,
+            got: shape.to_vec(),
+            expected: format!("at most {} bytes of {} in all", isize::MAX, T::NAME),
+        })
+}
+
+/// An empty host vector with room for `len` elements, or [`Error::OutOfMemory`] where host
+/// memory cannot provide it (instead of aborting the process).
+pub(crate) fn host_vec<T>(len: usize, during: &'static str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| Error::OutOfMemory {
+        bytes: len.saturating_mul(size_of::<T>()),
+        during,
+    })?;
+    Ok(v)
+}
+
 impl<T: Element> Tensor<T> {
+    /// A whole tensor over `data`, which holds exactly the elements of `shape`.
     pub(crate) fn new(device: Device, shape: Vec<usize>, data: Data<T>) -> Tensor<T> {
+        debug_assert_eq!(data.len(), shape.iter().product::<usize>());
         Tensor {
             device,
             shape,
@@ -48,13 +88,20 @@ impl<T: Element> Tensor<T> {
         &self.device
     }
 
-    /// The elements in row-major order, copied to the host.
+    /// The elements in row-major order, copied to the host ([`Error::OutOfMemory`] where
+    /// host memory cannot hold them).
     pub fn to_vec(&self) -> Result<Vec<T>> {
+        let during = "copying to the host";
+        let mut out = host_vec(self.len(), during)?;
         match (&*self.data, &self.device.kind) {
-            (Data::Host(v), _) => Ok(v.clone()),
-            (Data::Cuda(s), Kind::Cuda(g)) => g.stream.clone_dtoh(s).during("copying to the host"),
+            (Data::Host(v), _) => out.extend_from_slice(v),
+            (Data::Cuda(s), Kind::Cuda(g)) => {
+                out.resize(self.len(), T::default());
+                g.stream.memcpy_dtoh(s, &mut out).during(during)?;
+            }
             (Data::Cuda(_), Kind::Cpu) => unreachable!("CUDA storage always carries its CUDA device"),
         }
+        Ok(out)
     }
 
     /// Copies to the host as an n-dimensional array.
