@@ -59,6 +59,20 @@ pub enum Error {
     /// An output tensor passed to a `*_into` call is shared with another handle.
     #[error("{what} is shared with another Tensor handle and cannot be written in place")]
     SharedOutput { what: &'static str },
+    /// An output passed to a `*_into` call is a view of part of its storage (see
+    /// [`crate::Tensor::view`]): outputs must be whole tensors.
+    #[error("{what} is a view of part of a larger tensor's storage; outputs must be whole tensors")]
+    ViewOutput { what: &'static str },
+    /// A view reaching past the end of the tensor it is taken from.
+    #[error("a view of {len} elements at offset {offset} does not fit in a tensor of {available} elements")]
+    ViewOutOfRange {
+        offset: usize,
+        len: usize,
+        available: usize,
+    },
+    /// A row range outside the tensor's rows, or with its start after its end.
+    #[error("rows {start}..{end} are not a range within the tensor's {rows} rows")]
+    RowsOutOfRange { start: usize, end: usize, rows: usize },
     /// The number of lock groups for the locked backward must be at least 1.
     #[error("the locked backward needs at least 1 group, got {0}")]
     BadGroups(u32),
