@@ -1,6 +1,6 @@
 //! The storage types LayerNorm runs on: f32, f16 and bf16 (computed in f32 throughout).
 
-use cudarc::driver::DeviceRepr;
+use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
 mod sealed {
@@ -13,7 +13,7 @@ mod sealed {
 /// A storage type of x, y, gamma, beta and the gradients. Implemented for `f32`,
 /// `half::f16` and `half::bf16` only.
 pub trait Element:
-    sealed::Sealed + Copy + Default + Send + Sync + DeviceRepr + std::fmt::Debug + 'static
+    sealed::Sealed + Copy + Default + Send + Sync + DeviceRepr + ValidAsZeroBits + std::fmt::Debug + 'static
 {
     /// Suffix of this type's kernels in the PTX (`layer_norm_fwd_block_f16`, ...).
     const NAME: &'static str;

@@ -1,6 +1,7 @@
 //! Every way a call can fail, as one typed error.
 
 use cudarc::driver::DriverError;
+use cudarc::driver::sys::CUresult;
 
 /// Errors of this crate. Bad input is reported before anything is launched.
 #[derive(Debug, thiserror::Error)]
@@ -14,14 +15,21 @@ pub enum Error {
     /// The device is older than the PTX's target (sm_80).
     #[error("CUDA device {name} has compute capability {major}.{minor}; these kernels need 8.0 or later")]
     UnsupportedDevice { name: String, major: i32, minor: i32 },
-    /// The CUDA driver refused a call (out of memory, a failed launch, ...).
+    /// The CUDA driver refused a call (a failed launch, ...). Allocations that do not fit
+    /// are [`Error::OutOfMemory`] instead.
     #[error("CUDA driver error during {during}: {source}")]
     Driver {
         during: &'static str,
         #[source]
         source: DriverError,
     },
-    /// A tensor's shape does not fit the operation.
+    /// An allocation of `bytes` did not fit: in device memory (the driver's
+    /// `CUDA_ERROR_OUT_OF_MEMORY`) or, on the CPU and for host copies, in host memory.
+    /// Nothing was allocated, and the device stays usable.
+    #[error("out of memory while {during} ({bytes} bytes)")]
+    OutOfMemory { bytes: usize, during: &'static str },
+    /// A tensor's shape does not fit the operation (or its size in bytes does not fit in
+    /// `isize`, the most one allocation may hold).
     #[error("{what} has shape {got:?}, expected {expected}")]
     Shape {
         what: &'static str,
@@ -51,6 +59,20 @@ pub enum Error {
     /// An output tensor passed to a `*_into` call is shared with another handle.
     #[error("{what} is shared with another Tensor handle and cannot be written in place")]
     SharedOutput { what: &'static str },
+    /// An output passed to a `*_into` call is a view of part of its storage (see
+    /// [`crate::Tensor::view`]): outputs must be whole tensors.
+    #[error("{what} is a view of part of a larger tensor's storage; outputs must be whole tensors")]
+    ViewOutput { what: &'static str },
+    /// A view reaching past the end of the tensor it is taken from.
+    #[error("a view of {len} elements at offset {offset} does not fit in a tensor of {available} elements")]
+    ViewOutOfRange {
+        offset: usize,
+        len: usize,
+        available: usize,
+    },
+    /// A row range outside the tensor's rows, or with its start after its end.
+    #[error("rows {start}..{end} are not a range within the tensor's {rows} rows")]
+    RowsOutOfRange { start: usize, end: usize, rows: usize },
     /// The number of lock groups for the locked backward must be at least 1.
     #[error("the locked backward needs at least 1 group, got {0}")]
     BadGroups(u32),
@@ -67,5 +89,20 @@ pub(crate) trait DriverContext<T> {
 impl<T> DriverContext<T> for std::result::Result<T, DriverError> {
     fn during(self, during: &'static str) -> Result<T> {
         self.map_err(|source| Error::Driver { during, source })
+    }
+}
+
+/// As [`DriverContext`], for calls that allocate `bytes` of device memory: the driver's
+/// out-of-memory error becomes [`Error::OutOfMemory`].
+pub(crate) trait AllocContext<T> {
+    fn allocating(self, bytes: usize, during: &'static str) -> Result<T>;
+}
+
+impl<T> AllocContext<T> for std::result::Result<T, DriverError> {
+    fn allocating(self, bytes: usize, during: &'static str) -> Result<T> {
+        self.map_err(|source| match source.0 {
+            CUresult::CUDA_ERROR_OUT_OF_MEMORY => Error::OutOfMemory { bytes, during },
+            _ => Error::Driver { during, source },
+        })
     }
 }

@@ -5,6 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use cudarc::driver::{CudaSlice, CudaView};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2};
 
 use crate::cpu;
@@ -223,8 +224,8 @@ impl<T: Element> LayerNorm<T> {
         }
         if rows == 0 {
             // Sums over no rows.
-            fill(dev, dgamma, T::from_f32(0.0))?;
-            return fill(dev, dbeta, T::from_f32(0.0));
+            zero(dev, dgamma)?;
+            return zero(dev, dbeta);
         }
         match &dev.kind {
             Kind::Cpu => cpu::backward(
@@ -282,35 +283,34 @@ fn check_dim(what: &'static str, value: usize) -> Result<()> {
     }
 }
 
-/// Sets every element of a tensor's storage to `v`.
-fn fill<T: Element>(dev: &Device, data: &mut Data<T>, v: T) -> Result<()> {
+/// Sets every element of a tensor's storage to zero.
+fn zero<T: Element>(dev: &Device, data: &mut Data<T>) -> Result<()> {
     match (data, &dev.kind) {
-        (Data::Host(h), _) => h.fill(v),
-        (Data::Cuda(s), Kind::Cuda(g)) => {
-            let host = vec![v; s.len()];
-            g.stream.memcpy_htod(&host, s).during("filling a tensor")?;
-        }
+        (Data::Host(h), _) => h.fill(T::from_f32(0.0)),
+        (Data::Cuda(s), Kind::Cuda(g)) => g.stream.memset_zeros(s).during("zeroing a tensor")?,
         (Data::Cuda(_), Kind::Cpu) => unreachable!("checked: tensors live on the op's device"),
     }
     Ok(())
 }
 
 // Storage accessors. `Device::check` ran on every tensor before these, so CPU ops only see
-// host storage and CUDA ops only CUDA storage; the other arm cannot be reached.
+// host storage and CUDA ops only CUDA storage; the other arm cannot be reached. Inputs are
+// read through their range of the storage (they may be views); outputs are whole tensors
+// (`Tensor::data_mut` refuses views).
 
-fn host_slice<T: Element>(d: &Data<T>) -> &[T] {
-    match d {
-        Data::Host(v) => v,
+fn host<T: Element>(t: &Tensor<T>) -> &[T] {
+    match t.data() {
+        Data::Host(v) => &v[t.range()],
         Data::Cuda(_) => unreachable!("checked: CPU ops get host tensors"),
     }
 }
 
 fn host1<T: Element>(t: &Tensor<T>) -> ArrayView1<'_, T> {
-    ArrayView1::from(host_slice(t.data()))
+    ArrayView1::from(host(t))
 }
 
 fn host2<T: Element>(t: &Tensor<T>, rows: usize, n: usize) -> ArrayView2<'_, T> {
-    ArrayView2::from_shape((rows, n), host_slice(t.data())).expect("checked shape")
+    ArrayView2::from_shape((rows, n), host(t)).expect("checked shape")
 }
 
 fn host_slice_mut<T: Element>(d: &mut Data<T>) -> &mut [T] {
@@ -328,14 +328,14 @@ fn host2_mut<T: Element>(d: &mut Data<T>, rows: usize, n: usize) -> ArrayViewMut
     ArrayViewMut2::from_shape((rows, n), host_slice_mut(d)).expect("checked shape")
 }
 
-fn cuda<T: Element>(t: &Tensor<T>) -> &cudarc::driver::CudaSlice<T> {
+fn cuda<T: Element>(t: &Tensor<T>) -> CudaView<'_, T> {
     match t.data() {
-        Data::Cuda(s) => s,
+        Data::Cuda(s) => s.slice(t.range()),
         Data::Host(_) => unreachable!("checked: CUDA ops get device tensors"),
     }
 }
 
-fn cuda_mut<T: Element>(d: &mut Data<T>) -> &mut cudarc::driver::CudaSlice<T> {
+fn cuda_mut<T: Element>(d: &mut Data<T>) -> &mut CudaSlice<T> {
     match d {
         Data::Cuda(s) => s,
         Data::Host(_) => unreachable!("checked: CUDA ops get device tensors"),

@@ -1,5 +1,6 @@
-//! Row-major tensors on the CPU or a CUDA device.
+//! Row-major tensors on the CPU or a CUDA device, and views of them.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use cudarc::driver::CudaSlice;
@@ -9,12 +10,16 @@ use crate::device::{Device, Kind};
 use crate::element::Element;
 use crate::error::{DriverContext, Error, Result};
 
-/// A dense row-major tensor. Cloning shares the storage (tensors are immutable except
-/// through the `*_into` ops, which need the only handle).
+/// A dense row-major tensor: a whole allocation, or a view of a run of consecutive elements
+/// of another tensor ([`Tensor::view`], [`Tensor::slice_rows`]). Cloning and views share the
+/// storage; tensors are immutable except through the `*_into` ops, which write only into a
+/// whole tensor that is its storage's only handle.
 #[derive(Clone)]
 pub struct Tensor<T: Element> {
     device: Device,
     shape: Vec<usize>,
+    /// Index in the storage of this tensor's first element (0 but for views).
+    offset: usize,
     data: Arc<Data<T>>,
 }
 
@@ -23,13 +28,107 @@ pub(crate) enum Data<T> {
     Cuda(CudaSlice<T>),
 }
 
+impl<T> Data<T> {
+    fn len(&self) -> usize {
+        match self {
+            Data::Host(v) => v.len(),
+            Data::Cuda(s) => s.len(),
+        }
+    }
+}
+
+/// The number of elements of `shape`, or a shape error naming `what` where the product, in
+/// bytes of `T`, does not fit in `isize` (the most one allocation may hold).
+pub(crate) fn element_count<T: Element>(what: &'static str, shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |count, &d| count.checked_mul(d))
+        .filter(|&count| {
+            count
+                .checked_mul(size_of::<T>())
+                .is_some_and(|b| b <= isize::MAX as usize)
+        })
+        .ok_or_else(|| Error::Shape {
+            what,
+            got: shape.to_vec(),
+            expected: format!("at most {} bytes of {} in all", isize::MAX, T::NAME),
+        })
+}
+
+/// An empty host vector with room for `len` elements, or [`Error::OutOfMemory`] where host
+/// memory cannot provide it (instead of aborting the process).
+pub(crate) fn host_vec<T>(len: usize, during: &'static str) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| Error::OutOfMemory {
+        bytes: len.saturating_mul(size_of::<T>()),
+        during,
+    })?;
+    Ok(v)
+}
+
 impl<T: Element> Tensor<T> {
+    /// A whole tensor over `data`, which holds exactly the elements of `shape`.
     pub(crate) fn new(device: Device, shape: Vec<usize>, data: Data<T>) -> Tensor<T> {
+        debug_assert_eq!(data.len(), shape.iter().product::<usize>());
         Tensor {
             device,
             shape,
+            offset: 0,
             data: Arc::new(data),
         }
+    }
+
+    /// A view of `shape` over this tensor's elements `offset..offset + len`, in row-major
+    /// order (`len` being the element count of `shape`): no copy, the storage is shared.
+    ///
+    /// Views start at any element, so their rows need not be aligned for the kernels'
+    /// 16-byte loads; the kernels then read such rows element by element, with the same
+    /// results. A view can be any input of an op (x, gamma, beta, dy); as the output of a
+    /// `*_into` call it is refused with [`Error::ViewOutput`]. Errors:
+    /// [`Error::ViewOutOfRange`] where the view reaches past this tensor's end,
+    /// [`Error::Shape`] where `shape`'s size overflows.
+    pub fn view(&self, offset: usize, shape: &[usize]) -> Result<Tensor<T>> {
+        let len = element_count::<T>("view", shape)?;
+        let available = self.len();
+        if offset.checked_add(len).is_none_or(|end| end > available) {
+            return Err(Error::ViewOutOfRange {
+                offset,
+                len,
+                available,
+            });
+        }
+        Ok(Tensor {
+            device: self.device.clone(),
+            shape: shape.to_vec(),
+            offset: self.offset + offset,
+            data: self.data.clone(),
+        })
+    }
+
+    /// Rows `rows` (indices along the first dimension) as a view: shape
+    /// `[rows.len(), ...the other dimensions]`, sharing the storage as [`Tensor::view`].
+    /// Errors: [`Error::RowsOutOfRange`] unless `rows.start <= rows.end <= shape[0]`,
+    /// [`Error::Shape`] for a 0-dimensional tensor.
+    pub fn slice_rows(&self, rows: Range<usize>) -> Result<Tensor<T>> {
+        let Some((&count, rest)) = self.shape.split_first() else {
+            return Err(Error::Shape {
+                what: "tensor",
+                got: self.shape.clone(),
+                expected: "at least one dimension to slice rows of".into(),
+            });
+        };
+        if rows.start > rows.end || rows.end > count {
+            return Err(Error::RowsOutOfRange {
+                start: rows.start,
+                end: rows.end,
+                rows: count,
+            });
+        }
+        // Cannot overflow: the rows lie inside this tensor, whose size fits in memory.
+        let row_len: usize = rest.iter().product();
+        let mut shape = self.shape.clone();
+        shape[0] = rows.len();
+        self.view(rows.start * row_len, &shape)
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -48,13 +147,27 @@ impl<T: Element> Tensor<T> {
         &self.device
     }
 
-    /// The elements in row-major order, copied to the host.
+    /// Whether this tensor is a view of part of its storage (an input only, never an output).
+    pub fn is_view(&self) -> bool {
+        self.len() != self.data.len()
+    }
+
+    /// The elements in row-major order, copied to the host ([`Error::OutOfMemory`] where
+    /// host memory cannot hold them).
     pub fn to_vec(&self) -> Result<Vec<T>> {
+        let during = "copying to the host";
+        let mut out = host_vec(self.len(), during)?;
         match (&*self.data, &self.device.kind) {
-            (Data::Host(v), _) => Ok(v.clone()),
-            (Data::Cuda(s), Kind::Cuda(g)) => g.stream.clone_dtoh(s).during("copying to the host"),
+            (Data::Host(v), _) => out.extend_from_slice(&v[self.range()]),
+            (Data::Cuda(s), Kind::Cuda(g)) => {
+                out.resize(self.len(), T::default());
+                g.stream
+                    .memcpy_dtoh(&s.slice(self.range()), &mut out)
+                    .during(during)?;
+            }
             (Data::Cuda(_), Kind::Cpu) => unreachable!("CUDA storage always carries its CUDA device"),
         }
+        Ok(out)
     }
 
     /// Copies to the host as an n-dimensional array.
@@ -112,18 +225,31 @@ impl<T: Element> Tensor<T> {
         }
     }
 
+    /// The storage; this tensor's elements are `range()` of it.
     pub(crate) fn data(&self) -> &Data<T> {
         &self.data
     }
 
-    /// The storage, for writing: only the sole handle may write.
+    /// Where this tensor's elements lie in its storage.
+    pub(crate) fn range(&self) -> Range<usize> {
+        self.offset..self.offset + self.len()
+    }
+
+    /// The storage, for writing: only a whole tensor (not a view), and only its sole handle.
     pub(crate) fn data_mut(&mut self, what: &'static str) -> Result<&mut Data<T>> {
+        if self.is_view() {
+            return Err(Error::ViewOutput { what });
+        }
         Arc::get_mut(&mut self.data).ok_or(Error::SharedOutput { what })
     }
 }
 
 impl<T: Element> std::fmt::Debug for Tensor<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Tensor<{}>{:?} on {}", T::NAME, self.shape, self.device.name())
+        write!(f, "Tensor<{}>{:?} on {}", T::NAME, self.shape, self.device.name())?;
+        if self.is_view() {
+            write!(f, " (a view from element {})", self.offset)?;
+        }
+        Ok(())
     }
 }

@@ -7,7 +7,9 @@
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 
 use super::Gpu;
@@ -170,11 +172,12 @@ fn require(cond: bool, what: &str) {
     assert!(cond, "layernorm-cuda bug: launch buffer too small ({what})");
 }
 
-/// Forward: the arguments of `layer_norm_fwd_{warp,block}_<T>`.
+/// Forward: the arguments of `layer_norm_fwd_{warp,block}_<T>`. Inputs are views, which may
+/// start at any element (the kernels check each row's alignment).
 pub(crate) struct Forward<'a, T> {
-    pub(crate) x: &'a CudaSlice<T>,
-    pub(crate) gamma: &'a CudaSlice<T>,
-    pub(crate) beta: &'a CudaSlice<T>,
+    pub(crate) x: CudaView<'a, T>,
+    pub(crate) gamma: CudaView<'a, T>,
+    pub(crate) beta: CudaView<'a, T>,
     pub(crate) y: &'a mut CudaSlice<T>,
     pub(crate) mean: &'a mut CudaSlice<f32>,
     pub(crate) rstd: &'a mut CudaSlice<f32>,
@@ -196,9 +199,9 @@ pub(crate) fn forward<T: Element>(gpu: &Gpu, team: Team, launch: Launch, a: Forw
         &k.fwd_block
     };
     let mut b = gpu.stream.launch_builder(&f.func);
-    b.arg(a.x)
-        .arg(a.gamma)
-        .arg(a.beta)
+    b.arg(&a.x)
+        .arg(&a.gamma)
+        .arg(&a.beta)
         .arg(a.y)
         .arg(a.mean)
         .arg(a.rstd);
@@ -209,13 +212,13 @@ pub(crate) fn forward<T: Element>(gpu: &Gpu, team: Team, launch: Launch, a: Forw
     Ok(())
 }
 
-/// Backward stage 1's common arguments.
+/// Backward stage 1's common arguments (inputs as views, as for [`Forward`]).
 pub(crate) struct Backward<'a, T> {
-    pub(crate) x: &'a CudaSlice<T>,
-    pub(crate) dy: &'a CudaSlice<T>,
-    pub(crate) gamma: &'a CudaSlice<T>,
-    pub(crate) mean: &'a CudaSlice<f32>,
-    pub(crate) rstd: &'a CudaSlice<f32>,
+    pub(crate) x: CudaView<'a, T>,
+    pub(crate) dy: CudaView<'a, T>,
+    pub(crate) gamma: CudaView<'a, T>,
+    pub(crate) mean: CudaView<'a, f32>,
+    pub(crate) rstd: CudaView<'a, f32>,
     pub(crate) dx: &'a mut CudaSlice<T>,
     pub(crate) rows: u32,
     pub(crate) n: u32,
@@ -267,11 +270,11 @@ pub(crate) fn backward_owned<T: Element>(
     };
     let local = local as u32;
     let mut b = gpu.stream.launch_builder(&f.func);
-    b.arg(a.x)
-        .arg(a.dy)
-        .arg(a.gamma)
-        .arg(a.mean)
-        .arg(a.rstd)
+    b.arg(&a.x)
+        .arg(&a.dy)
+        .arg(&a.gamma)
+        .arg(&a.mean)
+        .arg(&a.rstd)
         .arg(a.dx);
     b.arg(part_dgamma)
         .arg(part_dbeta)
@@ -368,11 +371,11 @@ pub(crate) fn backward_locked<T: Element>(
         &k.bwd_locked_block
     };
     let mut b = gpu.stream.launch_builder(&f.func);
-    b.arg(a.x)
-        .arg(a.dy)
-        .arg(a.gamma)
-        .arg(a.mean)
-        .arg(a.rstd)
+    b.arg(&a.x)
+        .arg(&a.dy)
+        .arg(&a.gamma)
+        .arg(&a.mean)
+        .arg(&a.rstd)
         .arg(a.dx);
     b.arg(group_dgamma)
         .arg(group_dbeta)

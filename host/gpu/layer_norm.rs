@@ -6,7 +6,7 @@ use cudarc::driver::CudaSlice;
 use super::Gpu;
 use super::kernels::{self, Backward, Forward, Kernel, Launch, SCRATCH_BYTES, Team};
 use crate::element::Element;
-use crate::error::{DriverContext, Result};
+use crate::error::{AllocContext, Result};
 use crate::layer_norm::BackwardMode;
 
 /// Rows of at most this many elements go one warp per row: a warp's 32 lanes hold a
@@ -133,10 +133,11 @@ pub(crate) fn backward<T: Element>(
             // Every group row is written by its first holder (count word 0) before it is
             // added to, and all `groups` groups get a row since groups <= rows.
             let (mut pg, mut pb) = alloc_partials(gpu, groups as usize * n as usize)?;
+            let words_len = 2 * groups as usize;
             let mut words = gpu
                 .stream
-                .alloc_zeros::<u32>(2 * groups as usize)
-                .during("allocating locks")?;
+                .alloc_zeros::<u32>(words_len)
+                .allocating(4 * words_len, "allocating locks")?;
             let (kernel, threads) = match team {
                 Team::Warp => (&k.bwd_locked_warp, warp_threads(&k.bwd_locked_warp)),
                 Team::Block => (&k.bwd_locked_block, block_threads::<T>(&k.bwd_locked_block, n, 4)),
@@ -166,8 +167,9 @@ fn cluster_for<T: Element>(gpu: &Gpu, n: u32) -> Option<&Kernel> {
 fn alloc_partials(gpu: &Gpu, len: usize) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
     // SAFETY: uninitialized device memory, fully written by stage 1 before any read.
     let (dgamma, dbeta) = unsafe { (gpu.stream.alloc::<f32>(len), gpu.stream.alloc::<f32>(len)) };
+    let during = "allocating the backward's partial sums";
     Ok((
-        dgamma.during("allocating partials")?,
-        dbeta.during("allocating partials")?,
+        dgamma.allocating(4 * len, during)?,
+        dbeta.allocating(4 * len, during)?,
     ))
 }
