@@ -28,6 +28,15 @@ pub enum Error {
     /// Nothing was allocated, and the device stays usable.
     #[error("out of memory while {during} ({bytes} bytes)")]
     OutOfMemory { bytes: usize, during: &'static str },
+    /// A kernel variant needs more shared memory per block than the device allows. Every
+    /// GPU these kernels run on (sm_80 and later, 99 KB or more) has enough for the
+    /// variants this crate picks; the check runs before every launch all the same.
+    #[error("{what} needs {needed} bytes of shared memory per block; this device allows {available}")]
+    SharedMemory {
+        what: &'static str,
+        needed: usize,
+        available: usize,
+    },
     /// A tensor's shape does not fit the operation (or its size in bytes does not fit in
     /// `isize`, the most one allocation may hold).
     #[error("{what} has shape {got:?}, expected {expected}")]

@@ -14,7 +14,7 @@ use cudarc::nvrtc::Ptx;
 
 use super::Gpu;
 use crate::element::Element;
-use crate::error::{DriverContext, Result};
+use crate::error::{DriverContext, Error, Result};
 
 /// The kernels for sm_80 and later, built from `kernels-gpu/` by build.rs.
 const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels.ptx"));
@@ -46,12 +46,29 @@ pub(crate) struct Launch {
 }
 
 impl Launch {
-    fn config(self) -> LaunchConfig {
-        LaunchConfig {
+    /// The driver's launch configuration, or [`Error::SharedMemory`] where the blocks would
+    /// need more shared memory than the device allows (`what` names the kernel).
+    fn config(self, gpu: &Gpu, what: &'static str) -> Result<LaunchConfig> {
+        check_smem(gpu, self.smem as usize, what)?;
+        Ok(LaunchConfig {
             grid_dim: (self.blocks, 1, 1),
             block_dim: (self.threads, 1, 1),
             shared_mem_bytes: self.smem,
-        }
+        })
+    }
+}
+
+/// Refuses `needed` bytes of shared memory per block beyond what the device allows.
+pub(crate) fn check_smem(gpu: &Gpu, needed: usize, what: &'static str) -> Result<()> {
+    let available = gpu.kernels.max_smem as usize;
+    if needed <= available {
+        Ok(())
+    } else {
+        Err(Error::SharedMemory {
+            what,
+            needed,
+            available,
+        })
     }
 }
 
@@ -206,9 +223,10 @@ pub(crate) fn forward<T: Element>(gpu: &Gpu, team: Team, launch: Launch, a: Forw
         .arg(a.mean)
         .arg(a.rstd);
     b.arg(&a.rows).arg(&a.n).arg(&a.eps);
+    let config = launch.config(gpu, "the forward kernel")?;
     // SAFETY: the argument list matches `forward_kernels!` in kernels-gpu/src/forward.rs,
     // and every buffer holds what the kernel indexes (checked above).
-    unsafe { b.launch(launch.config()) }.during("launching the forward kernel")?;
+    unsafe { b.launch(config) }.during("launching the forward kernel")?;
     Ok(())
 }
 
@@ -281,10 +299,11 @@ pub(crate) fn backward_owned<T: Element>(
         .arg(&a.rows)
         .arg(&a.n)
         .arg(&local);
+    let config = launch.config(gpu, "backward stage 1 (owned)")?;
     // SAFETY: the argument list matches `backward_kernels!(@owned ..)` in
     // kernels-gpu/src/backward.rs, and every buffer (shared memory included) holds what the
     // kernel indexes (checked above).
-    unsafe { b.launch(launch.config()) }.during("launching backward stage 1 (owned)")?;
+    unsafe { b.launch(config) }.during("launching backward stage 1 (owned)")?;
     Ok(())
 }
 
@@ -317,17 +336,18 @@ pub(crate) fn backward_cluster<T: Element>(
         panic!("layernorm-cuda bug: a cluster launch on a device without cluster kernels");
     };
     let mut b = gpu.stream.launch_builder(&f.func);
-    b.arg(a.x)
-        .arg(a.dy)
-        .arg(a.gamma)
-        .arg(a.mean)
-        .arg(a.rstd)
+    b.arg(&a.x)
+        .arg(&a.dy)
+        .arg(&a.gamma)
+        .arg(&a.mean)
+        .arg(&a.rstd)
         .arg(a.dx);
     b.arg(part_dgamma).arg(part_dbeta).arg(&a.rows).arg(&a.n);
+    let config = launch.config(gpu, "backward stage 1 (clusters)")?;
     // SAFETY: the argument list matches `cluster_kernels!` in kernels-gpu/src/backward.rs,
     // every buffer (shared memory included) holds what the kernel indexes (checked above),
     // and the grid is whole clusters of the size the kernel declares.
-    unsafe { b.launch(launch.config()) }.during("launching backward stage 1 (clusters)")?;
+    unsafe { b.launch(config) }.during("launching backward stage 1 (clusters)")?;
     Ok(())
 }
 
@@ -383,10 +403,11 @@ pub(crate) fn backward_locked<T: Element>(
         .arg(&groups)
         .arg(&a.rows)
         .arg(&a.n);
+    let config = launch.config(gpu, "backward stage 1 (locked)")?;
     // SAFETY: the argument list matches `backward_kernels!(@locked ..)` in
     // kernels-gpu/src/backward.rs, every buffer holds what the kernel indexes, and the
     // caller zeroed the lock and count words (the kernel's only precondition on them).
-    unsafe { b.launch(launch.config()) }.during("launching backward stage 1 (locked)")?;
+    unsafe { b.launch(config) }.during("launching backward stage 1 (locked)")?;
     Ok(())
 }
 

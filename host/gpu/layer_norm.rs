@@ -115,9 +115,13 @@ pub(crate) fn backward<T: Element>(
                 Team::Block => (&k.bwd_owned_block, block_threads::<T>(&k.bwd_owned_block, n, 4)),
             };
             // Each team sums its rows' partials in its own shared memory (about 8n bytes)
-            // when they fit; warp teams always fit (8 warps * 8.3 KB at n = 1024).
+            // when they fit; warp teams must (8 warps * 8.3 KB at n = 1024: every sm_80 and
+            // later device has room, but one without gets an error, not a launch failure).
             let per_block = if team == Team::Warp { threads / 32 } else { 1 };
             let local_smem = kernels::owned_local_smem(per_block, n);
+            if team == Team::Warp {
+                kernels::check_smem(gpu, local_smem, "backward stage 1 (owned, warp per row)")?;
+            }
             let local = local_smem <= gpu.kernels.max_smem as usize;
             let smem = if local { local_smem as u32 } else { SCRATCH_BYTES };
             let launch = resident(gpu, kernel, rows, team, threads, smem)?;
