@@ -1,6 +1,6 @@
-//! Property tests: random shapes (1 to 16 rows of 1 to 3000 elements), values of random scale
-//! (1e-3 to 1e2) and offset (up to 100 times the scale), random eps (1e-7 to 1e-1), every
-//! storage type and backward mode, forward and backward against the float64 reference with the
+//! Property tests: random shapes (1 to 16 rows of 1 to 3000 elements; on the GPU also 1 to
+//! 40 rows of 3001 to 120000), values of random scale (1e-3 to 1e2) and offset (up to 100
+//! times the scale), random eps (1e-7 to 1e-1), every storage type and backward mode, forward and backward against the float64 reference with the
 //! tolerances of `common::tolerance`. On the CPU path and on the GPU, each with a fixed seed so
 //! that a failure replays; proptest then prints the smallest failing case it found.
 //!
@@ -40,7 +40,11 @@ struct Case {
     seed: u64,
 }
 
-fn cases() -> impl Strategy<Value = Case> {
+/// Cases of `rows` x `n` (ranges), everything else drawn as documented above.
+fn cases(
+    rows: std::ops::RangeInclusive<usize>,
+    n: std::ops::RangeInclusive<usize>,
+) -> impl Strategy<Value = Case> {
     let dtype = prop_oneof![Just(Dtype::F32), Just(Dtype::F16), Just(Dtype::Bf16)];
     let mode = prop_oneof![
         Just(BackwardMode::Deterministic),
@@ -49,8 +53,8 @@ fn cases() -> impl Strategy<Value = Case> {
     ];
     (
         dtype,
-        1..=16usize,
-        1..=3000usize,
+        rows,
+        n,
         -3.0..2.0f64,
         -100.0..100.0f64,
         -7.0..-1.0f64,
@@ -186,19 +190,31 @@ fn check_case(device: &Device, case: &Case) -> Result<(), TestCaseError> {
     }
 }
 
-fn run(device: &Device, config: Config) {
-    if let Err(e) = TestRunner::new(config).run(&cases(), |case| check_case(device, &case)) {
+fn run(device: &Device, config: Config, cases: impl Strategy<Value = Case>) {
+    if let Err(e) = TestRunner::new(config).run(&cases, |case| check_case(device, &case)) {
         panic!("{e}");
     }
 }
 
 #[test]
 fn cpu_random_problems_match_reference() {
-    run(&Device::cpu(), config(128, 0x5eed_c0de_0001));
+    run(
+        &Device::cpu(),
+        config(128, 0x5eed_c0de_0001),
+        cases(1..=16, 1..=3000),
+    );
 }
 
 #[test]
 fn gpu_random_problems_match_reference() {
     let Some(gpu) = gpu_or_skip() else { return };
-    run(&gpu, config(48, 0x5eed_c0de_0002));
+    run(&gpu, config(48, 0x5eed_c0de_0002), cases(1..=16, 1..=3000));
+}
+
+/// Long rows: block-per-row teams, rows streamed or held, and on Hopper rows split over
+/// clusters (past 8192 f32 or 16384 f16/bf16 elements).
+#[test]
+fn gpu_random_long_rows_match_reference() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    run(&gpu, config(24, 0x5eed_c0de_0003), cases(1..=40, 3001..=120_000));
 }
