@@ -21,7 +21,7 @@ const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels
 /// The same kernels for sm_90 (Hopper) and later, plus the cluster kernels.
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels_sm90.ptx"));
 
-/// Blocks per cluster of the `layer_norm_bwd_cluster8_*` kernels (the most a launch may
+/// Blocks per cluster of the `layer_norm_bwd_cluster8_<T>` kernels (the most a launch may
 /// have without opting in to non-portable sizes; `CLUSTER_SIZE` in kernels-gpu's
 /// backward.rs).
 pub(crate) const CLUSTER_SIZE: u32 = 8;
@@ -132,35 +132,7 @@ pub(crate) struct TypeKernels {
     pub(crate) bwd_locked_block: Kernel,
     bwd_reduce: Kernel,
     /// Owned-mode stage 1 over clusters of [`CLUSTER_SIZE`] blocks; None before sm_90.
-    pub(crate) bwd_cluster: Option<ClusterKernels>,
-}
-
-/// The owned-mode stage 1 kernels that run in clusters (sm_90 and later).
-pub(crate) struct ClusterKernels {
-    /// Each row split over the cluster's blocks.
-    pub(crate) split: Kernel,
-    /// Rows per warp or per block, partial rows gathered per cluster.
-    pub(crate) gather_warp: Kernel,
-    pub(crate) gather_block: Kernel,
-}
-
-/// Which of [`ClusterKernels`] a launch runs, with what its shared memory holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum ClusterStage1 {
-    /// Row slices: [`cluster_smem`].
-    Split,
-    /// Whole rows per team: [`owned_local_smem`] for the block's teams.
-    Gather(Team),
-}
-
-impl ClusterKernels {
-    pub(crate) fn get(&self, which: ClusterStage1) -> &Kernel {
-        match which {
-            ClusterStage1::Split => &self.split,
-            ClusterStage1::Gather(Team::Warp) => &self.gather_warp,
-            ClusterStage1::Gather(Team::Block) => &self.gather_block,
-        }
-    }
+    pub(crate) bwd_cluster: Option<Kernel>,
 }
 
 /// All kernels of the module, by storage type.
@@ -193,11 +165,7 @@ impl KernelTable {
                 bwd_locked_block: load("bwd_locked_block", ty)?,
                 bwd_reduce: load("bwd_reduce", ty)?,
                 bwd_cluster: if hopper {
-                    Some(ClusterKernels {
-                        split: load(&format!("bwd_cluster{CLUSTER_SIZE}_split"), ty)?,
-                        gather_warp: load(&format!("bwd_cluster{CLUSTER_SIZE}_gather_warp"), ty)?,
-                        gather_block: load(&format!("bwd_cluster{CLUSTER_SIZE}_gather_block"), ty)?,
-                    })
+                    Some(load(&format!("bwd_cluster{CLUSTER_SIZE}"), ty)?)
                 } else {
                     None
                 },
@@ -348,10 +316,9 @@ pub(crate) fn owned_local_smem(teams: u32, n: u32) -> usize {
 }
 
 /// Stage 1, owned mode over clusters of [`CLUSTER_SIZE`] blocks: `launch.blocks / 8`
-/// partial rows, one per cluster.
+/// partial rows, each block of a cluster summing one slice of the row in shared memory.
 pub(crate) fn backward_cluster<T: Element>(
     gpu: &Gpu,
-    which: ClusterStage1,
     launch: Launch,
     a: Backward<'_, T>,
     part_dgamma: &mut CudaSlice<f32>,
@@ -364,16 +331,10 @@ pub(crate) fn backward_cluster<T: Element>(
         part_dgamma.len() >= parts && part_dbeta.len() >= parts,
         "cluster partials",
     );
-    let needed = match which {
-        ClusterStage1::Split => cluster_smem::<T>(a.n),
-        ClusterStage1::Gather(Team::Warp) => owned_local_smem(launch.threads / 32, a.n),
-        ClusterStage1::Gather(Team::Block) => owned_local_smem(1, a.n),
-    };
-    require(launch.smem as usize >= needed, "cluster smem");
-    let Some(kernels) = &gpu.kernels.of::<T>().bwd_cluster else {
+    require(launch.smem as usize >= cluster_smem::<T>(a.n), "cluster smem");
+    let Some(f) = &gpu.kernels.of::<T>().bwd_cluster else {
         panic!("layernorm-cuda bug: a cluster launch on a device without cluster kernels");
     };
-    let f = kernels.get(which);
     let mut b = gpu.stream.launch_builder(&f.func);
     b.arg(&a.x)
         .arg(&a.dy)

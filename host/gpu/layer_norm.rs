@@ -4,7 +4,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::Gpu;
-use super::kernels::{self, Backward, ClusterStage1, Forward, Kernel, Launch, SCRATCH_BYTES, Team};
+use super::kernels::{self, Backward, Forward, Kernel, Launch, SCRATCH_BYTES, Team};
 use crate::element::Element;
 use crate::error::{AllocContext, Result};
 use crate::layer_norm::BackwardMode;
@@ -91,7 +91,45 @@ pub(crate) fn backward<T: Element>(
     let k = gpu.kernels.of::<T>();
     let team = team_for(n);
     let (parts_dgamma, parts_dbeta, part_rows) = match mode {
-        BackwardMode::Deterministic => owned(gpu, team, stage1)?,
+        BackwardMode::Deterministic if team == Team::Block && cluster_for::<T>(gpu, n).is_some() => {
+            let kernel = cluster_for::<T>(gpu, n).expect("checked by the guard");
+            let threads = block_threads::<T>(kernel, kernels::cluster_slice::<T>(n), 4);
+            let smem = kernels::cluster_smem::<T>(n) as u32;
+            let clusters = kernel.active_clusters(gpu, threads, smem)?.min(rows);
+            let launch = Launch {
+                blocks: clusters * kernels::CLUSTER_SIZE,
+                threads,
+                smem,
+            };
+            // Each cluster writes every column of its partial row (each block its slice).
+            let (mut pg, mut pb) = alloc_partials(gpu, clusters as usize * n as usize)?;
+            kernels::backward_cluster(gpu, launch, stage1, &mut pg, &mut pb)?;
+            (pg, pb, clusters)
+        }
+        BackwardMode::Deterministic => {
+            // Block teams: 4 packs per thread, all held (BWD_HELD in kernels-gpu/src/row.rs).
+            // The fewest threads per row leave room for the most rows per multiprocessor at
+            // the backward's 80 to 128 registers per thread.
+            let (kernel, threads) = match team {
+                Team::Warp => (&k.bwd_owned_warp, warp_threads(&k.bwd_owned_warp)),
+                Team::Block => (&k.bwd_owned_block, block_threads::<T>(&k.bwd_owned_block, n, 4)),
+            };
+            // Each team sums its rows' partials in its own shared memory (about 8n bytes)
+            // when they fit; warp teams must (8 warps * 8.3 KB at n = 1024: every sm_80 and
+            // later device has room, but one without gets an error, not a launch failure).
+            let per_block = if team == Team::Warp { threads / 32 } else { 1 };
+            let local_smem = kernels::owned_local_smem(per_block, n);
+            if team == Team::Warp {
+                kernels::check_smem(gpu, local_smem, "backward stage 1 (owned, warp per row)")?;
+            }
+            let local = local_smem <= gpu.kernels.max_smem as usize;
+            let smem = if local { local_smem as u32 } else { SCRATCH_BYTES };
+            let launch = resident(gpu, kernel, rows, team, threads, smem)?;
+            // The owned-mode kernel writes every element of every block's partial row.
+            let (mut pg, mut pb) = alloc_partials(gpu, launch.blocks as usize * n as usize)?;
+            kernels::backward_owned(gpu, team, launch, stage1, &mut pg, &mut pb, local)?;
+            (pg, pb, launch.blocks)
+        }
         BackwardMode::Locked { groups } => {
             // Groups beyond `rows` would get no row (row i goes to group i mod G = i), so
             // clamping changes nothing but leaves no group unwritten.
@@ -116,96 +154,16 @@ pub(crate) fn backward<T: Element>(
     kernels::backward_reduce(gpu, &parts_dgamma, &parts_dbeta, part_rows, n, dgamma, dbeta)
 }
 
-/// Stage 1 of the owned (deterministic) mode; returns the partial buffers and their rows.
-///
-/// - Rows that one block can neither hold in registers (4 packs a thread) nor sum in shared
-///   memory (8n bytes) run split over a cluster on sm_90 and later, when an eighth of the row
-///   fits (each block holds a slice).
-/// - Otherwise teams sum their rows in shared memory, and on sm_90 and later the blocks of a
-///   cluster gather their sums into one partial row (stage 2 reads 8 times fewer rows).
-/// - Rows whose partials fit nowhere add them into global partial rows.
-fn owned<T: Element>(gpu: &Gpu, team: Team, stage1: Backward<'_, T>) -> Result<Partials> {
-    let (rows, n) = (stage1.rows, stage1.n);
+/// The cluster kernel, where it should run the owned backward of block-team rows of `n`:
+/// on sm_90 and later, for rows that one block can neither hold in registers (4 packs a
+/// thread) nor sum in shared memory (8n bytes), as long as an eighth of the row fits.
+fn cluster_for<T: Element>(gpu: &Gpu, n: u32) -> Option<&Kernel> {
     let k = gpu.kernels.of::<T>();
+    let kernel = k.bwd_cluster.as_ref()?;
     let max_smem = gpu.kernels.max_smem as usize;
-    if let (Team::Block, Some(cluster)) = (team, &k.bwd_cluster) {
-        let packs = n.div_ceil((16 / size_of::<T>()) as u32);
-        let one_block =
-            kernels::owned_local_smem(1, n) <= max_smem && packs <= k.bwd_owned_block.max_threads * 4;
-        let smem = kernels::cluster_smem::<T>(n);
-        if !one_block && smem <= max_smem {
-            let threads = block_threads::<T>(&cluster.split, kernels::cluster_slice::<T>(n), 4);
-            return in_clusters(gpu, ClusterStage1::Split, threads, smem as u32, rows, stage1);
-        }
-    }
-    // Block teams: 4 packs per thread, all held (BWD_HELD in kernels-gpu/src/row.rs). The
-    // fewest threads per row leave room for the most rows per multiprocessor at the
-    // backward's 80 to 128 registers per thread.
-    let (kernel, threads) = match team {
-        Team::Warp => (&k.bwd_owned_warp, warp_threads(&k.bwd_owned_warp)),
-        Team::Block => (&k.bwd_owned_block, block_threads::<T>(&k.bwd_owned_block, n, 4)),
-    };
-    // Each team sums its rows' partials in its own shared memory (about 8n bytes) when they
-    // fit; warp teams must (8 warps * 8.3 KB at n = 1024: every sm_80 and later device has
-    // room, but one without gets an error, not a launch failure).
-    let per_block = if team == Team::Warp { threads / 32 } else { 1 };
-    let local_smem = kernels::owned_local_smem(per_block, n);
-    if team == Team::Warp {
-        kernels::check_smem(gpu, local_smem, "backward stage 1 (owned, warp per row)")?;
-    }
-    let local = local_smem <= max_smem;
-    if let (true, Some(cluster)) = (local, &k.bwd_cluster) {
-        // The gather kernels run the owned kernels' code up to the final sum: sized alike.
-        let which = ClusterStage1::Gather(team);
-        let kernel = cluster.get(which);
-        let threads = match team {
-            Team::Warp => warp_threads(kernel),
-            Team::Block => block_threads::<T>(kernel, n, 4),
-        };
-        let per_block = if team == Team::Warp { threads / 32 } else { 1 };
-        let smem = kernels::owned_local_smem(per_block, n) as u32;
-        let clusters = rows.div_ceil(per_block).div_ceil(kernels::CLUSTER_SIZE);
-        return in_clusters(gpu, which, threads, smem, clusters, stage1);
-    }
-    let smem = if local { local_smem as u32 } else { SCRATCH_BYTES };
-    let launch = resident(gpu, kernel, rows, team, threads, smem)?;
-    // The owned-mode kernel writes every element of every block's partial row.
-    let (mut pg, mut pb) = alloc_partials(gpu, launch.blocks as usize * n as usize)?;
-    kernels::backward_owned(gpu, team, launch, stage1, &mut pg, &mut pb, local)?;
-    Ok((pg, pb, launch.blocks))
-}
-
-/// Partial dgamma and dbeta rows of stage 1, and how many rows they hold.
-type Partials = (CudaSlice<f32>, CudaSlice<f32>, u32);
-
-/// A cluster stage 1 with `threads` and `smem` per block, at most `clusters` clusters (as
-/// many as the device runs at once); one partial row per cluster.
-fn in_clusters<T: Element>(
-    gpu: &Gpu,
-    which: ClusterStage1,
-    threads: u32,
-    smem: u32,
-    clusters: u32,
-    stage1: Backward<'_, T>,
-) -> Result<Partials> {
-    let n = stage1.n;
-    let Some(cluster) = &gpu.kernels.of::<T>().bwd_cluster else {
-        panic!("layernorm-cuda bug: a cluster launch on a device without cluster kernels");
-    };
-    let clusters = cluster
-        .get(which)
-        .active_clusters(gpu, threads, smem)?
-        .min(clusters)
-        .max(1);
-    let launch = Launch {
-        blocks: clusters * kernels::CLUSTER_SIZE,
-        threads,
-        smem,
-    };
-    // Each cluster writes every column of its partial row.
-    let (mut pg, mut pb) = alloc_partials(gpu, clusters as usize * n as usize)?;
-    kernels::backward_cluster(gpu, which, launch, stage1, &mut pg, &mut pb)?;
-    Ok((pg, pb, clusters))
+    let packs = n.div_ceil((16 / size_of::<T>()) as u32);
+    let one_block = kernels::owned_local_smem(1, n) <= max_smem && packs <= k.bwd_owned_block.max_threads * 4;
+    (!one_block && kernels::cluster_smem::<T>(n) <= max_smem).then_some(kernel)
 }
 
 /// Two f32 partial buffers of `len`, uninitialized: stage 1 writes every element before

@@ -34,7 +34,7 @@
 use core::sync::atomic::{AtomicU32, Ordering, fence};
 
 #[cfg(layernorm_sm90)]
-use crate::cluster::{self, CLUSTER_SCRATCH_BYTES, Cluster, slice_width};
+use crate::cluster::{CLUSTER_SCRATCH_BYTES, Cluster, slice_width};
 use crate::device::{self, load_f32_l2, shared_ptr};
 use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, read_cached, write};
 use crate::row::{BWD_HELD, Held, fits, for_each_chunk, prefetch, values};
@@ -86,15 +86,6 @@ fn padded_len(n: u32) -> usize {
     padded(n)
 }
 
-/// Byte offsets in dynamic shared memory of team `t`'s padded dgamma and dbeta rows of `n`
-/// columns, after `scratch` bytes (see [`PartialRow::shared`]).
-#[inline(always)]
-fn shared_row_offsets(scratch: u32, t: u32, n: u32) -> (u32, u32) {
-    let words = padded_len(n) as u32 + 1;
-    let base = scratch + t * 8 * words;
-    (base, base + 4 * words)
-}
-
 impl PartialRow {
     /// Row `r` of `[_, n]` buffers in global memory, read through L2 (`ld.global.cg`): a
     /// locked group row was last written by another multiprocessor, whose writes are not
@@ -123,10 +114,14 @@ impl PartialRow {
     /// The launch gave the block `scratch + teams * 8 * (padded_len(n) + 1)` bytes.
     #[inline(always)]
     unsafe fn shared(scratch: u32, t: u32, n: u32) -> Self {
-        let (dgamma, dbeta) = shared_row_offsets(scratch, t, n);
+        let words = padded_len(n) + 1;
+        let base = scratch as usize + t as usize * 8 * words;
+        let dgamma = shared_ptr::<f32>(base as u32);
+        // SAFETY: the caller guarantees the shared memory holds this team's two rows.
+        let dbeta = unsafe { dgamma.add(words) };
         PartialRow {
-            dgamma: shared_ptr::<f32>(dgamma),
-            dbeta: shared_ptr::<f32>(dbeta),
+            dgamma,
+            dbeta,
             accumulate: true,
             shared: true,
         }
@@ -409,14 +404,15 @@ impl GroupLock {
 }
 
 /// The owned mode with partials in shared memory: each team sums its rows' partials in its
-/// own shared-memory row (after `scratch` bytes); returns when every team of the block is
-/// done.
+/// own shared-memory row (after `scratch` bytes), then the block adds its teams' rows, in
+/// team order, into `out` (columns 0..r.cols, overwritten).
 ///
 /// # Safety
-/// `r`'s buffers sized as documented; the launch gave each block
-/// `scratch + per_block * 8 * (padded_len(cols) + 1)` bytes of shared memory.
+/// `r`'s buffers sized as documented; `out` holds `r.cols` columns that no other block
+/// writes; the launch gave each block `scratch + per_block * 8 * (padded_len(cols) + 1)`
+/// bytes of shared memory.
 #[inline(always)]
-unsafe fn sum_in_shared<T: Element, S: Team>(r: &Rows<T>, scratch: u32) {
+unsafe fn owned_in_shared<T: Element, S: Team>(r: &Rows<T>, scratch: u32, out: PartialRow) {
     // SAFETY: the launch sized shared memory for every team of the block.
     let mine = unsafe { PartialRow::shared(scratch, S::index_in_block(), r.cols) };
     let mut q = S::rank() as usize;
@@ -435,24 +431,16 @@ unsafe fn sum_in_shared<T: Element, S: Team>(r: &Rows<T>, scratch: u32) {
         S::sync();
         row += S::count();
     }
+    // Every team of the block is done: add their rows, in team order, into `out`.
     device::sync_block();
-}
-
-/// Adds the block's team rows (after [`sum_in_shared`]), in team order, into `out`
-/// (`cols` columns, overwritten).
-///
-/// # Safety
-/// As for [`sum_in_shared`]; `out` holds `cols` columns no other block writes.
-#[inline(always)]
-unsafe fn write_block_sum<S: Team>(scratch: u32, cols: u32, out: PartialRow) {
     let mut j = device::thread_idx();
-    while j < cols {
+    while j < r.cols {
         let (mut g, mut b) = (0.0f32, 0.0f32);
         for t in 0..S::per_block() {
             // SAFETY: team t's rows exist (launch guarantee) and all teams wrote theirs
-            // before the caller's barrier.
+            // before the barrier.
             unsafe {
-                let p = PartialRow::shared(scratch, t, cols);
+                let p = PartialRow::shared(scratch, t, r.cols);
                 g += p.dgamma.add(padded(j)).read();
                 b += p.dbeta.add(padded(j)).read();
             }
@@ -464,47 +452,6 @@ unsafe fn write_block_sum<S: Team>(scratch: u32, cols: u32, out: PartialRow) {
         }
         j += device::block_dim();
     }
-}
-
-/// Adds the team rows of every block of the cluster (after [`sum_in_shared`]), in block
-/// then team order, into `out` (`n` columns, overwritten): block q of the cluster sums the
-/// columns q * blockDim + k * C * blockDim + thread, reading the other blocks' rows through
-/// distributed shared memory. One partial row per cluster instead of per block: stage 2
-/// reads C times fewer.
-///
-/// # Safety
-/// As for [`sum_in_shared`], in every block of a cluster of `C`; `out` holds `n` columns no
-/// other cluster writes.
-#[cfg(layernorm_sm90)]
-#[inline(always)]
-unsafe fn write_cluster_sum<S: Team, const C: u32>(scratch: u32, n: u32, out: PartialRow) {
-    // Every team of every block of the cluster is done.
-    cluster::sync();
-    let mut j = cluster::block_rank() * device::block_dim() + device::thread_idx();
-    while j < n {
-        let (mut g, mut b) = (0.0f32, 0.0f32);
-        for q in 0..C {
-            for t in 0..S::per_block() {
-                let (og, ob) = shared_row_offsets(scratch, t, n);
-                let at = 4 * padded(j) as u32;
-                // SAFETY: block q's team t rows lie at these offsets (same launch, same
-                // layout), were written before the cluster barrier above, and block q does
-                // not exit before the barrier below.
-                unsafe {
-                    g += cluster::read_remote_f32(og + at, q);
-                    b += cluster::read_remote_f32(ob + at, q);
-                }
-            }
-        }
-        // SAFETY: j < n; this thread alone writes column j of `out`.
-        unsafe {
-            out.dgamma.add(j as usize).write(g);
-            out.dbeta.add(j as usize).write(b);
-        }
-        j += C * device::block_dim();
-    }
-    // No block exits while another may still read its shared memory.
-    cluster::sync();
 }
 
 /// Stage 1, owned mode: team u handles rows u, u + U, ... (U = teams), and block b writes
@@ -529,9 +476,8 @@ unsafe fn stage1_owned<T: Element, S: Team>(
         // SAFETY: block < gridDim, so row b exists; the launch sized shared memory for
         // every team of the block.
         unsafe {
-            sum_in_shared::<T, S>(&r, SCRATCH_BYTES);
             let out = PartialRow::global(part_dgamma, part_dbeta, block, r.n, false);
-            write_block_sum::<S>(SCRATCH_BYTES, r.cols, out);
+            owned_in_shared::<T, S>(&r, SCRATCH_BYTES, out);
         }
         return;
     }
@@ -573,7 +519,7 @@ unsafe fn stage1_owned<T: Element, S: Team>(
 #[inline(always)]
 unsafe fn stage1_cluster<T: Element, const C: u32>(r: Rows<T>, part_dgamma: *mut f32, part_dbeta: *mut f32) {
     let width = slice_width(r.n, T::PACK as u32, C);
-    let start = (cluster::block_rank() * width).min(r.n);
+    let start = (Cluster::<C>::block_rank() * width).min(r.n);
     let cols = width.min(r.n - start);
     let at = start as usize;
     // The slice's first column. A cluster's last slices may be empty (start == n); their
@@ -597,33 +543,9 @@ unsafe fn stage1_cluster<T: Element, const C: u32>(r: Rows<T>, part_dgamma: *mut
             r.n,
             false,
         );
-        sum_in_shared::<T, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES);
-        write_block_sum::<Cluster<C>>(CLUSTER_SCRATCH_BYTES, cols, out);
+        owned_in_shared::<T, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out);
     }
     Cluster::<C>::end();
-}
-
-/// Stage 1, owned mode with partials gathered per cluster (sm_90): as [`stage1_owned`] with
-/// `local` (teams sum in shared memory, teams loop over rows by block), but the blocks of a
-/// cluster of `C` add their rows into one partial row, row `clusterid`.
-///
-/// # Safety
-/// As for [`stage1_owned`] with `local`, in clusters of `C` blocks; `part_*` hold
-/// `[clusters, n]` f32.
-#[cfg(layernorm_sm90)]
-#[inline(always)]
-unsafe fn stage1_gather<T: Element, S: Team, const C: u32>(
-    r: Rows<T>,
-    part_dgamma: *mut f32,
-    part_dbeta: *mut f32,
-) {
-    // SAFETY: the launch sized shared memory for every team of the block; the cluster's
-    // partial row exists and only this cluster writes it.
-    unsafe {
-        sum_in_shared::<T, S>(&r, SCRATCH_BYTES);
-        let out = PartialRow::global(part_dgamma, part_dbeta, cluster::id(), r.n, false);
-        write_cluster_sum::<S, C>(SCRATCH_BYTES, r.n, out);
-    }
 }
 
 /// Stage 1, locked mode: rows spread over teams, partials into group `row mod G`.
@@ -830,21 +752,14 @@ backward_kernels!(
 #[cfg(layernorm_sm90)]
 const CLUSTER_SIZE: u32 = 8;
 
-/// Exports the cluster stage 1 kernels (sm_90 module only) of one storage type; build.rs
-/// gives each `.reqnctapercluster 8` from its name. Args (x, dy, gamma, mean, rstd, dx,
-/// part_dgamma, part_dbeta, rows, n); the partial buffers hold one row per cluster.
-/// - `split`: each row split over the cluster's blocks ([`stage1_cluster`]);
-/// - `gather_warp`, `gather_block`: rows per warp or block, partials gathered per cluster
-///   ([`stage1_gather`]).
+/// Exports the cluster stage 1 (sm_90 module only) of one storage type; build.rs gives it
+/// `.reqnctapercluster 8` from its name.
 #[cfg(layernorm_sm90)]
 macro_rules! cluster_kernels {
-    ($t:ty, $split:ident, $gather_warp:ident, $gather_block:ident) => {
-        cluster_kernels!(@one $t, $split, stage1_cluster::<$t, CLUSTER_SIZE>);
-        cluster_kernels!(@one $t, $gather_warp, stage1_gather::<$t, Warp, CLUSTER_SIZE>);
-        cluster_kernels!(@one $t, $gather_block, stage1_gather::<$t, Block, CLUSTER_SIZE>);
-    };
-    (@one $t:ty, $name:ident, $stage1:expr) => {
-        /// Stage 1, owned mode over clusters of 8 blocks (see `cluster_kernels!`).
+    ($t:ty, $name:ident) => {
+        /// Stage 1, owned mode over a cluster of 8 blocks: args (x, dy, gamma, mean, rstd,
+        /// dx, part_dgamma, part_dbeta, rows, n); the partial buffers hold one row per
+        /// cluster.
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes.
@@ -861,31 +776,26 @@ macro_rules! cluster_kernels {
             rows: u32,
             n: u32,
         ) {
-            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
-            // SAFETY: the host sizes every buffer as the stage 1 function requires.
-            unsafe { $stage1(r, part_dgamma, part_dbeta) }
+            let r = Rows {
+                x,
+                dy,
+                gamma,
+                mean,
+                rstd,
+                dx,
+                rows,
+                n,
+                cols: n,
+            };
+            // SAFETY: the host sizes every buffer as `stage1_cluster` requires.
+            unsafe { stage1_cluster::<$t, CLUSTER_SIZE>(r, part_dgamma, part_dbeta) }
         }
     };
 }
 
 #[cfg(layernorm_sm90)]
-cluster_kernels!(
-    f32,
-    layer_norm_bwd_cluster8_split_f32,
-    layer_norm_bwd_cluster8_gather_warp_f32,
-    layer_norm_bwd_cluster8_gather_block_f32
-);
+cluster_kernels!(f32, layer_norm_bwd_cluster8_f32);
 #[cfg(layernorm_sm90)]
-cluster_kernels!(
-    crate::element::F16,
-    layer_norm_bwd_cluster8_split_f16,
-    layer_norm_bwd_cluster8_gather_warp_f16,
-    layer_norm_bwd_cluster8_gather_block_f16
-);
+cluster_kernels!(crate::element::F16, layer_norm_bwd_cluster8_f16);
 #[cfg(layernorm_sm90)]
-cluster_kernels!(
-    crate::element::Bf16,
-    layer_norm_bwd_cluster8_split_bf16,
-    layer_norm_bwd_cluster8_gather_warp_bf16,
-    layer_norm_bwd_cluster8_gather_block_bf16
-);
+cluster_kernels!(crate::element::Bf16, layer_norm_bwd_cluster8_bf16);

@@ -15,7 +15,7 @@ use crate::team::{Block, SCRATCH_BYTES, Team};
 
 /// This block's rank in its cluster (`%cluster_ctarank`).
 #[inline(always)]
-pub fn block_rank() -> u32 {
+fn cluster_rank() -> u32 {
     let r: u32;
     // SAFETY: reads a special register.
     unsafe { asm!("mov.u32 {r}, %cluster_ctarank;", r = out(reg32) r, options(pure, nomem, nostack)) }
@@ -24,7 +24,7 @@ pub fn block_rank() -> u32 {
 
 /// This cluster's index in the grid (`%clusterid.x`).
 #[inline(always)]
-pub fn id() -> u32 {
+fn cluster_id() -> u32 {
     let r: u32;
     // SAFETY: reads a special register.
     unsafe { asm!("mov.u32 {r}, %clusterid.x;", r = out(reg32) r, options(pure, nomem, nostack)) }
@@ -57,24 +57,16 @@ fn wait() {
     unsafe { asm!("barrier.cluster.wait.aligned;", options(nostack)) }
 }
 
-/// A full cluster barrier: every thread of the cluster arrives, then waits for all others.
-/// Shared memory written before it is visible to the whole cluster after it.
-#[inline(always)]
-pub fn sync() {
-    arrive();
-    wait();
-}
-
-/// The f32 at byte `offset` of block `rank`'s dynamic shared memory (`mapa` maps the local
-/// shared address to that block's window, `ld.shared::cluster` reads it).
+/// The two f32 at byte `offset` of block `rank`'s dynamic shared memory (`mapa` maps the
+/// local shared address to that block's window, `ld.shared::cluster` reads it).
 ///
 /// # Safety
-/// `offset` is 4-byte aligned and inside every block's shared memory; block `rank` < C
+/// `offset` is 8-byte aligned and inside every block's shared memory; block `rank` < C
 /// wrote it before a release arrival this thread has waited for, and does not exit before
 /// this thread arrives again.
 #[inline(always)]
-pub unsafe fn read_remote_f32(offset: u32, rank: u32) -> f32 {
-    let v: f32;
+unsafe fn read_remote_pair(offset: u32, rank: u32) -> (f32, f32) {
+    let (a, b): (f32, f32);
     // SAFETY: the caller guarantees the address and the ordering.
     unsafe {
         asm!(
@@ -85,13 +77,14 @@ pub unsafe fn read_remote_f32(offset: u32, rank: u32) -> f32 {
             "cvt.u32.u64 %local, %base;",
             "add.u32 %local, %local, {off};",
             "mapa.shared::cluster.u32 %remote, %local, {rank};",
-            "ld.shared::cluster.f32 {v}, [%remote];",
+            "ld.shared::cluster.v2.f32 {{{a}, {b}}}, [%remote];",
             "}}",
-            off = in(reg32) offset, rank = in(reg32) rank, v = out(reg32) v,
+            off = in(reg32) offset, rank = in(reg32) rank,
+            a = out(reg32) a, b = out(reg32) b,
             options(readonly, nostack)
         );
     }
-    v
+    (a, b)
 }
 
 /// The `C` blocks of a cluster sharing one row, block `rank` taking columns
@@ -107,6 +100,12 @@ pub unsafe fn read_remote_f32(offset: u32, rank: u32) -> f32 {
 pub struct Cluster<const C: u32>;
 
 impl<const C: u32> Cluster<C> {
+    /// This block's rank in the cluster.
+    #[inline(always)]
+    pub fn block_rank() -> u32 {
+        cluster_rank()
+    }
+
     /// Before the first row: the arrival the first `sum2`'s wait matches.
     #[inline(always)]
     pub fn begin() {
@@ -147,7 +146,7 @@ impl<const C: u32> Team for Cluster<C> {
     }
     #[inline(always)]
     fn id() -> u32 {
-        id()
+        cluster_id()
     }
     #[inline(always)]
     fn count() -> u32 {
@@ -181,12 +180,7 @@ impl<const C: u32> Team for Cluster<C> {
         for q in 0..C {
             // SAFETY: block q wrote its slot before its release arrival, which this thread
             // waited for; it cannot exit before this thread's next arrival.
-            let (qa, qb) = unsafe {
-                (
-                    read_remote_f32(EXCHANGE_OFFSET, q),
-                    read_remote_f32(EXCHANGE_OFFSET + 4, q),
-                )
-            };
+            let (qa, qb) = unsafe { read_remote_pair(EXCHANGE_OFFSET, q) };
             sa += qa;
             sb += qb;
         }
