@@ -12,9 +12,12 @@
 
 mod common;
 
-use common::{Rng, gpu_or_skip, poisoned, random_matrix, random_vec, reference, rel_err, to_f64, tolerance};
+use common::{
+    Rng, gpu_or_skip, poisoned, random_matrix, random_vec, reference, rel_err, rel_err_at_least, to_f64,
+    tolerance,
+};
 use layernorm_cuda::{BackwardMode, Device, Element, Gradients, LayerNorm, bf16, f16};
-use ndarray::{Array, Array2, ArrayView, Axis, Dimension};
+use ndarray::{Array, Array2, Axis, Dimension};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
 
@@ -83,25 +86,6 @@ fn config(cases: u32, seed: u64) -> Config {
         failure_persistence: None,
         ..Config::default()
     }
-}
-
-/// ||out - ref|| / max(||ref||, floor): `common::rel_err` (inf for any non-finite output), but
-/// measured against `floor` where that is larger than the reference itself.
-fn rel_err_at_least<T: Element, D: Dimension>(
-    out: ArrayView<'_, T, D>,
-    reference: ArrayView<'_, f64, D>,
-    floor: f64,
-) -> f64 {
-    let (mut diff, mut norm) = (0.0, 0.0);
-    for (&o, &r) in out.iter().zip(reference.iter()) {
-        let o = o.to_f32() as f64;
-        if !o.is_finite() {
-            return f64::INFINITY;
-        }
-        diff += (o - r) * (o - r);
-        norm += r * r;
-    }
-    diff.sqrt() / norm.sqrt().max(floor).max(f64::MIN_POSITIVE)
 }
 
 fn norm<D: Dimension>(a: &Array<f64, D>) -> f64 {

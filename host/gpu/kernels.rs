@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaView, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -243,6 +243,19 @@ pub(crate) struct Backward<'a, T> {
 }
 
 impl<T> Backward<'_, T> {
+    /// A launch of `f` with the arguments every stage 1 kernel starts with: (x, dy, gamma,
+    /// mean, rstd, dx).
+    fn launch_args<'s>(&'s mut self, gpu: &'s Gpu, f: &'s Kernel) -> LaunchArgs<'s> {
+        let mut b = gpu.stream.launch_builder(&f.func);
+        b.arg(&self.x)
+            .arg(&self.dy)
+            .arg(&self.gamma)
+            .arg(&self.mean)
+            .arg(&self.rstd)
+            .arg(&mut *self.dx);
+        b
+    }
+
     fn check(&self) {
         let (rows, n) = (self.rows as usize, self.n as usize);
         require(self.x.len() >= rows * n && self.dy.len() >= rows * n, "x/dy");
@@ -258,7 +271,7 @@ pub(crate) fn backward_owned<T: Element>(
     gpu: &Gpu,
     team: Team,
     launch: Launch,
-    a: Backward<'_, T>,
+    mut a: Backward<'_, T>,
     part_dgamma: &mut CudaSlice<f32>,
     part_dbeta: &mut CudaSlice<f32>,
     local: bool,
@@ -287,18 +300,9 @@ pub(crate) fn backward_owned<T: Element>(
         &k.bwd_owned_block
     };
     let local = local as u32;
-    let mut b = gpu.stream.launch_builder(&f.func);
-    b.arg(&a.x)
-        .arg(&a.dy)
-        .arg(&a.gamma)
-        .arg(&a.mean)
-        .arg(&a.rstd)
-        .arg(a.dx);
-    b.arg(part_dgamma)
-        .arg(part_dbeta)
-        .arg(&a.rows)
-        .arg(&a.n)
-        .arg(&local);
+    let (rows, n) = (a.rows, a.n);
+    let mut b = a.launch_args(gpu, f);
+    b.arg(part_dgamma).arg(part_dbeta).arg(&rows).arg(&n).arg(&local);
     let config = launch.config(gpu, "backward stage 1 (owned)")?;
     // SAFETY: the argument list matches `backward_kernels!(@owned ..)` in
     // kernels-gpu/src/backward.rs, and every buffer (shared memory included) holds what the
@@ -320,7 +324,7 @@ pub(crate) fn owned_local_smem(teams: u32, n: u32) -> usize {
 pub(crate) fn backward_cluster<T: Element>(
     gpu: &Gpu,
     launch: Launch,
-    a: Backward<'_, T>,
+    mut a: Backward<'_, T>,
     part_dgamma: &mut CudaSlice<f32>,
     part_dbeta: &mut CudaSlice<f32>,
 ) -> Result<()> {
@@ -335,14 +339,9 @@ pub(crate) fn backward_cluster<T: Element>(
     let Some(f) = &gpu.kernels.of::<T>().bwd_cluster else {
         panic!("layernorm-cuda bug: a cluster launch on a device without cluster kernels");
     };
-    let mut b = gpu.stream.launch_builder(&f.func);
-    b.arg(&a.x)
-        .arg(&a.dy)
-        .arg(&a.gamma)
-        .arg(&a.mean)
-        .arg(&a.rstd)
-        .arg(a.dx);
-    b.arg(part_dgamma).arg(part_dbeta).arg(&a.rows).arg(&a.n);
+    let (rows, n) = (a.rows, a.n);
+    let mut b = a.launch_args(gpu, f);
+    b.arg(part_dgamma).arg(part_dbeta).arg(&rows).arg(&n);
     let config = launch.config(gpu, "backward stage 1 (clusters)")?;
     // SAFETY: the argument list matches `cluster_kernels!` in kernels-gpu/src/backward.rs,
     // every buffer (shared memory included) holds what the kernel indexes (checked above),
@@ -370,7 +369,7 @@ pub(crate) fn backward_locked<T: Element>(
     gpu: &Gpu,
     team: Team,
     launch: Launch,
-    a: Backward<'_, T>,
+    mut a: Backward<'_, T>,
     group_dgamma: &mut CudaSlice<f32>,
     group_dbeta: &mut CudaSlice<f32>,
     words: &mut CudaSlice<u32>,
@@ -390,19 +389,14 @@ pub(crate) fn backward_locked<T: Element>(
     } else {
         &k.bwd_locked_block
     };
-    let mut b = gpu.stream.launch_builder(&f.func);
-    b.arg(&a.x)
-        .arg(&a.dy)
-        .arg(&a.gamma)
-        .arg(&a.mean)
-        .arg(&a.rstd)
-        .arg(a.dx);
+    let (rows, n) = (a.rows, a.n);
+    let mut b = a.launch_args(gpu, f);
     b.arg(group_dgamma)
         .arg(group_dbeta)
         .arg(words)
         .arg(&groups)
-        .arg(&a.rows)
-        .arg(&a.n);
+        .arg(&rows)
+        .arg(&n);
     let config = launch.config(gpu, "backward stage 1 (locked)")?;
     // SAFETY: the argument list matches `backward_kernels!(@locked ..)` in
     // kernels-gpu/src/backward.rs, every buffer holds what the kernel indexes, and the

@@ -153,14 +153,6 @@ impl<const C: u32> Team for Cluster<C> {
         cluster_count()
     }
     #[inline(always)]
-    fn index_in_block() -> u32 {
-        0
-    }
-    #[inline(always)]
-    fn per_block() -> u32 {
-        1
-    }
-    #[inline(always)]
     fn sync() {
         Block::sync()
     }

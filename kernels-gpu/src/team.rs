@@ -126,10 +126,16 @@ pub trait Team {
     fn id() -> u32;
     /// Teams in the grid.
     fn count() -> u32;
-    /// Index of this team within its block.
-    fn index_in_block() -> u32;
-    /// Teams per block.
-    fn per_block() -> u32;
+    /// Index of this team within its block (0 for teams of a whole block or more).
+    #[inline(always)]
+    fn index_in_block() -> u32 {
+        0
+    }
+    /// Teams per block (1 for teams of a whole block or more).
+    #[inline(always)]
+    fn per_block() -> u32 {
+        1
+    }
     /// Barrier over the team; memory written before it is visible to the team after it.
     fn sync();
     /// Two sums over the team, the same in every rank.
@@ -237,14 +243,6 @@ impl Team for Block {
     #[inline(always)]
     fn count() -> u32 {
         device::grid_dim()
-    }
-    #[inline(always)]
-    fn index_in_block() -> u32 {
-        0
-    }
-    #[inline(always)]
-    fn per_block() -> u32 {
-        1
     }
     #[inline(always)]
     fn sync() {

@@ -84,6 +84,16 @@ pub fn to_f64<T: Element, D: Dimension>(a: ArrayView<T, D>) -> Array<f64, D> {
 /// ||out - ref|| / ||ref|| (ref = 0 gives ||out||); any NaN or inf in `out` gives inf,
 /// so unwritten (NaN-poisoned) outputs always fail.
 pub fn rel_err<T: Element, D: Dimension>(out: ArrayView<T, D>, reference: ArrayView<f64, D>) -> f64 {
+    rel_err_at_least(out, reference, 0.0)
+}
+
+/// [`rel_err`], but measured against `floor` where that is larger than ||ref||: for outputs
+/// whose own size can be far below that of what they are made from.
+pub fn rel_err_at_least<T: Element, D: Dimension>(
+    out: ArrayView<T, D>,
+    reference: ArrayView<f64, D>,
+    floor: f64,
+) -> f64 {
     let (mut diff, mut norm) = (0.0, 0.0);
     for (&o, &r) in out.iter().zip(reference.iter()) {
         let o = o.to_f32() as f64;
@@ -93,10 +103,11 @@ pub fn rel_err<T: Element, D: Dimension>(out: ArrayView<T, D>, reference: ArrayV
         diff += (o - r) * (o - r);
         norm += r * r;
     }
-    if norm == 0.0 {
+    let scale = norm.sqrt().max(floor);
+    if scale == 0.0 {
         diff.sqrt()
     } else {
-        (diff / norm).sqrt()
+        diff.sqrt() / scale
     }
 }
 
