@@ -55,9 +55,14 @@ const MODULES: &[Module] = &[
 /// 2048 threads: rows in flight, not registers, then decide the memory traffic under way.
 /// The backward's stage 1 holds x and dy and adds partials a whole pack at a time, and
 /// spills at 64 registers: the locked mode fits 80 (768 threads), the owned mode, with its
-/// shared-memory rows and their final combine, 128 (512 threads).
-/// The cluster kernels are owned-mode kernels too.
+/// shared-memory rows and their final combine, 128 (512 threads), except where ptxas fits
+/// fewer without spilling: the f32 block kernel in 96 (640 threads), the f16/bf16 cluster
+/// kernels (a slice per block) in 80 (768 threads). Fewer registers, more blocks resident.
+/// The first matching prefix counts.
 const LAUNCH_BOUNDS: &[(&str, &str)] = &[
+    ("layer_norm_bwd_owned_block_f32", ".maxntid 640, 1, 1"),
+    ("layer_norm_bwd_cluster8_f16", ".maxntid 768, 1, 1"),
+    ("layer_norm_bwd_cluster8_bf16", ".maxntid 768, 1, 1"),
     ("layer_norm_bwd_owned_", ".maxntid 512, 1, 1"),
     ("layer_norm_bwd_cluster", ".maxntid 512, 1, 1"),
     ("layer_norm_bwd_locked_", ".maxntid 768, 1, 1"),
