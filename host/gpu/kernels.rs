@@ -350,11 +350,16 @@ pub(crate) fn backward_cluster<T: Element>(
     Ok(())
 }
 
+/// Elements of `T` in one 16-byte pack, the kernels' unit of vector access (`Element::PACK`
+/// in kernels-gpu/src/element.rs).
+pub(crate) fn pack_len<T: Element>() -> u32 {
+    (16 / size_of::<T>()) as u32
+}
+
 /// Columns of one block's slice when a cluster shares a row of `n`: whole 16-byte packs
 /// (`slice_width` in kernels-gpu/src/cluster.rs).
 pub(crate) fn cluster_slice<T: Element>(n: u32) -> u32 {
-    let pack = (16 / size_of::<T>()) as u32;
-    n.div_ceil(pack).div_ceil(CLUSTER_SIZE) * pack
+    n.div_ceil(pack_len::<T>()).div_ceil(CLUSTER_SIZE) * pack_len::<T>()
 }
 
 /// Shared memory of a cluster block: the scratch and the exchange slot

@@ -28,7 +28,7 @@ fn team_for(n: u32) -> Team {
 /// Threads of a block team: about `packs_per_thread` 16-byte packs each, at least two warps,
 /// at most what the kernel allows (its registers decide).
 fn block_threads<T: Element>(kernel: &Kernel, n: u32, packs_per_thread: u32) -> u32 {
-    let packs = n.div_ceil((16 / size_of::<T>()) as u32);
+    let packs = n.div_ceil(kernels::pack_len::<T>());
     packs
         .div_ceil(packs_per_thread)
         .next_multiple_of(32)
@@ -90,9 +90,12 @@ pub(crate) fn backward<T: Element>(
     let (rows, n) = (stage1.rows, stage1.n);
     let k = gpu.kernels.of::<T>();
     let team = team_for(n);
-    let (parts_dgamma, parts_dbeta, part_rows) = match mode {
-        BackwardMode::Deterministic if team == Team::Block && cluster_for::<T>(gpu, n).is_some() => {
-            let kernel = cluster_for::<T>(gpu, n).expect("checked by the guard");
+    let cluster = match (mode, team) {
+        (BackwardMode::Deterministic, Team::Block) => cluster_for::<T>(gpu, n),
+        _ => None,
+    };
+    let (parts_dgamma, parts_dbeta, part_rows) = match (mode, cluster) {
+        (BackwardMode::Deterministic, Some(kernel)) => {
             let threads = block_threads::<T>(kernel, kernels::cluster_slice::<T>(n), 4);
             let smem = kernels::cluster_smem::<T>(n) as u32;
             let clusters = kernel.active_clusters(gpu, threads, smem)?.min(rows);
@@ -106,7 +109,7 @@ pub(crate) fn backward<T: Element>(
             kernels::backward_cluster(gpu, launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, clusters)
         }
-        BackwardMode::Deterministic => {
+        (BackwardMode::Deterministic, None) => {
             // Block teams: 4 packs per thread, all held (BWD_HELD in kernels-gpu/src/row.rs).
             // The fewest threads per row leave room for the most rows per multiprocessor at
             // the backward's 80 to 128 registers per thread.
@@ -130,7 +133,7 @@ pub(crate) fn backward<T: Element>(
             kernels::backward_owned(gpu, team, launch, stage1, &mut pg, &mut pb, local)?;
             (pg, pb, launch.blocks)
         }
-        BackwardMode::Locked { groups } => {
+        (BackwardMode::Locked { groups }, _) => {
             // Groups beyond `rows` would get no row (row i goes to group i mod G = i), so
             // clamping changes nothing but leaves no group unwritten.
             let groups = groups.unwrap_or_else(|| default_groups(n as usize)).min(rows);
@@ -161,7 +164,7 @@ fn cluster_for<T: Element>(gpu: &Gpu, n: u32) -> Option<&Kernel> {
     let k = gpu.kernels.of::<T>();
     let kernel = k.bwd_cluster.as_ref()?;
     let max_smem = gpu.kernels.max_smem as usize;
-    let packs = n.div_ceil((16 / size_of::<T>()) as u32);
+    let packs = n.div_ceil(kernels::pack_len::<T>());
     let one_block = kernels::owned_local_smem(1, n) <= max_smem && packs <= k.bwd_owned_block.max_threads * 4;
     (!one_block && kernels::cluster_smem::<T>(n) <= max_smem).then_some(kernel)
 }
