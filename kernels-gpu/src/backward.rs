@@ -35,7 +35,7 @@ use core::sync::atomic::{AtomicU32, Ordering, fence};
 
 #[cfg(layernorm_sm90)]
 use crate::cluster::{CLUSTER_SCRATCH_BYTES, Cluster, slice_width};
-use crate::device::{self, load_f32_l2, shared_ptr};
+use crate::device::{self, fma, load_f32_l2, shared_ptr};
 use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, read_cached, write};
 use crate::row::{BWD_HELD, Held, fits, for_each_chunk, prefetch, values};
 use crate::team::{Block, SCRATCH_BYTES, Team, Warp};
@@ -266,7 +266,7 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
     for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, wdy, _) = terms(j, len, slot);
         for k in 0..len {
-            s1 += xhat[k] * wdy[k];
+            s1 = fma(xhat[k], wdy[k], s1);
             s2 += wdy[k];
         }
     });
@@ -278,7 +278,7 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
         let (xhat, wdy, _) = terms(j, len, slot);
         let mut out = [0.0; MAX_PACK];
         for k in 0..len {
-            out[k] = rstd * (wdy[k] - (xhat[k] * c1 + c2));
+            out[k] = rstd * (wdy[k] - fma(xhat[k], c1, c2));
         }
         // SAFETY: as above.
         unsafe { write(dx, j, len, &out) };

@@ -231,3 +231,36 @@ pub fn opaque(v: u32) -> u32 {
     unsafe { asm!("mov.b32 {o}, {i};", o = out(reg32) out, i = in(reg32) v, options(nomem, nostack)) }
     out
 }
+
+/// `a * b + c` rounded once (`fma.rn.f32`). rustc never contracts a multiply and an add
+/// into one instruction, so without this every `a * b + c` costs two. LLVM's own fma
+/// intrinsic rather than inline PTX, so that LLVM schedules it as any other arithmetic.
+#[inline(always)]
+pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+    core::f32::math::mul_add(a, b, c)
+}
+
+/// Two f32 to two IEEE f16 in one word, `lo` in the low half, round to nearest even
+/// (`cvt.rn.f16x2.f32`, sm_80): one instruction where two conversions and a permute were.
+#[inline(always)]
+pub fn f32x2_to_f16x2(lo: f32, hi: f32) -> u32 {
+    let out: u32;
+    // SAFETY: register-only conversion (the first source goes to the upper half).
+    unsafe {
+        asm!("cvt.rn.f16x2.f32 {o}, {hi}, {lo};", o = out(reg32) out, hi = in(reg32) hi, lo = in(reg32) lo,
+             options(pure, nomem, nostack))
+    }
+    out
+}
+
+/// As [`f32x2_to_f16x2`], to bfloat16 (`cvt.rn.bf16x2.f32`, sm_80).
+#[inline(always)]
+pub fn f32x2_to_bf16x2(lo: f32, hi: f32) -> u32 {
+    let out: u32;
+    // SAFETY: register-only conversion (the first source goes to the upper half).
+    unsafe {
+        asm!("cvt.rn.bf16x2.f32 {o}, {hi}, {lo};", o = out(reg32) out, hi = in(reg32) hi, lo = in(reg32) lo,
+             options(pure, nomem, nostack))
+    }
+    out
+}

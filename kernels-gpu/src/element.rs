@@ -62,7 +62,7 @@ pub struct Bf16(pub u16);
 
 /// Both 16-bit types pack two elements per word, low half first (little-endian order).
 macro_rules! half_element {
-    ($ty:ident, $to:path, $from:path) => {
+    ($ty:ident, $to:path, $from:path, $from2:path) => {
         impl Element for $ty {
             const PACK: usize = 8;
             #[inline(always)]
@@ -86,15 +86,25 @@ macro_rules! half_element {
             fn pack(v: &Pack) -> [u32; 4] {
                 let mut w = [0u32; 4];
                 for k in 0..4 {
-                    w[k] = $from(v[2 * k]) as u32 | (($from(v[2 * k + 1]) as u32) << 16);
+                    w[k] = $from2(v[2 * k], v[2 * k + 1]);
                 }
                 w
             }
         }
     };
 }
-half_element!(F16, device::f16_to_f32, device::f32_to_f16);
-half_element!(Bf16, device::bf16_to_f32, device::f32_to_bf16);
+half_element!(
+    F16,
+    device::f16_to_f32,
+    device::f32_to_f16,
+    device::f32x2_to_f16x2
+);
+half_element!(
+    Bf16,
+    device::bf16_to_f32,
+    device::f32_to_bf16,
+    device::f32x2_to_bf16x2
+);
 
 /// Reads `len` elements from `row[start..]`: one 16-byte load when `len == T::PACK` (the
 /// address must then be 16-byte aligned), else the single element `row[start]`. Data read

@@ -13,7 +13,7 @@
 //! build.rs builds two modules: sm_80 (A100 and later) and sm_90 (Hopper, with
 //! `--cfg layernorm_sm90`: the cluster kernels); the host loads the one its device runs.
 #![no_std]
-#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)]
+#![feature(abi_ptx, stdarch_nvptx, asm_experimental_arch, core_float_math)]
 
 mod backward;
 #[cfg(layernorm_sm90)]
