@@ -174,6 +174,60 @@ fn two_streams_on_one_gpu_run_concurrently() {
     });
 }
 
+/// Tensors may move between handles of one GPU, whose streams run concurrently (cudarc
+/// orders them with events, README "Guarantees"). Phase 1: stream A is kept busy, then
+/// writes y1; B reads y1 at once, so B must wait for A. Phase 2: B is kept busy, then writes
+/// z, a tensor of A's, and A copies z to the host at once, so A must wait for B. Every
+/// tensor is allocated before the busy work (an upload waits for its stream). Without
+/// either wait, B reads y1 before it exists or A copies the NaN poison z starts with.
+#[test]
+fn tensors_move_between_streams_in_order() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let (a, b) = (gpu.with_new_stream().unwrap(), gpu.with_new_stream().unwrap());
+    let mut rng = Rng::new(90);
+    let (rows, n) = (2048, 4096);
+    let gamma = random_vec::<f32>(&mut rng, n, 1.0, 0.5);
+    let beta = random_vec::<f32>(&mut rng, n, 0.0, 0.5);
+    let (ln_a, ln_b) = (op(&a, &gamma, &beta), op(&b, &gamma, &beta));
+    let x = mixed_matrix::<f32>(&mut rng, rows, n);
+    let x_a = a.upload(x.view()).unwrap();
+    let mut y1 = common::poisoned::<f32>(&a, &[rows, n]);
+    let mut z1 = common::poisoned::<f32>(&b, &[rows, n]);
+    let mut z2 = common::poisoned::<f32>(&a, &[rows, n]);
+    let busy_in = random_matrix::<f32>(&mut rng, 4 * rows, n);
+    let (busy_a, busy_b) = (
+        a.upload(busy_in.view()).unwrap(),
+        b.upload(busy_in.view()).unwrap(),
+    );
+    let (mut busy_out_a, mut busy_out_b) = (
+        a.zeros::<f32>(busy_a.shape()).unwrap(),
+        b.zeros::<f32>(busy_b.shape()).unwrap(),
+    );
+    // Some milliseconds of work on one stream.
+    let keep_busy = |ln: &LayerNorm<f32>, input: &Tensor<f32>, out: &mut Tensor<f32>| {
+        for _ in 0..30 {
+            ln.forward_into(input, out).unwrap();
+        }
+    };
+
+    keep_busy(&ln_a, &busy_a, &mut busy_out_a);
+    ln_a.forward_into(&x_a, &mut y1).unwrap();
+    ln_b.forward_into(&y1, &mut z1).unwrap();
+    let z1 = z1.to_array2().unwrap();
+
+    keep_busy(&ln_b, &busy_b, &mut busy_out_b);
+    ln_b.forward_into(&y1, &mut z2).unwrap();
+    let z2 = z2.to_array2().unwrap();
+
+    let (g64, b64) = (to_f64(gamma.view()), to_f64(beta.view()));
+    let (ry1, _, _) = reference::forward(to_f64(x.view()).view(), g64.view(), b64.view(), 1e-5f32 as f64);
+    let (rz, _, _) = reference::forward(ry1.view(), g64.view(), b64.view(), 1e-5f32 as f64);
+    for (what, z) in [("phase 1 (B waits for A)", z1), ("phase 2 (A waits for B)", z2)] {
+        let err = rel_err(z.view(), rz.view());
+        assert!(err <= 2.0 * tolerance::<f32>(), "{what}: error {err:e}");
+    }
+}
+
 /// What may cross threads: device handles, tensors, ops and contexts are all Send + Sync
 /// (each wraps reference-counted driver objects; a handle's work is ordered on its stream).
 #[test]
