@@ -28,11 +28,13 @@ const KERNEL_DIR: &str = "kernels-gpu";
 const HASH_PREFIX: &str = "// layernorm-cuda kernel sources sha256: ";
 
 /// One PTX module: its file name (in `$OUT_DIR` and, checked in, in `kernels-gpu/`), the
-/// GPU it targets, and the extra rustc flags of its build.
+/// GPU it targets, the extra rustc flags of its build, and launch bounds of its own that
+/// come before [`LAUNCH_BOUNDS`].
 struct Module {
     file: &'static str,
     target_cpu: &'static str,
     flags: &'static [&'static str],
+    bounds: &'static [(&'static str, &'static str)],
 }
 
 const MODULES: &[Module] = &[
@@ -41,12 +43,16 @@ const MODULES: &[Module] = &[
         file: "layernorm_kernels.ptx",
         target_cpu: "sm_80",
         flags: &[],
+        // sm_80's ptxas needs more than the 128 registers of 512 threads to hold the held
+        // stage 1's two f16/bf16 rows without spilling.
+        bounds: &[("layer_norm_bwd_held_", ".maxntid 384, 1, 1")],
     },
     // Hopper: clusters and distributed shared memory exist from sm_90 on.
     Module {
         file: "layernorm_kernels_sm90.ptx",
         target_cpu: "sm_90",
         flags: &["--cfg", "layernorm_sm90"],
+        bounds: &[],
     },
 ];
 /// Launch bounds (`.maxntid`, the most threads a block of the kernel may have), by kernel
@@ -57,13 +63,15 @@ const MODULES: &[Module] = &[
 /// spills at 64 registers: the locked mode fits 80 (768 threads), the owned mode, with its
 /// shared-memory rows and their final combine, 128 (512 threads), except where ptxas fits
 /// fewer without spilling: the f32 block kernel in 96 (640 threads), the f16/bf16 cluster
-/// kernels (a slice per block) in 80 (768 threads). Fewer registers, more blocks resident.
-/// The first matching prefix counts.
+/// kernels (a slice per block) in 80 (768 threads). The held stage 1 keeps two rows in
+/// registers (the current one and the next one's loads) in 128 (512 threads). Fewer
+/// registers, more blocks resident. The first matching prefix counts.
 const LAUNCH_BOUNDS: &[(&str, &str)] = &[
     ("layer_norm_bwd_owned_block_f32", ".maxntid 640, 1, 1"),
     ("layer_norm_bwd_cluster8_f16", ".maxntid 768, 1, 1"),
     ("layer_norm_bwd_cluster8_bf16", ".maxntid 768, 1, 1"),
     ("layer_norm_bwd_owned_", ".maxntid 512, 1, 1"),
+    ("layer_norm_bwd_held_", ".maxntid 512, 1, 1"),
     ("layer_norm_bwd_cluster", ".maxntid 512, 1, 1"),
     ("layer_norm_bwd_locked_", ".maxntid 768, 1, 1"),
     ("layer_norm_", ".maxntid 1024, 1, 1"),
@@ -228,13 +236,13 @@ fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> 
             "the kernel PTX calls a function it does not contain ({line}); remove the code path that needs it"
         );
     }
-    with_launch_bounds(&ptx)
+    with_launch_bounds(&ptx, module.bounds)
 }
 
 /// Adds each kernel's [`LAUNCH_BOUNDS`] after its parameter list, where PTX wants them,
 /// and to each `layer_norm_bwd_cluster<C>_*` kernel its cluster size: with
 /// `.reqnctapercluster` a plain launch forms the clusters (no extended launch API needed).
-fn with_launch_bounds(ptx: &str) -> String {
+fn with_launch_bounds(ptx: &str, module_bounds: &[(&str, &str)]) -> String {
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut directives = Vec::new();
     for line in ptx.lines() {
@@ -242,7 +250,8 @@ fn with_launch_bounds(ptx: &str) -> String {
         out.push('\n');
         if let Some(name) = line.strip_prefix(".visible .entry ") {
             directives.clear();
-            if let Some((_, b)) = LAUNCH_BOUNDS.iter().find(|(prefix, _)| name.starts_with(prefix)) {
+            let mut bounds = module_bounds.iter().chain(LAUNCH_BOUNDS);
+            if let Some((_, b)) = bounds.find(|(prefix, _)| name.starts_with(prefix)) {
                 directives.push(b.to_string());
             }
             if let Some(rest) = name.strip_prefix("layer_norm_bwd_cluster") {

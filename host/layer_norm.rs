@@ -248,6 +248,8 @@ impl<T: Element> LayerNorm<T> {
                     dx: cuda_mut(dx),
                     rows: rows as u32,
                     n: n as u32,
+                    packed: (n * size_of::<T>()) % 16 == 0
+                        && [&ctx.x, dy, &self.gamma].into_iter().all(starts_on_pack),
                 };
                 gpu::backward(g, self.mode, a, cuda_mut(dgamma), cuda_mut(dbeta))?;
             }
@@ -326,6 +328,12 @@ fn host1_mut<T: Element>(d: &mut Data<T>) -> ArrayViewMut1<'_, T> {
 
 fn host2_mut<T: Element>(d: &mut Data<T>, rows: usize, n: usize) -> ArrayViewMut2<'_, T> {
     ArrayViewMut2::from_shape((rows, n), host_slice_mut(d)).expect("checked shape")
+}
+
+/// Whether `t` starts on a 16-byte boundary: its storage does (device allocations are
+/// aligned for any type, 256 bytes or more), so this is its offset in bytes.
+fn starts_on_pack<T: Element>(t: &Tensor<T>) -> bool {
+    t.range().start * size_of::<T>() % 16 == 0
 }
 
 fn cuda<T: Element>(t: &Tensor<T>) -> CudaView<'_, T> {

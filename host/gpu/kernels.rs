@@ -128,6 +128,10 @@ pub(crate) struct TypeKernels {
     pub(crate) fwd_block: Kernel,
     pub(crate) bwd_owned_warp: Kernel,
     pub(crate) bwd_owned_block: Kernel,
+    /// Owned-mode stage 1 for launches whose rows are all whole aligned packs held in
+    /// registers (`stage1_held` in kernels-gpu/src/backward.rs).
+    pub(crate) bwd_held_warp: Kernel,
+    pub(crate) bwd_held_block: Kernel,
     pub(crate) bwd_locked_warp: Kernel,
     pub(crate) bwd_locked_block: Kernel,
     bwd_reduce: Kernel,
@@ -161,6 +165,8 @@ impl KernelTable {
                 fwd_block: load("fwd_block", ty)?,
                 bwd_owned_warp: load("bwd_owned_warp", ty)?,
                 bwd_owned_block: load("bwd_owned_block", ty)?,
+                bwd_held_warp: load("bwd_held_warp", ty)?,
+                bwd_held_block: load("bwd_held_block", ty)?,
                 bwd_locked_warp: load("bwd_locked_warp", ty)?,
                 bwd_locked_block: load("bwd_locked_block", ty)?,
                 bwd_reduce: load("bwd_reduce", ty)?,
@@ -240,6 +246,9 @@ pub(crate) struct Backward<'a, T> {
     pub(crate) dx: &'a mut CudaSlice<T>,
     pub(crate) rows: u32,
     pub(crate) n: u32,
+    /// Every row of x, dy and dx, and gamma, start 16-byte aligned (aligned views and n a
+    /// whole number of packs).
+    pub(crate) packed: bool,
 }
 
 impl<T> Backward<'_, T> {
@@ -309,6 +318,61 @@ pub(crate) fn backward_owned<T: Element>(
     // kernel indexes (checked above).
     unsafe { b.launch(config) }.during("launching backward stage 1 (owned)")?;
     Ok(())
+}
+
+/// Stage 1, owned mode, rows all held (`a.packed`, and the rows fit `BWD_HELD` packs a
+/// rank): partial rows `[launch.blocks, n]`, each rank summing its columns' partials in its
+/// own shared memory ([`held_smem`]).
+pub(crate) fn backward_held<T: Element>(
+    gpu: &Gpu,
+    team: Team,
+    launch: Launch,
+    mut a: Backward<'_, T>,
+    part_dgamma: &mut CudaSlice<f32>,
+    part_dbeta: &mut CudaSlice<f32>,
+) -> Result<()> {
+    a.check();
+    require(a.packed && held_fits::<T>(team, launch.threads, a.n), "held rows");
+    let parts = launch.blocks as usize * a.n as usize;
+    require(
+        part_dgamma.len() >= parts && part_dbeta.len() >= parts,
+        "held partials",
+    );
+    require(
+        launch.smem as usize >= held_smem::<T>(launch.threads),
+        "held smem",
+    );
+    let k = gpu.kernels.of::<T>();
+    let f = if team == Team::Warp {
+        &k.bwd_held_warp
+    } else {
+        &k.bwd_held_block
+    };
+    let (rows, n) = (a.rows, a.n);
+    let mut b = a.launch_args(gpu, f);
+    b.arg(part_dgamma).arg(part_dbeta).arg(&rows).arg(&n);
+    let config = launch.config(gpu, "backward stage 1 (owned, held rows)")?;
+    // SAFETY: the argument list matches `backward_kernels!(@held ..)` in
+    // kernels-gpu/src/backward.rs; every buffer (shared memory included) holds what the
+    // kernel indexes, and every row is whole aligned packs that fit (checked above).
+    unsafe { b.launch(config) }.during("launching backward stage 1 (owned, held rows)")?;
+    Ok(())
+}
+
+/// Packs of x and of dy each rank of the held stage 1 keeps in registers (`BWD_HELD` in
+/// kernels-gpu/src/row.rs).
+pub(crate) const BWD_HELD: u32 = 4;
+
+/// Whether rows of `n` (whole packs) fit the held stage 1's registers with `threads` a block.
+pub(crate) fn held_fits<T: Element>(team: Team, threads: u32, n: u32) -> bool {
+    let ranks = if team == Team::Warp { 32 } else { threads };
+    n % pack_len::<T>() == 0 && n / pack_len::<T>() <= ranks * BWD_HELD
+}
+
+/// Shared memory of a held stage 1 block of `threads`: the scratch, then per rank
+/// `BWD_HELD` packs of f32 dgamma and dbeta (`RankPartials` in kernels-gpu/src/backward.rs).
+pub(crate) fn held_smem<T: Element>(threads: u32) -> usize {
+    SCRATCH_BYTES as usize + threads as usize * 2 * 4 * (BWD_HELD * pack_len::<T>()) as usize
 }
 
 /// Shared memory of an owned-mode block whose `teams` sum partials locally: the scratch,
@@ -410,9 +474,9 @@ pub(crate) fn backward_locked<T: Element>(
     Ok(())
 }
 
-/// Slices of partial rows a stage 2 block sums at once (`STAGE2_SLICES` in
-/// kernels-gpu/src/backward.rs).
-const STAGE2_SLICES: u32 = 8;
+/// Stage 2's block: 8 groups of 4 columns times 128 slices of partial rows
+/// (`STAGE2_GROUPS`, `STAGE2_SLICES` in kernels-gpu/src/backward.rs).
+const STAGE2_THREADS: u32 = 8 * 128;
 
 /// Stage 2: column sums of `[rows, n]` partials into dgamma and dbeta.
 pub(crate) fn backward_reduce<T: Element>(
@@ -433,11 +497,12 @@ pub(crate) fn backward_reduce<T: Element>(
         dgamma.len() >= n as usize && dbeta.len() >= n as usize,
         "dgamma/dbeta",
     );
-    // 32 columns x 8 slices of partial rows; a few blocks per multiprocessor suffice.
+    // A tile of 32 columns per block; two blocks per multiprocessor at most (blocks loop
+    // over tiles), each slice sum a 16-byte slot for dgamma and one for dbeta.
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(32).min(gpu.sm_count * 8).max(1), 1, 1),
-        block_dim: (32 * STAGE2_SLICES, 1, 1),
-        shared_mem_bytes: 2 * 4 * 32 * STAGE2_SLICES,
+        grid_dim: (n.div_ceil(32).min(gpu.sm_count * 2).max(1), 1, 1),
+        block_dim: (STAGE2_THREADS, 1, 1),
+        shared_mem_bytes: 2 * 16 * STAGE2_THREADS,
     };
     let mut b = gpu.stream.launch_builder(&gpu.kernels.of::<T>().bwd_reduce.func);
     b.arg(part_dgamma)

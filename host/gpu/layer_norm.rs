@@ -48,6 +48,23 @@ fn resident(gpu: &Gpu, kernel: &Kernel, rows: u32, team: Team, threads: u32, sme
     })
 }
 
+/// `launch` with the fewest blocks that leave no team more rows than it had: teams loop
+/// over rows, so the busiest team sets the time, and every block costs the backward one
+/// more partial row to write and sum (4096 rows on 660 teams is 7 rows for the busiest; 586
+/// teams do the same in 7, with 74 fewer partial rows).
+fn balanced(launch: Launch, rows: u32, team: Team) -> Launch {
+    let per_block = if team == Team::Warp {
+        launch.threads / 32
+    } else {
+        1
+    };
+    let most = rows.div_ceil(launch.blocks * per_block);
+    Launch {
+        blocks: rows.div_ceil(most).div_ceil(per_block),
+        ..launch
+    }
+}
+
 /// A warp team's block: 8 warps, or fewer where the kernel's registers allow fewer.
 fn warp_threads(kernel: &Kernel) -> u32 {
     (WARPS_PER_BLOCK * 32).min(kernel.max_threads)
@@ -94,8 +111,12 @@ pub(crate) fn backward<T: Element>(
         (BackwardMode::Deterministic, Team::Block) => cluster_for::<T>(gpu, n),
         _ => None,
     };
-    let (parts_dgamma, parts_dbeta, part_rows) = match (mode, cluster) {
-        (BackwardMode::Deterministic, Some(kernel)) => {
+    let held = match (mode, cluster) {
+        (BackwardMode::Deterministic, None) => held(gpu, team, &stage1),
+        _ => None,
+    };
+    let (parts_dgamma, parts_dbeta, part_rows) = match (mode, cluster, held) {
+        (BackwardMode::Deterministic, Some(kernel), _) => {
             let threads = block_threads::<T>(kernel, kernels::cluster_slice::<T>(n), 4);
             let smem = kernels::cluster_smem::<T>(n) as u32;
             let clusters = kernel.active_clusters(gpu, threads, smem)?.min(rows);
@@ -109,7 +130,15 @@ pub(crate) fn backward<T: Element>(
             kernels::backward_cluster(gpu, launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, clusters)
         }
-        (BackwardMode::Deterministic, None) => {
+        (BackwardMode::Deterministic, None, Some((kernel, threads))) => {
+            let smem = kernels::held_smem::<T>(threads) as u32;
+            let launch = balanced(resident(gpu, kernel, rows, team, threads, smem)?, rows, team);
+            // The held kernel writes every element of every block's partial row.
+            let (mut pg, mut pb) = alloc_partials(gpu, launch.blocks as usize * n as usize)?;
+            kernels::backward_held(gpu, team, launch, stage1, &mut pg, &mut pb)?;
+            (pg, pb, launch.blocks)
+        }
+        (BackwardMode::Deterministic, None, None) => {
             // Block teams: 4 packs per thread, all held (BWD_HELD in kernels-gpu/src/row.rs).
             // The fewest threads per row leave room for the most rows per multiprocessor at
             // the backward's 80 to 128 registers per thread.
@@ -133,7 +162,7 @@ pub(crate) fn backward<T: Element>(
             kernels::backward_owned(gpu, team, launch, stage1, &mut pg, &mut pb, local)?;
             (pg, pb, launch.blocks)
         }
-        (BackwardMode::Locked { groups }, _) => {
+        (BackwardMode::Locked { groups }, _, _) => {
             // Groups beyond `rows` would get no row (row i goes to group i mod G = i), so
             // clamping changes nothing but leaves no group unwritten.
             let groups = groups.unwrap_or_else(|| default_groups(n as usize)).min(rows);
@@ -155,6 +184,19 @@ pub(crate) fn backward<T: Element>(
         }
     };
     kernels::backward_reduce(gpu, &parts_dgamma, &parts_dbeta, part_rows, n, dgamma, dbeta)
+}
+
+/// The held stage 1 kernel and its block size, where it can run the owned backward: every
+/// row whole aligned packs, held in registers at 4 packs a thread, with room in shared
+/// memory for each rank's partials.
+fn held<'k, T: Element>(gpu: &'k Gpu, team: Team, a: &kernels::Backward<'_, T>) -> Option<(&'k Kernel, u32)> {
+    let k = gpu.kernels.of::<T>();
+    let (kernel, threads) = match team {
+        Team::Warp => (&k.bwd_held_warp, warp_threads(&k.bwd_held_warp)),
+        Team::Block => (&k.bwd_held_block, block_threads::<T>(&k.bwd_held_block, a.n, 4)),
+    };
+    let room = kernels::held_smem::<T>(threads) <= gpu.kernels.max_smem as usize;
+    (a.packed && room && kernels::held_fits::<T>(team, threads, a.n)).then_some((kernel, threads))
 }
 
 /// The cluster kernel, where it should run the owned backward of block-team rows of `n`:

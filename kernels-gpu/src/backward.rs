@@ -3,7 +3,7 @@
 //! Per row i, with xhat_j = (x_j - mean_i) * rstd_i and wdy_j = gamma_j * dy_j:
 //!   c1   = sum_j xhat_j * wdy_j / n
 //!   c2   = sum_j wdy_j / n
-//!   dx_j = rstd_i * (wdy_j - (xhat_j * c1 + c2))
+//!   dx_j = rstd_i * (wdy_j - (xhat_j * c1 + c2))   (computed as two fma, see `dx_of`)
 //! and over all rows:
 //!   dgamma_j = sum_i dy_ij * xhat_ij        dbeta_j = sum_i dy_ij
 //!
@@ -32,6 +32,11 @@
 //!       partial rows read and written in 16-byte vectors.
 //!   v9  c1's products and dx's xhat * c1 + c2 each one `fma`; f16/bf16 dx narrowed two
 //!       values per instruction.
+//!   v10 launches whose rows are all whole aligned packs that fit in registers take
+//!       `stage1_held`: partials in the same pass as dx, into each rank's own shared memory
+//!       (16-byte accesses, no barrier between rows), dx as two fma, and the team's next
+//!       row loaded during this one's reduction (two rows in flight per block). Stage 2
+//!       reads partial rows 16 bytes at a time, 128 slices of rows per block.
 
 use core::sync::atomic::{AtomicU32, Ordering, fence};
 
@@ -58,6 +63,25 @@ struct Rows<T> {
     n: u32,
     /// Columns this team walks.
     cols: u32,
+}
+
+/// One element's terms added to the row sums s1 = sum_j xhat_j * wdy_j and s2 = sum_j wdy_j.
+#[inline(always)]
+fn add_row_sums(s1: f32, s2: f32, xhat: f32, wdy: f32) -> (f32, f32) {
+    (fma(xhat, wdy, s1), s2 + wdy)
+}
+
+/// (a, b) such that dx_j = rstd * wdy_j + (xhat_j * a + b), from the row's sums:
+///   c1 = s1 / n,   c2 = s2 / n,   a = -rstd * c1,   b = -rstd * c2.
+#[inline(always)]
+fn dx_coefficients(s1: f32, s2: f32, rstd: f32, n: u32) -> (f32, f32) {
+    (-rstd * (s1 / n as f32), -rstd * (s2 / n as f32))
+}
+
+/// dx_j = rstd * (wdy_j - (xhat_j * c1 + c2)), as two fma: rstd * wdy_j + (xhat_j * a + b).
+#[inline(always)]
+fn dx_of(wdy: f32, xhat: f32, rstd: f32, a: f32, b: f32) -> f32 {
+    fma(wdy, rstd, fma(xhat, a, b))
 }
 
 /// One row of partial sums: a group row in global memory (locked mode), a block's row in
@@ -263,24 +287,24 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
         (xhat, wdy, dyv)
     };
 
-    // Pass 1: c1 and c2.
+    // Pass 1: the row sums (the same arithmetic as the held path's, so that dx is the same
+    // bits whichever path computed it).
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
     for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, wdy, _) = terms(j, len, slot);
         for k in 0..len {
-            s1 = fma(xhat[k], wdy[k], s1);
-            s2 += wdy[k];
+            (s1, s2) = add_row_sums(s1, s2, xhat[k], wdy[k]);
         }
     });
     let (s1, s2) = S::sum2(s1, s2);
-    let (c1, c2) = (s1 / n as f32, s2 / n as f32);
+    let (a, b) = dx_coefficients(s1, s2, rstd, n);
 
     // Pass 2: dx.
     for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, wdy, _) = terms(j, len, slot);
         let mut out = [0.0; MAX_PACK];
         for k in 0..len {
-            out[k] = rstd * (wdy[k] - fma(xhat[k], c1, c2));
+            out[k] = dx_of(wdy[k], xhat[k], rstd, a, b);
         }
         // SAFETY: as above.
         unsafe { write(dx, j, len, &out) };
@@ -507,6 +531,252 @@ unsafe fn stage1_owned<T: Element, S: Team>(
     }
 }
 
+/// One rank's partial dgamma and dbeta over the rows its team handled, for the columns of
+/// its held packs, in shared memory laid out by rank: the rank's `chunks` 16-byte chunks
+/// (4 columns each; chunk q covers elements 4 * (q % (PACK / 4)).. of its slot q / (PACK /
+/// 4)) sit `size * 16` bytes apart, so the 32 lanes of a warp touch 512 contiguous bytes in
+/// each access: one 16-byte access per 4 columns and no bank conflicts, where the
+/// column-ordered rows of the general path take one access per column. dbeta's chunks
+/// follow all of dgamma's.
+#[derive(Clone, Copy)]
+struct RankPartials {
+    /// Shared address of chunk 0 of this rank's dgamma.
+    dgamma: u32,
+    /// Shared address of chunk 0 of this rank's dbeta.
+    dbeta: u32,
+    /// Bytes from one chunk of a rank to its next (`size * 16`).
+    stride: u32,
+}
+
+impl RankPartials {
+    /// 16-byte chunks per rank and sum: `BWD_HELD` packs of `T::PACK` f32.
+    #[inline(always)]
+    const fn chunks<T: Element>() -> u32 {
+        (BWD_HELD * T::PACK / 4) as u32
+    }
+
+    /// Shared bytes of one team of `size` ranks: dgamma and dbeta chunks of every rank.
+    #[inline(always)]
+    fn team_bytes<T: Element>(size: u32) -> u32 {
+        2 * Self::chunks::<T>() * size * 16
+    }
+
+    /// Rank `rank`'s partials in the team whose area starts at byte `base` of shared memory.
+    #[inline(always)]
+    fn of<T: Element>(base: u32, size: u32, rank: u32) -> Self {
+        let dgamma = device::shared_addr(base + rank * 16);
+        RankPartials {
+            dgamma,
+            dbeta: dgamma + Self::chunks::<T>() * size * 16,
+            stride: size * 16,
+        }
+    }
+
+    /// Sets every chunk to zero.
+    ///
+    /// # Safety
+    /// The launch gave the team's area (see [`stage1_held`]).
+    #[inline(always)]
+    unsafe fn zero<T: Element>(self) {
+        for q in 0..Self::chunks::<T>() {
+            // SAFETY: chunk q of this rank lies inside the team's area.
+            unsafe {
+                device::store_shared_16(self.dgamma + q * self.stride, [0; 4]);
+                device::store_shared_16(self.dbeta + q * self.stride, [0; 4]);
+            }
+        }
+    }
+
+    /// dgamma += xhat * dy and dbeta += dy for the columns of held slot `c`.
+    ///
+    /// # Safety
+    /// As for [`RankPartials::zero`]; `c < BWD_HELD`.
+    #[inline(always)]
+    unsafe fn add<T: Element>(self, c: usize, xhat: &Pack, dy: &Pack) {
+        for h in 0..T::PACK / 4 {
+            let at = (c * T::PACK / 4 + h) as u32 * self.stride;
+            // SAFETY: chunk c * PACK / 4 + h < chunks, inside this rank's area.
+            let (g, b) = unsafe {
+                (
+                    device::load_shared_16(self.dgamma + at),
+                    device::load_shared_16(self.dbeta + at),
+                )
+            };
+            let k = 4 * h;
+            let g = [0, 1, 2, 3].map(|i| fma(xhat[k + i], dy[k + i], f32::from_bits(g[i])).to_bits());
+            let b = [0, 1, 2, 3].map(|i| (f32::from_bits(b[i]) + dy[k + i]).to_bits());
+            // SAFETY: as above.
+            unsafe {
+                device::store_shared_16(self.dgamma + at, g);
+                device::store_shared_16(self.dbeta + at, b);
+            }
+        }
+    }
+
+    /// Chunk `q`'s dgamma and dbeta.
+    ///
+    /// # Safety
+    /// As for [`RankPartials::zero`]; `q < chunks`.
+    #[inline(always)]
+    unsafe fn chunk(self, q: u32) -> ([u32; 4], [u32; 4]) {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            (
+                device::load_shared_16(self.dgamma + q * self.stride),
+                device::load_shared_16(self.dbeta + q * self.stride),
+            )
+        }
+    }
+}
+
+/// A row's x and dy, `BWD_HELD` packs of each per rank, in registers.
+type HeldRow = (Held<BWD_HELD>, Held<BWD_HELD>);
+
+/// Issues the loads of row `row`'s x and dy (none where `row` is past the last row, the
+/// pipeline's end: the words then stay zero and are never used).
+///
+/// # Safety
+/// Every row pointer 16-byte aligned, `r.n` a whole number of packs that [`fits`].
+#[inline(always)]
+unsafe fn load_held_row<T: Element, S: Team>(r: &Rows<T>, row: u32) -> HeldRow {
+    let offset = row as usize * r.n as usize;
+    let packs = if row < r.rows { r.n / T::PACK as u32 } else { 0 };
+    // SAFETY: with row < rows the row lies inside x and dy, aligned whole packs that fit
+    // (the caller's guarantee); past the last row nothing is read.
+    unsafe {
+        (
+            Held::load::<T, S>(r.x.wrapping_add(offset), packs),
+            Held::load::<T, S>(r.dy.wrapping_add(offset), packs),
+        )
+    }
+}
+
+/// dx for one row of a launch whose rows are all whole packs held in registers, and the
+/// row's partials into the rank's own [`RankPartials`]. Two passes over registers:
+///   pass 1:  s1 = sum_j xhat_j * wdy_j,  s2 = sum_j wdy_j   (c1 = s1 / n, c2 = s2 / n)
+///   pass 2:  dx_j = rstd * wdy_j + (xhat_j * a + b),  a = -rstd * c1,  b = -rstd * c2,
+///            dgamma_j += xhat_j * dy_j,  dbeta_j += dy_j
+/// Between them, before the row's reduction, the loads of the team's next row go out
+/// (`next`): they arrive while this row is reduced, written and summed, so each block keeps
+/// two rows in flight and DRAM does not idle while the block works on registers. Returns
+/// the next row's registers.
+///
+/// # Safety
+/// `row` < `r.rows`; every row pointer and gamma 16-byte aligned, `r.n` a whole number of
+/// packs that [`fits`] `BWD_HELD` per rank; `(xs, dys)` is row `row`; `acc` as
+/// [`RankPartials::zero`] requires.
+#[inline(always)]
+unsafe fn backward_row_held<T: Element, S: Team>(
+    r: &Rows<T>,
+    row: u32,
+    (xs, dys): HeldRow,
+    next: u32,
+    acc: RankPartials,
+) -> HeldRow {
+    let offset = row as usize * r.n as usize;
+    // SAFETY: row < rows, so these lie inside dx, mean and rstd.
+    let (dx, mean, rstd) = unsafe {
+        (
+            r.dx.add(offset),
+            *r.mean.add(row as usize),
+            *r.rstd.add(row as usize),
+        )
+    };
+    // The held slot's (x, dy, gamma); rows of whole packs have no element-wise tail, so every
+    // chunk for_each_chunk yields is a held slot.
+    let held = |j: u32, slot: Option<usize>| {
+        let c = slot.unwrap_or(0);
+        // SAFETY: j is a pack of the row, aligned (the caller's guarantee).
+        let g = unsafe { read_cached(r.gamma, j, T::PACK) };
+        (c, xs.pack::<T>(c), dys.pack::<T>(c), g)
+    };
+
+    // Pass 1.
+    let (mut s1, mut s2) = (0.0f32, 0.0f32);
+    for_each_chunk::<T, S, true, BWD_HELD>(r.n, |j, _, slot| {
+        let (_, xv, dyv, g) = held(j, slot);
+        for k in 0..T::PACK {
+            (s1, s2) = add_row_sums(s1, s2, (xv[k] - mean) * rstd, g[k] * dyv[k]);
+        }
+    });
+    // SAFETY: as this function requires of every row.
+    let upcoming = unsafe { load_held_row::<T, S>(r, next) };
+    let (s1, s2) = S::sum2(s1, s2);
+    let (a, b) = dx_coefficients(s1, s2, rstd, r.n);
+
+    // Pass 2.
+    for_each_chunk::<T, S, true, BWD_HELD>(r.n, |j, _, slot| {
+        let (c, xv, dyv, g) = held(j, slot);
+        let (mut xhat, mut out) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
+        for k in 0..T::PACK {
+            xhat[k] = (xv[k] - mean) * rstd;
+            out[k] = dx_of(g[k] * dyv[k], xhat[k], rstd, a, b);
+        }
+        // SAFETY: as above; the rank's partials are its own.
+        unsafe {
+            write(dx, j, T::PACK, &out);
+            acc.add::<T>(c, &xhat, &dyv);
+        }
+    });
+    upcoming
+}
+
+/// Stage 1, owned mode, for launches whose rows are all whole aligned packs that fit in
+/// registers (the host checks): team u handles rows u, u + U, ... and each rank adds its
+/// columns' partials into its own [`RankPartials`]; at the end block b sums its teams' (in
+/// team order) into partial row b. No barrier between rows: a rank's partials are its own.
+///
+/// # Safety
+/// As [`backward_row_held`] requires of every row; `part_*` hold `[gridDim, n]` f32; the
+/// launch gave each block `SCRATCH_BYTES + teams_per_block * 8 * BWD_HELD * PACK * size`
+/// bytes of shared memory (`size` ranks per team).
+#[inline(always)]
+unsafe fn stage1_held<T: Element, S: Team>(r: Rows<T>, part_dgamma: *mut f32, part_dbeta: *mut f32) {
+    let team_bytes = RankPartials::team_bytes::<T>(S::size());
+    let team = |t: u32, rank: u32| RankPartials::of::<T>(SCRATCH_BYTES + t * team_bytes, S::size(), rank);
+    let mine = team(S::index_in_block(), S::rank());
+    // SAFETY: the launch sized shared memory for every team of the block.
+    unsafe { mine.zero::<T>() };
+    let mut row = S::id();
+    // SAFETY (both): the launch's rows are held packs (the caller's guarantee); row < rows
+    // in the loop.
+    let mut held = unsafe { load_held_row::<T, S>(&r, row) };
+    while row < r.rows {
+        let next = row + S::count();
+        held = unsafe { backward_row_held::<T, S>(&r, row, held, next, mine) };
+        row = next;
+    }
+    device::sync_block();
+    // Chunk q of rank k (in every team): the teams' sums in team order, into the columns of
+    // the pack it covers.
+    let (packs, per_pack) = (r.n / T::PACK as u32, T::PACK as u32 / 4);
+    let (size, row_at) = (S::size(), device::block_idx() as usize * r.n as usize);
+    let mut i = device::thread_idx();
+    while i < RankPartials::chunks::<T>() * size {
+        let (rank, q) = (i % size, i / size);
+        let p = rank + q / per_pack * size;
+        if p < packs {
+            let (mut g, mut b) = ([0.0f32; 4], [0.0f32; 4]);
+            for t in 0..S::per_block() {
+                // SAFETY: q < chunks, inside team t's area, written before the barrier.
+                let (tg, tb) = unsafe { team(t, rank).chunk(q) };
+                for k in 0..4 {
+                    g[k] += f32::from_bits(tg[k]);
+                    b[k] += f32::from_bits(tb[k]);
+                }
+            }
+            let col = row_at + (p * T::PACK as u32 + 4 * (q % per_pack)) as usize;
+            // SAFETY: col + 4 <= n inside partial row b (p < packs); n is a whole number of
+            // packs, so the row and the column are 16-byte aligned in the aligned buffers.
+            unsafe {
+                device::store_16(part_dgamma.add(col) as *mut u32, g.map(f32::to_bits));
+                device::store_16(part_dbeta.add(col) as *mut u32, b.map(f32::to_bits));
+            }
+        }
+        i += device::block_dim();
+    }
+}
+
 /// Stage 1, owned mode over clusters of `C` blocks (sm_90): cluster u handles rows u,
 /// u + U, ... (U = clusters); block q of the cluster takes the q-th slice of each row
 /// ([`slice_width`] columns), keeps that slice's partials in its shared memory, and writes
@@ -564,19 +834,23 @@ unsafe fn stage1_locked<T: Element, S: Team>(r: Rows<T>, lock: GroupLock) {
     }
 }
 
-/// Threads of a stage 2 block: 32 columns (one warp reads 128 contiguous bytes of a
-/// partial row) times `STAGE2_SLICES` slices of the partial rows.
-const STAGE2_SLICES: u32 = 8;
+/// Stage 2's tile: 32 columns, read as 8 groups of 4 (one 16-byte load per group and row).
+const STAGE2_GROUPS: u32 = 8;
+/// Slices of the partial rows a stage 2 block sums at once: with 8 groups, 1024 threads,
+/// so that the few rows of each slice (R / 128) all load at once.
+const STAGE2_SLICES: u32 = 128;
 
 /// Stage 2: dgamma_j and dbeta_j are the sums of column j over the `rows` partial rows.
-/// A block takes 32 columns (a warp reads 128 contiguous bytes of a row); its 8 warps each
-/// sum every 8th partial row (four rows in flight at a time), then the 8 slice sums are
-/// added in slice order. The order of every addition is fixed, so the owned mode stays
-/// bitwise reproducible.
+/// A block takes a tile of 32 columns; thread (slice s, group q) sums columns 4q..4q+4 of
+/// rows s, s + 128, ... (four rows in flight at a time, 16-byte loads where n is a whole
+/// number of 4-column groups), then the 128 slice sums meet in a fixed pairwise tree
+/// (slice s += slice s + h for h = 64, 32, ..., 1). The order of every addition is fixed,
+/// so the owned mode stays bitwise reproducible.
 ///
 /// # Safety
-/// `part_*` hold `[rows, n]` f32; `dgamma`, `dbeta` hold `n`; the block is 32 x
-/// `STAGE2_SLICES` threads with `2 * 4 * 32 * STAGE2_SLICES` bytes of shared memory.
+/// `part_*` hold `[rows, n]` f32 (16-byte aligned); `dgamma`, `dbeta` hold `n`; the block
+/// is `STAGE2_GROUPS * STAGE2_SLICES` threads with `2 * 16 * STAGE2_GROUPS * STAGE2_SLICES`
+/// bytes of shared memory.
 #[inline(always)]
 unsafe fn stage2<T: Element>(
     part_dgamma: *const f32,
@@ -586,54 +860,101 @@ unsafe fn stage2<T: Element>(
     dgamma: *mut T,
     dbeta: *mut T,
 ) {
-    let (lane, slice) = (device::thread_idx() % 32, device::thread_idx() / 32);
-    let slot = device::thread_idx() as usize;
-    let (sums_g, sums_b) = (shared_ptr::<f32>(0), shared_ptr::<f32>(4 * 32 * STAGE2_SLICES));
+    let (group, slice) = (
+        device::thread_idx() % STAGE2_GROUPS,
+        device::thread_idx() / STAGE2_GROUPS,
+    );
+    let vector = n % 4 == 0;
+    // This thread's slot of slice sums: dgamma's 16 bytes, then (after all slots) dbeta's.
+    let slot = |s: u32| device::shared_addr((s * STAGE2_GROUPS + group) * 16);
+    let dbeta_slots = STAGE2_GROUPS * STAGE2_SLICES * 16;
     let mut tile = device::block_idx();
     while tile * 32 < n {
-        let j = (tile * 32 + lane) as usize;
+        let j = tile * 32 + 4 * group;
+        // Columns j..j + 4 of partial row r, zero past n.
+        let load = |part: *const f32, r: u32| -> [f32; 4] {
+            let at = r as usize * n as usize + j as usize;
+            if vector && j < n {
+                // SAFETY: r < rows, j + 4 <= n (n a multiple of 4); the row and the group
+                // start 16-byte aligned.
+                unsafe { device::load_16(part.add(at) as *const u32).map(f32::from_bits) }
+            } else {
+                // SAFETY: r < rows, and only columns below n are read.
+                [0, 1, 2, 3].map(|k| {
+                    if j + k < n {
+                        unsafe { *part.add(at + k as usize) }
+                    } else {
+                        0.0
+                    }
+                })
+            }
+        };
         let (mut g, mut b) = ([0.0f32; 4], [0.0f32; 4]);
-        if j < n as usize {
-            let at = |r: u32| r as usize * n as usize + j;
-            let mut r = slice;
-            while r + 3 * STAGE2_SLICES < rows {
-                for u in 0..4 {
-                    // SAFETY: r + u * SLICES < rows and j < n.
-                    unsafe {
-                        g[u] += *part_dgamma.add(at(r + u as u32 * STAGE2_SLICES));
-                        b[u] += *part_dbeta.add(at(r + u as u32 * STAGE2_SLICES));
+        let mut r = slice;
+        while r + 3 * STAGE2_SLICES < rows {
+            // All eight loads first: the four rows' loads are in flight together.
+            let rows4 = [0, 1, 2, 3].map(|u| r + u * STAGE2_SLICES);
+            let (pg, pb) = (
+                rows4.map(|q| load(part_dgamma, q)),
+                rows4.map(|q| load(part_dbeta, q)),
+            );
+            for u in 0..4 {
+                for k in 0..4 {
+                    g[k] += pg[u][k];
+                    b[k] += pb[u][k];
+                }
+            }
+            r += 4 * STAGE2_SLICES;
+        }
+        while r < rows {
+            let (pg, pb) = (load(part_dgamma, r), load(part_dbeta, r));
+            for k in 0..4 {
+                g[k] += pg[k];
+                b[k] += pb[k];
+            }
+            r += STAGE2_SLICES;
+        }
+        // SAFETY: slot(slice) lies in the block's shared memory (launch guarantee).
+        unsafe {
+            device::store_shared_16(slot(slice), g.map(f32::to_bits));
+            device::store_shared_16(slot(slice) + dbeta_slots, b.map(f32::to_bits));
+        }
+        let mut half = STAGE2_SLICES / 2;
+        while half > 0 {
+            device::sync_block();
+            if slice < half {
+                // SAFETY: slice + half < SLICES; both slots written before the barrier.
+                unsafe {
+                    for at in [slot(slice), slot(slice) + dbeta_slots] {
+                        let (mine, other) = (
+                            device::load_shared_16(at),
+                            device::load_shared_16(at + half * 16 * STAGE2_GROUPS),
+                        );
+                        let sum = [0, 1, 2, 3]
+                            .map(|k| (f32::from_bits(mine[k]) + f32::from_bits(other[k])).to_bits());
+                        device::store_shared_16(at, sum);
                     }
                 }
-                r += 4 * STAGE2_SLICES;
             }
-            while r < rows {
-                // SAFETY: r < rows and j < n.
-                unsafe {
-                    g[0] += *part_dgamma.add(at(r));
-                    b[0] += *part_dbeta.add(at(r));
-                }
-                r += STAGE2_SLICES;
-            }
+            half /= 2;
         }
-        // SAFETY: slot < 32 * SLICES, inside both shared arrays.
-        unsafe {
-            sums_g.add(slot).write((g[0] + g[1]) + (g[2] + g[3]));
-            sums_b.add(slot).write((b[0] + b[1]) + (b[2] + b[3]));
-        }
-        device::sync_block();
-        if slice == 0 && j < n as usize {
-            let (mut g, mut b) = (0.0f32, 0.0f32);
-            for s in 0..STAGE2_SLICES as usize {
-                // SAFETY: s * 32 + lane < 32 * SLICES; written before the barrier.
-                unsafe {
-                    g += sums_g.add(s * 32 + lane as usize).read();
-                    b += sums_b.add(s * 32 + lane as usize).read();
+        if slice == 0 {
+            // SAFETY: slot 0 of this group holds the tile's sums (written by this thread).
+            let (g, b) = unsafe {
+                (
+                    device::load_shared_16(slot(0)),
+                    device::load_shared_16(slot(0) + dbeta_slots),
+                )
+            };
+            for k in 0..4 {
+                let col = j as usize + k;
+                if col < n as usize {
+                    // SAFETY: col < n.
+                    unsafe {
+                        dgamma.add(col).write(T::from_f32(f32::from_bits(g[k])));
+                        dbeta.add(col).write(T::from_f32(f32::from_bits(b[k])));
+                    }
                 }
-            }
-            // SAFETY: j < n.
-            unsafe {
-                dgamma.add(j).write(T::from_f32(g));
-                dbeta.add(j).write(T::from_f32(b));
             }
         }
         // The next tile's slice sums overwrite these.
@@ -645,9 +966,12 @@ unsafe fn stage2<T: Element>(
 /// Exports the backward kernels of one storage type: stage 1 owned and locked, each for
 /// warp- and block-per-row, and stage 2.
 macro_rules! backward_kernels {
-    ($t:ty, $owned_warp:ident, $owned_block:ident, $locked_warp:ident, $locked_block:ident, $reduce:ident) => {
+    ($t:ty, $owned_warp:ident, $owned_block:ident, $held_warp:ident, $held_block:ident, $locked_warp:ident,
+     $locked_block:ident, $reduce:ident) => {
         backward_kernels!(@owned $t, $owned_warp, Warp);
         backward_kernels!(@owned $t, $owned_block, Block);
+        backward_kernels!(@held $t, $held_warp, Warp);
+        backward_kernels!(@held $t, $held_block, Block);
         backward_kernels!(@locked $t, $locked_warp, Warp);
         backward_kernels!(@locked $t, $locked_block, Block);
 
@@ -694,6 +1018,31 @@ macro_rules! backward_kernels {
             unsafe { stage1_owned::<$t, $team>(r, part_dgamma, part_dbeta, local != 0) }
         }
     };
+    (@held $t:ty, $name:ident, $team:ty) => {
+        /// Stage 1, owned mode, rows all whole aligned packs held in registers: args (x, dy,
+        /// gamma, mean, rstd, dx, part_dgamma, part_dbeta, rows, n); one partial row per
+        /// block.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes, on rows that hold.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            x: *const $t,
+            dy: *const $t,
+            gamma: *const $t,
+            mean: *const f32,
+            rstd: *const f32,
+            dx: *mut $t,
+            part_dgamma: *mut f32,
+            part_dbeta: *mut f32,
+            rows: u32,
+            n: u32,
+        ) {
+            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
+            // SAFETY: the host launches this kernel only as `stage1_held` requires.
+            unsafe { stage1_held::<$t, $team>(r, part_dgamma, part_dbeta) }
+        }
+    };
     (@locked $t:ty, $name:ident, $team:ty) => {
         /// Stage 1, locked mode: args (x, dy, gamma, mean, rstd, dx, group_dgamma,
         /// group_dbeta, words, groups, rows, n); `words` is 2 * groups zeroed u32.
@@ -727,6 +1076,8 @@ backward_kernels!(
     f32,
     layer_norm_bwd_owned_warp_f32,
     layer_norm_bwd_owned_block_f32,
+    layer_norm_bwd_held_warp_f32,
+    layer_norm_bwd_held_block_f32,
     layer_norm_bwd_locked_warp_f32,
     layer_norm_bwd_locked_block_f32,
     layer_norm_bwd_reduce_f32
@@ -735,6 +1086,8 @@ backward_kernels!(
     crate::element::F16,
     layer_norm_bwd_owned_warp_f16,
     layer_norm_bwd_owned_block_f16,
+    layer_norm_bwd_held_warp_f16,
+    layer_norm_bwd_held_block_f16,
     layer_norm_bwd_locked_warp_f16,
     layer_norm_bwd_locked_block_f16,
     layer_norm_bwd_reduce_f16
@@ -743,6 +1096,8 @@ backward_kernels!(
     crate::element::Bf16,
     layer_norm_bwd_owned_warp_bf16,
     layer_norm_bwd_owned_block_bf16,
+    layer_norm_bwd_held_warp_bf16,
+    layer_norm_bwd_held_block_bf16,
     layer_norm_bwd_locked_warp_bf16,
     layer_norm_bwd_locked_block_bf16,
     layer_norm_bwd_reduce_bf16

@@ -148,6 +148,46 @@ pub fn shared_ptr<T>(offset: u32) -> *mut T {
     (base + offset as u64) as *mut T
 }
 
+/// Shared-window address (32 bits, for `ld.shared`/`st.shared`) of byte `offset` of the
+/// block's dynamic shared memory.
+#[inline(always)]
+pub fn shared_addr(offset: u32) -> u32 {
+    let base: u32;
+    // SAFETY: takes the address of the module's shared array; no memory is touched.
+    unsafe { asm!("mov.u32 {a}, dynamic_smem;", a = out(reg32) base, options(pure, nomem, nostack)) }
+    base + offset
+}
+
+/// Loads 16 bytes of shared memory (`ld.shared.v4`).
+///
+/// # Safety
+/// `addr` (a [`shared_addr`]) must be 16-byte aligned and inside the block's shared memory.
+#[inline(always)]
+pub unsafe fn load_shared_16(addr: u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: the caller guarantees `addr` is aligned and inside shared memory.
+    unsafe {
+        asm!("ld.shared.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg32) addr, options(readonly, nostack));
+    }
+    [a, b, c, d]
+}
+
+/// Stores 16 bytes to shared memory (`st.shared.v4`).
+///
+/// # Safety
+/// As for [`load_shared_16`].
+#[inline(always)]
+pub unsafe fn store_shared_16(addr: u32, v: [u32; 4]) {
+    // SAFETY: the caller guarantees `addr` is aligned and inside shared memory.
+    unsafe {
+        asm!("st.shared.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+             p = in(reg32) addr, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2],
+             d = in(reg32) v[3], options(nostack));
+    }
+}
+
 /// Loads 16 bytes from global memory, bypassing L1 (`ld.global.cg`): data a kernel reads
 /// once should not evict what it reads again (gamma, beta).
 ///
