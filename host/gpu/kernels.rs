@@ -265,6 +265,30 @@ impl<T> Backward<'_, T> {
         b
     }
 
+    /// Launches `f` with (x, dy, gamma, mean, rstd, dx, part_dgamma, part_dbeta, rows, n);
+    /// `what` names it in errors.
+    ///
+    /// # Safety
+    /// `f` takes exactly these arguments, and `launch` gives it the grid and shared memory it
+    /// indexes with them.
+    unsafe fn launch_with_partials(
+        mut self,
+        gpu: &Gpu,
+        f: &Kernel,
+        launch: Launch,
+        part_dgamma: &mut CudaSlice<f32>,
+        part_dbeta: &mut CudaSlice<f32>,
+        what: &'static str,
+    ) -> Result<()> {
+        let (rows, n) = (self.rows, self.n);
+        let config = launch.config(gpu, what)?;
+        let mut b = self.launch_args(gpu, f);
+        b.arg(part_dgamma).arg(part_dbeta).arg(&rows).arg(&n);
+        // SAFETY: the caller's guarantee.
+        unsafe { b.launch(config) }.during(what)?;
+        Ok(())
+    }
+
     fn check(&self) {
         let (rows, n) = (self.rows as usize, self.n as usize);
         require(self.x.len() >= rows * n && self.dy.len() >= rows * n, "x/dy");
@@ -327,7 +351,7 @@ pub(crate) fn backward_held<T: Element>(
     gpu: &Gpu,
     team: Team,
     launch: Launch,
-    mut a: Backward<'_, T>,
+    a: Backward<'_, T>,
     part_dgamma: &mut CudaSlice<f32>,
     part_dbeta: &mut CudaSlice<f32>,
 ) -> Result<()> {
@@ -348,15 +372,19 @@ pub(crate) fn backward_held<T: Element>(
     } else {
         &k.bwd_held_block
     };
-    let (rows, n) = (a.rows, a.n);
-    let mut b = a.launch_args(gpu, f);
-    b.arg(part_dgamma).arg(part_dbeta).arg(&rows).arg(&n);
-    let config = launch.config(gpu, "backward stage 1 (owned, held rows)")?;
-    // SAFETY: the argument list matches `backward_kernels!(@held ..)` in
-    // kernels-gpu/src/backward.rs; every buffer (shared memory included) holds what the
-    // kernel indexes, and every row is whole aligned packs that fit (checked above).
-    unsafe { b.launch(config) }.during("launching backward stage 1 (owned, held rows)")?;
-    Ok(())
+    // SAFETY: `backward_kernels!(@held ..)` in kernels-gpu/src/backward.rs takes these
+    // arguments; every buffer (shared memory included) holds what the kernel indexes, and
+    // every row is whole aligned packs that fit (checked above).
+    unsafe {
+        a.launch_with_partials(
+            gpu,
+            f,
+            launch,
+            part_dgamma,
+            part_dbeta,
+            "backward stage 1 (owned, held rows)",
+        )
+    }
 }
 
 /// Packs of x and of dy each rank of the held stage 1 keeps in registers (`BWD_HELD` in
@@ -388,7 +416,7 @@ pub(crate) fn owned_local_smem(teams: u32, n: u32) -> usize {
 pub(crate) fn backward_cluster<T: Element>(
     gpu: &Gpu,
     launch: Launch,
-    mut a: Backward<'_, T>,
+    a: Backward<'_, T>,
     part_dgamma: &mut CudaSlice<f32>,
     part_dbeta: &mut CudaSlice<f32>,
 ) -> Result<()> {
@@ -403,15 +431,19 @@ pub(crate) fn backward_cluster<T: Element>(
     let Some(f) = &gpu.kernels.of::<T>().bwd_cluster else {
         panic!("layernorm-cuda bug: a cluster launch on a device without cluster kernels");
     };
-    let (rows, n) = (a.rows, a.n);
-    let mut b = a.launch_args(gpu, f);
-    b.arg(part_dgamma).arg(part_dbeta).arg(&rows).arg(&n);
-    let config = launch.config(gpu, "backward stage 1 (clusters)")?;
-    // SAFETY: the argument list matches `cluster_kernels!` in kernels-gpu/src/backward.rs,
+    // SAFETY: `cluster_kernels!` in kernels-gpu/src/backward.rs takes these arguments,
     // every buffer (shared memory included) holds what the kernel indexes (checked above),
     // and the grid is whole clusters of the size the kernel declares.
-    unsafe { b.launch(config) }.during("launching backward stage 1 (clusters)")?;
-    Ok(())
+    unsafe {
+        a.launch_with_partials(
+            gpu,
+            f,
+            launch,
+            part_dgamma,
+            part_dbeta,
+            "backward stage 1 (clusters)",
+        )
+    }
 }
 
 /// Elements of `T` in one 16-byte pack, the kernels' unit of vector access (`Element::PACK`
