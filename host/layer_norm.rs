@@ -170,6 +170,8 @@ impl<T: Element> LayerNorm<T> {
                         rows: rows as u32,
                         n: n as u32,
                         eps: self.eps,
+                        packed: n * size_of::<T>() % 16 == 0
+                            && [x, &self.gamma, &self.beta].into_iter().all(starts_on_pack),
                     };
                     gpu::forward(g, a)?;
                 }

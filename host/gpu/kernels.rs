@@ -126,6 +126,11 @@ impl Kernel {
 pub(crate) struct TypeKernels {
     pub(crate) fwd_warp: Kernel,
     pub(crate) fwd_block: Kernel,
+    /// The forward for launches whose rows are all whole aligned packs that fit 4 packs a
+    /// rank: two rows in flight per team (`forward_rows_pipelined` in
+    /// kernels-gpu/src/forward.rs).
+    pub(crate) fwd_pipelined_warp: Kernel,
+    pub(crate) fwd_pipelined_block: Kernel,
     pub(crate) bwd_owned_warp: Kernel,
     pub(crate) bwd_owned_block: Kernel,
     /// Owned-mode stage 1 for launches whose rows are all whole aligned packs held in
@@ -163,6 +168,8 @@ impl KernelTable {
             Ok(TypeKernels {
                 fwd_warp: load("fwd_warp", ty)?,
                 fwd_block: load("fwd_block", ty)?,
+                fwd_pipelined_warp: load("fwd_pipelined_warp", ty)?,
+                fwd_pipelined_block: load("fwd_pipelined_block", ty)?,
                 bwd_owned_warp: load("bwd_owned_warp", ty)?,
                 bwd_owned_block: load("bwd_owned_block", ty)?,
                 bwd_held_warp: load("bwd_held_warp", ty)?,
@@ -207,20 +214,30 @@ pub(crate) struct Forward<'a, T> {
     pub(crate) rows: u32,
     pub(crate) n: u32,
     pub(crate) eps: f32,
+    /// Every row of x and y, gamma and beta start 16-byte aligned (aligned views and n a
+    /// whole number of packs).
+    pub(crate) packed: bool,
 }
 
-pub(crate) fn forward<T: Element>(gpu: &Gpu, team: Team, launch: Launch, a: Forward<'_, T>) -> Result<()> {
+/// Packs of x each rank of the pipelined forward holds per row (`PIPE_HELD` in
+/// kernels-gpu/src/forward.rs).
+pub(crate) const PIPE_HELD: u32 = 4;
+
+/// Whether every row of `a` is whole aligned packs that fit the pipelined forward with
+/// `threads` a block.
+pub(crate) fn pipelined_fits<T: Element>(team: Team, threads: u32, a: &Forward<'_, T>) -> bool {
+    let ranks = if team == Team::Warp { 32 } else { threads };
+    a.packed && a.n % pack_len::<T>() == 0 && a.n / pack_len::<T>() <= ranks * PIPE_HELD
+}
+
+/// Queues the forward kernel `f`, which the caller picked for `a` and `launch` (a
+/// pipelined one only where [`pipelined_fits`]).
+pub(crate) fn forward<T: Element>(gpu: &Gpu, f: &Kernel, launch: Launch, a: Forward<'_, T>) -> Result<()> {
     let (rows, n) = (a.rows as usize, a.n as usize);
     require(a.x.len() >= rows * n && a.y.len() >= rows * n, "x/y");
     require(a.gamma.len() >= n && a.beta.len() >= n, "gamma/beta");
     require(a.mean.len() >= rows && a.rstd.len() >= rows, "mean/rstd");
     require(launch.smem >= SCRATCH_BYTES, "scratch");
-    let k = gpu.kernels.of::<T>();
-    let f = if team == Team::Warp {
-        &k.fwd_warp
-    } else {
-        &k.fwd_block
-    };
     let mut b = gpu.stream.launch_builder(&f.func);
     b.arg(&a.x)
         .arg(&a.gamma)

@@ -81,8 +81,19 @@ pub(crate) fn forward<T: Element>(gpu: &Gpu, a: Forward<'_, T>) -> Result<()> {
         // thread stay in registers (kernels-gpu/src/row.rs).
         Team::Block => (&k.fwd_block, block_threads::<T>(&k.fwd_block, n, 4)),
     };
+    // Rows that are all aligned whole packs, 4 a thread at most, take the pipelined kernel
+    // (same launch bounds, so the same block).
+    let pipelined = match team {
+        Team::Warp => &k.fwd_pipelined_warp,
+        Team::Block => &k.fwd_pipelined_block,
+    };
+    let kernel = if threads <= pipelined.max_threads && kernels::pipelined_fits(team, threads, &a) {
+        pipelined
+    } else {
+        kernel
+    };
     let launch = resident(gpu, kernel, rows, team, threads, SCRATCH_BYTES)?;
-    kernels::forward(gpu, team, launch, a)
+    kernels::forward(gpu, kernel, launch, a)
 }
 
 /// The tutorial's group count for the locked mode: more groups for short rows, where many

@@ -37,6 +37,8 @@
 //!       (16-byte accesses, no barrier between rows), dx as two fma, and the team's next
 //!       row loaded during this one's reduction (two rows in flight per block). Stage 2
 //!       reads partial rows 16 bytes at a time, 128 slices of rows per block.
+//!   v11 the held stage 1 loads each row's mean and rstd with its x and dy (they were the
+//!       first thing each row waited on, a DRAM round trip of their own).
 
 use core::sync::atomic::{AtomicU32, Ordering, fence};
 
@@ -629,25 +631,36 @@ impl RankPartials {
     }
 }
 
-/// A row's x and dy, `BWD_HELD` packs of each per rank, in registers.
-type HeldRow = (Held<BWD_HELD>, Held<BWD_HELD>);
+/// A row's x and dy, `BWD_HELD` packs of each per rank, in registers, and its mean and
+/// rstd.
+struct HeldRow {
+    xs: Held<BWD_HELD>,
+    dys: Held<BWD_HELD>,
+    mean: f32,
+    rstd: f32,
+}
 
-/// Issues the loads of row `row`'s x and dy (none where `row` is past the last row, the
-/// pipeline's end: the words then stay zero and are never used).
+/// Issues the loads of row `row`'s x, dy, mean and rstd (none where `row` is past the last
+/// row, the pipeline's end: the values then stay zero and are never used). mean and rstd
+/// travel with the row: loaded when the row is used, each would cost its own DRAM round
+/// trip before the row's first sum.
 ///
 /// # Safety
 /// Every row pointer 16-byte aligned, `r.n` a whole number of packs that [`fits`].
 #[inline(always)]
 unsafe fn load_held_row<T: Element, S: Team>(r: &Rows<T>, row: u32) -> HeldRow {
     let offset = row as usize * r.n as usize;
-    let packs = if row < r.rows { r.n / T::PACK as u32 } else { 0 };
+    let inside = row < r.rows;
+    let packs = if inside { r.n / T::PACK as u32 } else { 0 };
     // SAFETY: with row < rows the row lies inside x and dy, aligned whole packs that fit
-    // (the caller's guarantee); past the last row nothing is read.
+    // (the caller's guarantee), and inside mean and rstd; past the last row nothing is read.
     unsafe {
-        (
-            Held::load::<T, S>(r.x.wrapping_add(offset), packs),
-            Held::load::<T, S>(r.dy.wrapping_add(offset), packs),
-        )
+        HeldRow {
+            xs: Held::load::<T, S>(r.x.wrapping_add(offset), packs),
+            dys: Held::load::<T, S>(r.dy.wrapping_add(offset), packs),
+            mean: if inside { *r.mean.add(row as usize) } else { 0.0 },
+            rstd: if inside { *r.rstd.add(row as usize) } else { 0.0 },
+        }
     }
 }
 
@@ -663,25 +676,19 @@ unsafe fn load_held_row<T: Element, S: Team>(r: &Rows<T>, row: u32) -> HeldRow {
 ///
 /// # Safety
 /// `row` < `r.rows`; every row pointer and gamma 16-byte aligned, `r.n` a whole number of
-/// packs that [`fits`] `BWD_HELD` per rank; `(xs, dys)` is row `row`; `acc` as
+/// packs that [`fits`] `BWD_HELD` per rank; the [`HeldRow`] is row `row`'s; `acc` as
 /// [`RankPartials::zero`] requires.
 #[inline(always)]
 unsafe fn backward_row_held<T: Element, S: Team>(
     r: &Rows<T>,
     row: u32,
-    (xs, dys): HeldRow,
+    HeldRow { xs, dys, mean, rstd }: HeldRow,
     next: u32,
     acc: RankPartials,
 ) -> HeldRow {
     let offset = row as usize * r.n as usize;
-    // SAFETY: row < rows, so these lie inside dx, mean and rstd.
-    let (dx, mean, rstd) = unsafe {
-        (
-            r.dx.add(offset),
-            *r.mean.add(row as usize),
-            *r.rstd.add(row as usize),
-        )
-    };
+    // SAFETY: row < rows, so this row lies inside dx.
+    let dx = unsafe { r.dx.add(offset) };
     // The held slot's (x, dy, gamma); rows of whole packs have no element-wise tail, so every
     // chunk for_each_chunk yields is a held slot.
     let held = |j: u32, slot: Option<usize>| {

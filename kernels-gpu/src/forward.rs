@@ -18,6 +18,10 @@
 //!   v9  M2 summed by `fma`, f16/bf16 narrowed two at a time (`cvt.rn.f16x2.f32`): fewer
 //!       instructions per element. (y itself stays a multiply and an add: as one fma, with
 //!       gamma and beta live at once, the f32 held kernels spill at 64 registers.)
+//!   v11 launches whose rows are all whole aligned packs that fit 4 a rank take
+//!       `forward_rows_pipelined`: the team's next row is loaded right after this row's
+//!       first sum, so each team has two rows in flight (ncu showed the held rows' warps
+//!       waiting on their own loads more than on anything else).
 
 use crate::device::{fma, sqrt_rn};
 use crate::element::{Element, is_pack_aligned, read_cached, write};
@@ -91,28 +95,19 @@ unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: 
     let (mean, m2) = if HELD > 0 {
         // Held rows: exactly two passes over registers, plain sums (no divisions in the
         // reductions): mean = sum x / n, then M2 = sum (x - mean)^2.
-        let mut sum = 0.0;
-        for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
-            // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-            let v = unsafe { values(&held, x, j, len, slot) };
-            sum += v[..len].iter().sum::<f32>();
-        });
-        let mean = S::sum2(sum, 0.0).0 / n as f32;
-        let mut m2 = 0.0;
-        for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
-            // SAFETY: as above.
-            let v = unsafe { values(&held, x, j, len, slot) };
-            for &v in &v[..len] {
-                m2 = fma(v - mean, v - mean, m2);
-            }
-        });
-        (mean, S::sum2(m2, 0.0).0)
+        // SAFETY: held rows are packed and fit.
+        let mean = S::sum2(unsafe { rank_sum::<T, S, PACKED, HELD>(&held, x, n) }, 0.0).0 / n as f32;
+        // SAFETY: as above.
+        (
+            mean,
+            S::sum2(unsafe { rank_m2::<T, S, PACKED, HELD>(&held, x, n, mean) }, 0.0).0,
+        )
     } else {
         // Streamed rows: one pass over memory. Each pack's own (mean, M2) is exact in
         // registers, and Chan's merges combine them.
         let mut stats = Stats::EMPTY;
         for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
-            // SAFETY: as above.
+            // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
             let v = unsafe { values(&held, x, j, len, slot) };
             stats = stats.merge(Stats::of(&v[..len]));
         });
@@ -120,14 +115,74 @@ unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: 
         (stats.mean, stats.m2)
     };
     let rstd = 1.0 / sqrt_rn(m2 / n as f32 + eps);
+    // SAFETY: as for this function.
+    unsafe { write_y::<T, S, PACKED, HELD>(&held, x, gamma, beta, y, n, mean, rstd) };
+    (mean, rstd)
+}
 
-    // Pass 2: y = (x - mean) * rstd * gamma + beta, x from registers where held. A
-    // streamed row is read again: from L2, not DRAM, while the rows in flight fit there.
+/// This rank's sum of the row's x.
+///
+/// # Safety
+/// As [`forward_row`] requires of `x` and `n`; `held` holds the row's first packs.
+#[inline(always)]
+unsafe fn rank_sum<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
+    held: &Held<HELD>,
+    x: *const T,
+    n: u32,
+) -> f32 {
+    let mut sum = 0.0;
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
-        // SAFETY: as above.
+        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
+        let v = unsafe { values(held, x, j, len, slot) };
+        sum += v[..len].iter().sum::<f32>();
+    });
+    sum
+}
+
+/// This rank's sum of (x - mean)^2 over the row.
+///
+/// # Safety
+/// As for [`rank_sum`].
+#[inline(always)]
+unsafe fn rank_m2<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
+    held: &Held<HELD>,
+    x: *const T,
+    n: u32,
+    mean: f32,
+) -> f32 {
+    let mut m2 = 0.0;
+    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+        // SAFETY: as for rank_sum.
+        let v = unsafe { values(held, x, j, len, slot) };
+        for &v in &v[..len] {
+            m2 = fma(v - mean, v - mean, m2);
+        }
+    });
+    m2
+}
+
+/// y = (x - mean) * rstd * gamma + beta over the row, x from registers where held. A
+/// streamed row is read again: from L2, not DRAM, while the rows in flight fit there.
+///
+/// # Safety
+/// As [`forward_row`] requires; `held` holds the row's first packs.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn write_y<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
+    held: &Held<HELD>,
+    x: *const T,
+    gamma: *const T,
+    beta: *const T,
+    y: *mut T,
+    n: u32,
+    mean: f32,
+    rstd: f32,
+) {
+    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
         let (xv, g, b) = unsafe {
             (
-                values(&held, x, j, len, slot),
+                values(held, x, j, len, slot),
                 read_cached(gamma, j, len),
                 read_cached(beta, j, len),
             )
@@ -139,13 +194,77 @@ unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: 
         // SAFETY: as above.
         unsafe { write(y, j, len, &out) };
     });
-    (mean, rstd)
 }
 
-/// Exports the warp-per-row and block-per-row forward kernels of one storage type.
-/// Both take (x, gamma, beta, y, mean, rstd, rows, n, eps).
+/// Packs per rank the pipelined forward holds for each of its two rows in flight.
+const PIPE_HELD: usize = 4;
+
+/// The forward of launches whose rows are all whole aligned packs that fit `PIPE_HELD` a
+/// rank (the host checks): the same arithmetic as [`forward_row`]'s held rows, but the
+/// team's next row is loaded right after this row's first sum, before its reductions, so
+/// its loads are in flight while this row is reduced and written (two rows in flight per
+/// team).
+///
+/// # Safety
+/// As for [`forward_rows`]; x, y, gamma and beta 16-byte aligned, `n` a whole number of
+/// packs that [`fits`] `PIPE_HELD` per rank.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(
+    x: *const T,
+    gamma: *const T,
+    beta: *const T,
+    y: *mut T,
+    mean: *mut f32,
+    rstd: *mut f32,
+    rows: u32,
+    n: u32,
+    eps: f32,
+) {
+    let row_of = |row: u32| x.wrapping_add(row as usize * n as usize);
+    // Past the last row nothing is loaded (the pipeline's end).
+    let load = |row: u32| {
+        let packs = if row < rows { n / T::PACK as u32 } else { 0 };
+        // SAFETY: with row < rows the row lies inside x, aligned whole packs that fit.
+        unsafe { Held::<PIPE_HELD>::load::<T, S>(row_of(row), packs) }
+    };
+    let mut row = S::id();
+    let mut held = load(row);
+    while row < rows {
+        let next = row + S::count();
+        let x_row = row_of(row);
+        // SAFETY (all three): the row is aligned whole packs that fit, held in `held`.
+        let sum = unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) };
+        let upcoming = load(next);
+        let m = S::sum2(sum, 0.0).0 / n as f32;
+        let m2 = S::sum2(
+            unsafe { rank_m2::<T, S, true, PIPE_HELD>(&held, x_row, n, m) },
+            0.0,
+        )
+        .0;
+        let r = 1.0 / sqrt_rn(m2 / n as f32 + eps);
+        // SAFETY: row < rows: the row lies inside y.
+        let y_row = unsafe { y.add(row as usize * n as usize) };
+        unsafe { write_y::<T, S, true, PIPE_HELD>(&held, x_row, gamma, beta, y_row, n, m, r) };
+        if S::rank() == 0 {
+            // SAFETY: row < rows.
+            unsafe {
+                mean.add(row as usize).write(m);
+                rstd.add(row as usize).write(r);
+            }
+        }
+        held = upcoming;
+        row = next;
+    }
+}
+
+/// Exports the warp-per-row and block-per-row forward kernels of one storage type, each
+/// general and pipelined. All take (x, gamma, beta, y, mean, rstd, rows, n, eps).
 macro_rules! forward_kernels {
-    ($t:ty, $warp:ident, $block:ident) => {
+    ($t:ty, $warp:ident, $block:ident, $pipe_warp:ident, $pipe_block:ident) => {
+        forward_kernels!(@pipelined $t, $pipe_warp, Warp);
+        forward_kernels!(@pipelined $t, $pipe_block, Block);
+
         /// Forward, one warp per row (short rows).
         ///
         /// # Safety
@@ -186,16 +305,48 @@ macro_rules! forward_kernels {
             unsafe { forward_rows::<$t, Block>(x, gamma, beta, y, mean, rstd, rows, n, eps) }
         }
     };
+    (@pipelined $t:ty, $name:ident, $team:ty) => {
+        /// Forward with two rows in flight per team, for launches whose rows are all whole
+        /// aligned packs that fit 4 a rank.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes, on such rows.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            x: *const $t,
+            gamma: *const $t,
+            beta: *const $t,
+            y: *mut $t,
+            mean: *mut f32,
+            rstd: *mut f32,
+            rows: u32,
+            n: u32,
+            eps: f32,
+        ) {
+            // SAFETY: the host launches this kernel only as `forward_rows_pipelined` requires.
+            unsafe { forward_rows_pipelined::<$t, $team>(x, gamma, beta, y, mean, rstd, rows, n, eps) }
+        }
+    };
 }
 
-forward_kernels!(f32, layer_norm_fwd_warp_f32, layer_norm_fwd_block_f32);
+forward_kernels!(
+    f32,
+    layer_norm_fwd_warp_f32,
+    layer_norm_fwd_block_f32,
+    layer_norm_fwd_pipelined_warp_f32,
+    layer_norm_fwd_pipelined_block_f32
+);
 forward_kernels!(
     crate::element::F16,
     layer_norm_fwd_warp_f16,
-    layer_norm_fwd_block_f16
+    layer_norm_fwd_block_f16,
+    layer_norm_fwd_pipelined_warp_f16,
+    layer_norm_fwd_pipelined_block_f16
 );
 forward_kernels!(
     crate::element::Bf16,
     layer_norm_fwd_warp_bf16,
-    layer_norm_fwd_block_bf16
+    layer_norm_fwd_block_bf16,
+    layer_norm_fwd_pipelined_warp_bf16,
+    layer_norm_fwd_pipelined_block_bf16
 );
