@@ -142,6 +142,9 @@ pub(crate) struct TypeKernels {
     bwd_reduce: Kernel,
     /// Owned-mode stage 1 over clusters of [`CLUSTER_SIZE`] blocks; None before sm_90.
     pub(crate) bwd_cluster: Option<Kernel>,
+    /// The same over rows that are all whole aligned packs, each block's slice held in
+    /// registers (`stage1_cluster_held` in kernels-gpu/src/backward.rs); None before sm_90.
+    pub(crate) bwd_cluster_held: Option<Kernel>,
 }
 
 /// All kernels of the module, by storage type.
@@ -179,6 +182,11 @@ impl KernelTable {
                 bwd_reduce: load("bwd_reduce", ty)?,
                 bwd_cluster: if hopper {
                     Some(load(&format!("bwd_cluster{CLUSTER_SIZE}"), ty)?)
+                } else {
+                    None
+                },
+                bwd_cluster_held: if hopper {
+                    Some(load(&format!("bwd_cluster{CLUSTER_SIZE}_held"), ty)?)
                 } else {
                     None
                 },
@@ -432,6 +440,7 @@ pub(crate) fn owned_local_smem(teams: u32, n: u32) -> usize {
 /// partial rows, each block of a cluster summing one slice of the row in shared memory.
 pub(crate) fn backward_cluster<T: Element>(
     gpu: &Gpu,
+    held: bool,
     launch: Launch,
     a: Backward<'_, T>,
     part_dgamma: &mut CudaSlice<f32>,
@@ -444,13 +453,22 @@ pub(crate) fn backward_cluster<T: Element>(
         part_dgamma.len() >= parts && part_dbeta.len() >= parts,
         "cluster partials",
     );
-    require(launch.smem as usize >= cluster_smem::<T>(a.n), "cluster smem");
-    let Some(f) = &gpu.kernels.of::<T>().bwd_cluster else {
+    let k = gpu.kernels.of::<T>();
+    let (kernel, smem) = if held {
+        let slice_fits = a.packed && held_fits::<T>(Team::Block, launch.threads, cluster_slice::<T>(a.n));
+        require(slice_fits, "held cluster slices");
+        (&k.bwd_cluster_held, cluster_held_smem::<T>(launch.threads))
+    } else {
+        (&k.bwd_cluster, cluster_smem::<T>(a.n))
+    };
+    require(launch.smem as usize >= smem, "cluster smem");
+    let Some(f) = kernel else {
         panic!("layernorm-cuda bug: a cluster launch on a device without cluster kernels");
     };
-    // SAFETY: `cluster_kernels!` in kernels-gpu/src/backward.rs takes these arguments,
-    // every buffer (shared memory included) holds what the kernel indexes (checked above),
-    // and the grid is whole clusters of the size the kernel declares.
+    // SAFETY: `cluster_kernels!` in kernels-gpu/src/backward.rs takes these arguments for
+    // both kernels, every buffer (shared memory included) holds what the kernel indexes
+    // (checked above, with the held kernel's rows and slices), and the grid is whole
+    // clusters of the size the kernel declares.
     unsafe {
         a.launch_with_partials(
             gpu,
@@ -479,6 +497,12 @@ pub(crate) fn cluster_slice<T: Element>(n: u32) -> u32 {
 /// (`CLUSTER_SCRATCH_BYTES`), then a padded dgamma and dbeta row of one slice.
 pub(crate) fn cluster_smem<T: Element>(n: u32) -> usize {
     owned_local_smem(1, cluster_slice::<T>(n)) + 16
+}
+
+/// Shared memory of a held cluster block of `threads`: the cluster scratch (the block
+/// reductions' and the exchange slot, `CLUSTER_SCRATCH_BYTES`), then each rank's partials.
+pub(crate) fn cluster_held_smem<T: Element>(threads: u32) -> usize {
+    held_smem::<T>(threads) + 16
 }
 
 /// Stage 1, locked mode: `groups` partial rows and `2 * groups` zeroed lock/count words.

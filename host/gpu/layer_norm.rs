@@ -127,9 +127,24 @@ pub(crate) fn backward<T: Element>(
         _ => None,
     };
     let (parts_dgamma, parts_dbeta, part_rows) = match (mode, cluster, held) {
-        (BackwardMode::Deterministic, Some(kernel), _) => {
-            let threads = block_threads::<T>(kernel, kernels::cluster_slice::<T>(n), 4);
-            let smem = kernels::cluster_smem::<T>(n) as u32;
+        (BackwardMode::Deterministic, Some(general), _) => {
+            // Slices held in registers where every row is aligned packs and a slice fits.
+            let slice = kernels::cluster_slice::<T>(n);
+            let held = k.bwd_cluster_held.as_ref().and_then(|kernel| {
+                let threads = block_threads::<T>(kernel, slice, 4);
+                let smem = kernels::cluster_held_smem::<T>(threads);
+                let fits = kernels::held_fits::<T>(Team::Block, threads, slice);
+                (stage1.packed && fits && smem <= gpu.kernels.max_smem as usize)
+                    .then_some((kernel, threads, smem))
+            });
+            let (kernel, threads, smem) = match held {
+                Some((kernel, threads, smem)) => (kernel, threads, smem as u32),
+                None => (
+                    general,
+                    block_threads::<T>(general, slice, 4),
+                    kernels::cluster_smem::<T>(n) as u32,
+                ),
+            };
             let clusters = kernel.active_clusters(gpu, threads, smem)?.min(rows);
             let launch = Launch {
                 blocks: clusters * kernels::CLUSTER_SIZE,
@@ -138,7 +153,7 @@ pub(crate) fn backward<T: Element>(
             };
             // Each cluster writes every column of its partial row (each block its slice).
             let (mut pg, mut pb) = alloc_partials(gpu, clusters as usize * n as usize)?;
-            kernels::backward_cluster(gpu, launch, stage1, &mut pg, &mut pb)?;
+            kernels::backward_cluster(gpu, held.is_some(), launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, clusters)
         }
         (BackwardMode::Deterministic, None, Some((kernel, threads))) => {

@@ -39,6 +39,8 @@
 //!       reads partial rows 16 bytes at a time, 128 slices of rows per block.
 //!   v11 the held stage 1 loads each row's mean and rstd with its x and dy (they were the
 //!       first thing each row waited on, a DRAM round trip of their own).
+//!   v12 clusters hold their slices too (`stage1_cluster_held`: the held stage 1 over a
+//!       slice of each row, with the cluster's row sums).
 
 use core::sync::atomic::{AtomicU32, Ordering, fence};
 
@@ -646,12 +648,13 @@ struct HeldRow {
 /// trip before the row's first sum.
 ///
 /// # Safety
-/// Every row pointer 16-byte aligned, `r.n` a whole number of packs that [`fits`].
+/// Every row pointer 16-byte aligned, `r.n` and `r.cols` whole numbers of packs, `r.cols`
+/// packs that [`fits`].
 #[inline(always)]
 unsafe fn load_held_row<T: Element, S: Team>(r: &Rows<T>, row: u32) -> HeldRow {
     let offset = row as usize * r.n as usize;
     let inside = row < r.rows;
-    let packs = if inside { r.n / T::PACK as u32 } else { 0 };
+    let packs = if inside { r.cols / T::PACK as u32 } else { 0 };
     // SAFETY: with row < rows the row lies inside x and dy, aligned whole packs that fit
     // (the caller's guarantee), and inside mean and rstd; past the last row nothing is read.
     unsafe {
@@ -675,8 +678,9 @@ unsafe fn load_held_row<T: Element, S: Team>(r: &Rows<T>, row: u32) -> HeldRow {
 /// the next row's registers.
 ///
 /// # Safety
-/// `row` < `r.rows`; every row pointer and gamma 16-byte aligned, `r.n` a whole number of
-/// packs that [`fits`] `BWD_HELD` per rank; the [`HeldRow`] is row `row`'s; `acc` as
+/// `row` < `r.rows`; every row pointer and gamma 16-byte aligned, `r.n` and `r.cols` whole
+/// numbers of packs, `r.cols` packs that [`fits`] `BWD_HELD` per rank; the [`HeldRow`] is
+/// row `row`'s; `acc` as
 /// [`RankPartials::zero`] requires.
 #[inline(always)]
 unsafe fn backward_row_held<T: Element, S: Team>(
@@ -700,7 +704,7 @@ unsafe fn backward_row_held<T: Element, S: Team>(
 
     // Pass 1.
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
-    for_each_chunk::<T, S, true, BWD_HELD>(r.n, |j, _, slot| {
+    for_each_chunk::<T, S, true, BWD_HELD>(r.cols, |j, _, slot| {
         let (_, xv, dyv, g) = held(j, slot);
         for k in 0..T::PACK {
             (s1, s2) = add_row_sums(s1, s2, (xv[k] - mean) * rstd, g[k] * dyv[k]);
@@ -712,7 +716,7 @@ unsafe fn backward_row_held<T: Element, S: Team>(
     let (a, b) = dx_coefficients(s1, s2, rstd, r.n);
 
     // Pass 2.
-    for_each_chunk::<T, S, true, BWD_HELD>(r.n, |j, _, slot| {
+    for_each_chunk::<T, S, true, BWD_HELD>(r.cols, |j, _, slot| {
         let (c, xv, dyv, g) = held(j, slot);
         let (mut xhat, mut out) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
         for k in 0..T::PACK {
@@ -730,17 +734,25 @@ unsafe fn backward_row_held<T: Element, S: Team>(
 
 /// Stage 1, owned mode, for launches whose rows are all whole aligned packs that fit in
 /// registers (the host checks): team u handles rows u, u + U, ... and each rank adds its
-/// columns' partials into its own [`RankPartials`]; at the end block b sums its teams' (in
-/// team order) into partial row b. No barrier between rows: a rank's partials are its own.
+/// columns' partials into its own [`RankPartials`]; at the end the block sums its teams' (in
+/// team order) into its `r.cols` columns of partial row `out_row`. No barrier between rows:
+/// a rank's partials are its own.
 ///
 /// # Safety
-/// As [`backward_row_held`] requires of every row; `part_*` hold `[gridDim, n]` f32; the
-/// launch gave each block `SCRATCH_BYTES + teams_per_block * 8 * BWD_HELD * PACK * size`
-/// bytes of shared memory (`size` ranks per team).
+/// As [`backward_row_held`] requires of every row; `part_*` point at this block's first
+/// column of `[_, n]` f32 buffers that hold row `out_row`; the launch gave each block
+/// `scratch + teams_per_block * 8 * BWD_HELD * PACK * size` bytes of shared memory (`size`
+/// ranks per team), the first `scratch` for the team's reductions.
 #[inline(always)]
-unsafe fn stage1_held<T: Element, S: Team>(r: Rows<T>, part_dgamma: *mut f32, part_dbeta: *mut f32) {
+unsafe fn stage1_held<T: Element, S: Team>(
+    r: Rows<T>,
+    part_dgamma: *mut f32,
+    part_dbeta: *mut f32,
+    out_row: u32,
+    scratch: u32,
+) {
     let team_bytes = RankPartials::team_bytes::<T>(S::size());
-    let team = |t: u32, rank: u32| RankPartials::of::<T>(SCRATCH_BYTES + t * team_bytes, S::size(), rank);
+    let team = |t: u32, rank: u32| RankPartials::of::<T>(scratch + t * team_bytes, S::size(), rank);
     let mine = team(S::index_in_block(), S::rank());
     // SAFETY: the launch sized shared memory for every team of the block.
     unsafe { mine.zero::<T>() };
@@ -756,8 +768,8 @@ unsafe fn stage1_held<T: Element, S: Team>(r: Rows<T>, part_dgamma: *mut f32, pa
     device::sync_block();
     // Chunk q of rank k (in every team): the teams' sums in team order, into the columns of
     // the pack it covers.
-    let (packs, per_pack) = (r.n / T::PACK as u32, T::PACK as u32 / 4);
-    let (size, row_at) = (S::size(), device::block_idx() as usize * r.n as usize);
+    let (packs, per_pack) = (r.cols / T::PACK as u32, T::PACK as u32 / 4);
+    let (size, row_at) = (S::size(), out_row as usize * r.n as usize);
     let mut i = device::thread_idx();
     while i < RankPartials::chunks::<T>() * size {
         let (rank, q) = (i % size, i / size);
@@ -773,8 +785,8 @@ unsafe fn stage1_held<T: Element, S: Team>(r: Rows<T>, part_dgamma: *mut f32, pa
                 }
             }
             let col = row_at + (p * T::PACK as u32 + 4 * (q % per_pack)) as usize;
-            // SAFETY: col + 4 <= n inside partial row b (p < packs); n is a whole number of
-            // packs, so the row and the column are 16-byte aligned in the aligned buffers.
+            // SAFETY: col + 4 <= cols inside partial row out_row (p < packs); n and the
+            // slice start are whole numbers of packs, so the column is 16-byte aligned.
             unsafe {
                 device::store_16(part_dgamma.add(col) as *mut u32, g.map(f32::to_bits));
                 device::store_16(part_dbeta.add(col) as *mut u32, b.map(f32::to_bits));
@@ -824,6 +836,51 @@ unsafe fn stage1_cluster<T: Element, const C: u32>(r: Rows<T>, part_dgamma: *mut
         );
         owned_in_shared::<T, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out);
     }
+    Cluster::<C>::end();
+}
+
+/// Stage 1, owned mode over clusters of `C` blocks for rows that are all whole aligned
+/// packs: as [`stage1_cluster`] (block q takes the q-th slice of each row, the row sums come
+/// from all C slices), with each slice held in registers, two rows in flight and the
+/// partials kept by rank, as [`stage1_held`].
+///
+/// # Safety
+/// `r`'s buffers sized as documented (`r.cols` = `r.n`), every row 16-byte aligned and `n`
+/// a whole number of packs; a slice's packs [`fits`] `BWD_HELD` per rank; `part_*` hold
+/// `[clusters, n]` f32; the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * BWD_HELD *
+/// PACK * blockDim` bytes of shared memory, in clusters of `C` blocks.
+#[cfg(layernorm_sm90)]
+#[inline(always)]
+unsafe fn stage1_cluster_held<T: Element, const C: u32>(
+    r: Rows<T>,
+    part_dgamma: *mut f32,
+    part_dbeta: *mut f32,
+) {
+    let width = slice_width(r.n, T::PACK as u32, C);
+    let start = (Cluster::<C>::block_rank() * width).min(r.n);
+    let at = start as usize;
+    // The slice's first column. A cluster's last slices may be empty (start == n); their
+    // pointers are then never read.
+    let slice = Rows {
+        x: r.x.wrapping_add(at),
+        dy: r.dy.wrapping_add(at),
+        gamma: r.gamma.wrapping_add(at),
+        dx: r.dx.wrapping_add(at),
+        cols: width.min(r.n - start),
+        ..r
+    };
+    Cluster::<C>::begin();
+    // SAFETY: the cluster's partial row exists (cluster id < clusters), only this block
+    // writes its slice's columns of it, and the launch sized shared memory for its ranks.
+    unsafe {
+        stage1_held::<T, Cluster<C>>(
+            slice,
+            part_dgamma.wrapping_add(at),
+            part_dbeta.wrapping_add(at),
+            Cluster::<C>::id(),
+            CLUSTER_SCRATCH_BYTES,
+        )
+    };
     Cluster::<C>::end();
 }
 
@@ -1047,7 +1104,7 @@ macro_rules! backward_kernels {
         ) {
             let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
             // SAFETY: the host launches this kernel only as `stage1_held` requires.
-            unsafe { stage1_held::<$t, $team>(r, part_dgamma, part_dbeta) }
+            unsafe { stage1_held::<$t, $team>(r, part_dgamma, part_dbeta, device::block_idx(), SCRATCH_BYTES) }
         }
     };
     (@locked $t:ty, $name:ident, $team:ty) => {
@@ -1120,7 +1177,40 @@ const CLUSTER_SIZE: u32 = 8;
 /// `.reqnctapercluster 8` from its name.
 #[cfg(layernorm_sm90)]
 macro_rules! cluster_kernels {
-    ($t:ty, $name:ident) => {
+    ($t:ty, $name:ident, $held:ident) => {
+        /// Stage 1, owned mode over a cluster of 8 blocks, rows all whole aligned packs
+        /// whose slices fit in registers: args as the general cluster kernel's.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes, on such rows.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $held(
+            x: *const $t,
+            dy: *const $t,
+            gamma: *const $t,
+            mean: *const f32,
+            rstd: *const f32,
+            dx: *mut $t,
+            part_dgamma: *mut f32,
+            part_dbeta: *mut f32,
+            rows: u32,
+            n: u32,
+        ) {
+            let r = Rows {
+                x,
+                dy,
+                gamma,
+                mean,
+                rstd,
+                dx,
+                rows,
+                n,
+                cols: n,
+            };
+            // SAFETY: the host launches this kernel only as `stage1_cluster_held` requires.
+            unsafe { stage1_cluster_held::<$t, CLUSTER_SIZE>(r, part_dgamma, part_dbeta) }
+        }
+
         /// Stage 1, owned mode over a cluster of 8 blocks: args (x, dy, gamma, mean, rstd,
         /// dx, part_dgamma, part_dbeta, rows, n); the partial buffers hold one row per
         /// cluster.
@@ -1158,8 +1248,16 @@ macro_rules! cluster_kernels {
 }
 
 #[cfg(layernorm_sm90)]
-cluster_kernels!(f32, layer_norm_bwd_cluster8_f32);
+cluster_kernels!(f32, layer_norm_bwd_cluster8_f32, layer_norm_bwd_cluster8_held_f32);
 #[cfg(layernorm_sm90)]
-cluster_kernels!(crate::element::F16, layer_norm_bwd_cluster8_f16);
+cluster_kernels!(
+    crate::element::F16,
+    layer_norm_bwd_cluster8_f16,
+    layer_norm_bwd_cluster8_held_f16
+);
 #[cfg(layernorm_sm90)]
-cluster_kernels!(crate::element::Bf16, layer_norm_bwd_cluster8_bf16);
+cluster_kernels!(
+    crate::element::Bf16,
+    layer_norm_bwd_cluster8_bf16,
+    layer_norm_bwd_cluster8_held_bf16
+);
