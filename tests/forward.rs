@@ -76,6 +76,18 @@ fn gpu_forward_many_rows() {
     }
 }
 
+/// Aligned rows longer than one block holds in registers (more than 8 packs a thread of
+/// 1024), which stream: f32 rows past 32768, f16/bf16 past 65536; many rows and few.
+#[test]
+fn gpu_forward_long_aligned_rows() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    for (i, &(rows, n)) in [(300, 65536), (3, 40000), (50, 40000)].iter().enumerate() {
+        check_forward::<f32>(&gpu, rows, n, 600 + i as u64);
+    }
+    check_forward::<f16>(&gpu, 40, 131072, 610);
+    check_forward::<bf16>(&gpu, 9, 98304, 611);
+}
+
 /// The GPU and the CPU path agree with each other, not only each with the reference.
 #[test]
 fn gpu_forward_agrees_with_cpu_path() {
