@@ -170,8 +170,7 @@ impl<T: Element> LayerNorm<T> {
                         rows: rows as u32,
                         n: n as u32,
                         eps: self.eps,
-                        packed: n * size_of::<T>() % 16 == 0
-                            && [x, &self.gamma, &self.beta].into_iter().all(starts_on_pack),
+                        packed: packed_rows(n, [x, &self.gamma, &self.beta]),
                     };
                     gpu::forward(g, a)?;
                 }
@@ -250,8 +249,7 @@ impl<T: Element> LayerNorm<T> {
                     dx: cuda_mut(dx),
                     rows: rows as u32,
                     n: n as u32,
-                    packed: (n * size_of::<T>()) % 16 == 0
-                        && [&ctx.x, dy, &self.gamma].into_iter().all(starts_on_pack),
+                    packed: packed_rows(n, [&ctx.x, dy, &self.gamma]),
                 };
                 gpu::backward(g, self.mode, a, cuda_mut(dgamma), cuda_mut(dbeta))?;
             }
@@ -332,10 +330,12 @@ fn host2_mut<T: Element>(d: &mut Data<T>, rows: usize, n: usize) -> ArrayViewMut
     ArrayViewMut2::from_shape((rows, n), host_slice_mut(d)).expect("checked shape")
 }
 
-/// Whether `t` starts on a 16-byte boundary: its storage does (device allocations are
-/// aligned for any type, 256 bytes or more), so this is its offset in bytes.
-fn starts_on_pack<T: Element>(t: &Tensor<T>) -> bool {
-    t.range().start * size_of::<T>() % 16 == 0
+/// Whether every row of rows of `n` elements starts on a 16-byte boundary in each of
+/// `inputs` and in the op's output (a whole tensor, which starts on one): n a whole number
+/// of 16-byte packs, and each input's offset in bytes a multiple of 16 (its storage starts
+/// aligned: device allocations are aligned for any type, 256 bytes or more).
+fn packed_rows<T: Element>(n: usize, inputs: [&Tensor<T>; 3]) -> bool {
+    n * size_of::<T>() % 16 == 0 && inputs.iter().all(|t| t.range().start * size_of::<T>() % 16 == 0)
 }
 
 fn cuda<T: Element>(t: &Tensor<T>) -> CudaView<'_, T> {

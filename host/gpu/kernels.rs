@@ -231,15 +231,15 @@ pub(crate) struct Forward<'a, T> {
 /// kernels-gpu/src/forward.rs).
 pub(crate) const PIPE_HELD: u32 = 4;
 
-/// Whether every row of `a` is whole aligned packs that fit the pipelined forward with
-/// `threads` a block.
-pub(crate) fn pipelined_fits<T: Element>(team: Team, threads: u32, a: &Forward<'_, T>) -> bool {
+/// Whether `cols` columns of whole packs (a row, or a cluster's slice of one) fit `held`
+/// packs a rank of a team in blocks of `threads`.
+pub(crate) fn fits_held<T: Element>(team: Team, threads: u32, cols: u32, held: u32) -> bool {
     let ranks = if team == Team::Warp { 32 } else { threads };
-    a.packed && a.n % pack_len::<T>() == 0 && a.n / pack_len::<T>() <= ranks * PIPE_HELD
+    cols.div_ceil(pack_len::<T>()) <= ranks * held
 }
 
 /// Queues the forward kernel `f`, which the caller picked for `a` and `launch` (a
-/// pipelined one only where [`pipelined_fits`]).
+/// pipelined one only where `a.packed` and its rows [`fits_held`] `PIPE_HELD`).
 pub(crate) fn forward<T: Element>(gpu: &Gpu, f: &Kernel, launch: Launch, a: Forward<'_, T>) -> Result<()> {
     let (rows, n) = (a.rows as usize, a.n as usize);
     require(a.x.len() >= rows * n && a.y.len() >= rows * n, "x/y");
@@ -381,7 +381,10 @@ pub(crate) fn backward_held<T: Element>(
     part_dbeta: &mut CudaSlice<f32>,
 ) -> Result<()> {
     a.check();
-    require(a.packed && held_fits::<T>(team, launch.threads, a.n), "held rows");
+    require(
+        a.packed && fits_held::<T>(team, launch.threads, a.n, BWD_HELD),
+        "held rows",
+    );
     let parts = launch.blocks as usize * a.n as usize;
     require(
         part_dgamma.len() >= parts && part_dbeta.len() >= parts,
@@ -416,12 +419,6 @@ pub(crate) fn backward_held<T: Element>(
 /// kernels-gpu/src/row.rs).
 pub(crate) const BWD_HELD: u32 = 4;
 
-/// Whether rows of `n` (whole packs) fit the held stage 1's registers with `threads` a block.
-pub(crate) fn held_fits<T: Element>(team: Team, threads: u32, n: u32) -> bool {
-    let ranks = if team == Team::Warp { 32 } else { threads };
-    n % pack_len::<T>() == 0 && n / pack_len::<T>() <= ranks * BWD_HELD
-}
-
 /// Shared memory of a held stage 1 block of `threads`: the scratch, then per rank
 /// `BWD_HELD` packs of f32 dgamma and dbeta (`RankPartials` in kernels-gpu/src/backward.rs).
 pub(crate) fn held_smem<T: Element>(threads: u32) -> usize {
@@ -455,7 +452,8 @@ pub(crate) fn backward_cluster<T: Element>(
     );
     let k = gpu.kernels.of::<T>();
     let (kernel, smem) = if held {
-        let slice_fits = a.packed && held_fits::<T>(Team::Block, launch.threads, cluster_slice::<T>(a.n));
+        let slice = cluster_slice::<T>(a.n);
+        let slice_fits = a.packed && fits_held::<T>(Team::Block, launch.threads, slice, BWD_HELD);
         require(slice_fits, "held cluster slices");
         (&k.bwd_cluster_held, cluster_held_smem::<T>(launch.threads))
     } else {

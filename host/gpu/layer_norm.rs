@@ -87,7 +87,8 @@ pub(crate) fn forward<T: Element>(gpu: &Gpu, a: Forward<'_, T>) -> Result<()> {
         Team::Warp => &k.fwd_pipelined_warp,
         Team::Block => &k.fwd_pipelined_block,
     };
-    let kernel = if threads <= pipelined.max_threads && kernels::pipelined_fits(team, threads, &a) {
+    let fits = kernels::fits_held::<T>(team, threads, n, kernels::PIPE_HELD);
+    let kernel = if a.packed && fits && threads <= pipelined.max_threads {
         pipelined
     } else {
         kernel
@@ -130,14 +131,14 @@ pub(crate) fn backward<T: Element>(
         (BackwardMode::Deterministic, Some(general), _) => {
             // Slices held in registers where every row is aligned packs and a slice fits.
             let slice = kernels::cluster_slice::<T>(n);
-            let held = k.bwd_cluster_held.as_ref().and_then(|kernel| {
+            let held_slices = k.bwd_cluster_held.as_ref().and_then(|kernel| {
                 let threads = block_threads::<T>(kernel, slice, 4);
                 let smem = kernels::cluster_held_smem::<T>(threads);
-                let fits = kernels::held_fits::<T>(Team::Block, threads, slice);
+                let fits = kernels::fits_held::<T>(Team::Block, threads, slice, kernels::BWD_HELD);
                 (stage1.packed && fits && smem <= gpu.kernels.max_smem as usize)
                     .then_some((kernel, threads, smem))
             });
-            let (kernel, threads, smem) = match held {
+            let (kernel, threads, smem) = match held_slices {
                 Some((kernel, threads, smem)) => (kernel, threads, smem as u32),
                 None => (
                     general,
@@ -153,7 +154,7 @@ pub(crate) fn backward<T: Element>(
             };
             // Each cluster writes every column of its partial row (each block its slice).
             let (mut pg, mut pb) = alloc_partials(gpu, clusters as usize * n as usize)?;
-            kernels::backward_cluster(gpu, held.is_some(), launch, stage1, &mut pg, &mut pb)?;
+            kernels::backward_cluster(gpu, held_slices.is_some(), launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, clusters)
         }
         (BackwardMode::Deterministic, None, Some((kernel, threads))) => {
@@ -222,7 +223,8 @@ fn held<'k, T: Element>(gpu: &'k Gpu, team: Team, a: &kernels::Backward<'_, T>) 
         Team::Block => (&k.bwd_held_block, block_threads::<T>(&k.bwd_held_block, a.n, 4)),
     };
     let room = kernels::held_smem::<T>(threads) <= gpu.kernels.max_smem as usize;
-    (a.packed && room && kernels::held_fits::<T>(team, threads, a.n)).then_some((kernel, threads))
+    let fits = kernels::fits_held::<T>(team, threads, a.n, kernels::BWD_HELD);
+    (a.packed && room && fits).then_some((kernel, threads))
 }
 
 /// The cluster kernel, where it should run the owned backward of block-team rows of `n`:

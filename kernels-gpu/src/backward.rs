@@ -680,8 +680,7 @@ unsafe fn load_held_row<T: Element, S: Team>(r: &Rows<T>, row: u32) -> HeldRow {
 /// # Safety
 /// `row` < `r.rows`; every row pointer and gamma 16-byte aligned, `r.n` and `r.cols` whole
 /// numbers of packs, `r.cols` packs that [`fits`] `BWD_HELD` per rank; the [`HeldRow`] is
-/// row `row`'s; `acc` as
-/// [`RankPartials::zero`] requires.
+/// row `row`'s; `acc` as [`RankPartials::zero`] requires.
 #[inline(always)]
 unsafe fn backward_row_held<T: Element, S: Team>(
     r: &Rows<T>,
@@ -1103,8 +1102,10 @@ macro_rules! backward_kernels {
             n: u32,
         ) {
             let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
-            // SAFETY: the host launches this kernel only as `stage1_held` requires.
-            unsafe { stage1_held::<$t, $team>(r, part_dgamma, part_dbeta, device::block_idx(), SCRATCH_BYTES) }
+            let block = device::block_idx();
+            // SAFETY: the host launches this kernel only as `stage1_held` requires; block b
+            // writes partial row b.
+            unsafe { stage1_held::<$t, $team>(r, part_dgamma, part_dbeta, block, SCRATCH_BYTES) }
         }
     };
     (@locked $t:ty, $name:ident, $team:ty) => {
@@ -1178,45 +1179,18 @@ const CLUSTER_SIZE: u32 = 8;
 #[cfg(layernorm_sm90)]
 macro_rules! cluster_kernels {
     ($t:ty, $name:ident, $held:ident) => {
-        /// Stage 1, owned mode over a cluster of 8 blocks, rows all whole aligned packs
-        /// whose slices fit in registers: args as the general cluster kernel's.
+        cluster_kernels!(@one $t, $held, stage1_cluster_held,
+            "Stage 1, owned mode over a cluster of 8 blocks, slices held (rows of aligned packs).");
+        cluster_kernels!(@one $t, $name, stage1_cluster, "Stage 1, owned mode over a cluster of 8 blocks.");
+    };
+    (@one $t:ty, $name:ident, $stage:ident, $doc:literal) => {
+        #[doc = $doc]
+        /// Args (x, dy, gamma, mean, rstd, dx, part_dgamma, part_dbeta, rows, n); the
+        /// partial buffers hold one row per cluster.
         ///
         /// # Safety
-        /// Launched by the host with buffers of the documented sizes, on such rows.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $held(
-            x: *const $t,
-            dy: *const $t,
-            gamma: *const $t,
-            mean: *const f32,
-            rstd: *const f32,
-            dx: *mut $t,
-            part_dgamma: *mut f32,
-            part_dbeta: *mut f32,
-            rows: u32,
-            n: u32,
-        ) {
-            let r = Rows {
-                x,
-                dy,
-                gamma,
-                mean,
-                rstd,
-                dx,
-                rows,
-                n,
-                cols: n,
-            };
-            // SAFETY: the host launches this kernel only as `stage1_cluster_held` requires.
-            unsafe { stage1_cluster_held::<$t, CLUSTER_SIZE>(r, part_dgamma, part_dbeta) }
-        }
-
-        /// Stage 1, owned mode over a cluster of 8 blocks: args (x, dy, gamma, mean, rstd,
-        /// dx, part_dgamma, part_dbeta, rows, n); the partial buffers hold one row per
-        /// cluster.
-        ///
-        /// # Safety
-        /// Launched by the host with buffers of the documented sizes.
+        /// Launched by the host with buffers of the documented sizes, on rows the kernel
+        /// takes (`$stage`'s safety section).
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(
             x: *const $t,
@@ -1230,19 +1204,9 @@ macro_rules! cluster_kernels {
             rows: u32,
             n: u32,
         ) {
-            let r = Rows {
-                x,
-                dy,
-                gamma,
-                mean,
-                rstd,
-                dx,
-                rows,
-                n,
-                cols: n,
-            };
-            // SAFETY: the host sizes every buffer as `stage1_cluster` requires.
-            unsafe { stage1_cluster::<$t, CLUSTER_SIZE>(r, part_dgamma, part_dbeta) }
+            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
+            // SAFETY: the host launches this kernel only as `$stage` requires.
+            unsafe { $stage::<$t, CLUSTER_SIZE>(r, part_dgamma, part_dbeta) }
         }
     };
 }

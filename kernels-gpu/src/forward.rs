@@ -262,55 +262,19 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(
 /// general and pipelined. All take (x, gamma, beta, y, mean, rstd, rows, n, eps).
 macro_rules! forward_kernels {
     ($t:ty, $warp:ident, $block:ident, $pipe_warp:ident, $pipe_block:ident) => {
-        forward_kernels!(@pipelined $t, $pipe_warp, Warp);
-        forward_kernels!(@pipelined $t, $pipe_block, Block);
-
-        /// Forward, one warp per row (short rows).
-        ///
-        /// # Safety
-        /// Launched by the host with buffers of the documented sizes.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $warp(
-            x: *const $t,
-            gamma: *const $t,
-            beta: *const $t,
-            y: *mut $t,
-            mean: *mut f32,
-            rstd: *mut f32,
-            rows: u32,
-            n: u32,
-            eps: f32,
-        ) {
-            // SAFETY: the host sizes every buffer as `forward_rows` requires.
-            unsafe { forward_rows::<$t, Warp>(x, gamma, beta, y, mean, rstd, rows, n, eps) }
-        }
-
-        /// Forward, one block per row (long rows).
-        ///
-        /// # Safety
-        /// Launched by the host with buffers of the documented sizes.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $block(
-            x: *const $t,
-            gamma: *const $t,
-            beta: *const $t,
-            y: *mut $t,
-            mean: *mut f32,
-            rstd: *mut f32,
-            rows: u32,
-            n: u32,
-            eps: f32,
-        ) {
-            // SAFETY: the host sizes every buffer as `forward_rows` requires.
-            unsafe { forward_rows::<$t, Block>(x, gamma, beta, y, mean, rstd, rows, n, eps) }
-        }
+        forward_kernels!(@one $t, $pipe_warp, forward_rows_pipelined, Warp,
+            "Forward, one warp per row, two rows in flight (rows of aligned packs, 4 a rank).");
+        forward_kernels!(@one $t, $pipe_block, forward_rows_pipelined, Block,
+            "Forward, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
+        forward_kernels!(@one $t, $warp, forward_rows, Warp, "Forward, one warp per row (short rows).");
+        forward_kernels!(@one $t, $block, forward_rows, Block, "Forward, one block per row (long rows).");
     };
-    (@pipelined $t:ty, $name:ident, $team:ty) => {
-        /// Forward with two rows in flight per team, for launches whose rows are all whole
-        /// aligned packs that fit 4 a rank.
+    (@one $t:ty, $name:ident, $rows:ident, $team:ty, $doc:literal) => {
+        #[doc = $doc]
         ///
         /// # Safety
-        /// Launched by the host with buffers of the documented sizes, on such rows.
+        /// Launched by the host with buffers of the documented sizes, on rows the kernel
+        /// takes (`$rows`'s safety section).
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(
             x: *const $t,
@@ -323,8 +287,8 @@ macro_rules! forward_kernels {
             n: u32,
             eps: f32,
         ) {
-            // SAFETY: the host launches this kernel only as `forward_rows_pipelined` requires.
-            unsafe { forward_rows_pipelined::<$t, $team>(x, gamma, beta, y, mean, rstd, rows, n, eps) }
+            // SAFETY: the host launches this kernel only as `$rows` requires.
+            unsafe { $rows::<$t, $team>(x, gamma, beta, y, mean, rstd, rows, n, eps) }
         }
     };
 }
