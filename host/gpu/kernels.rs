@@ -41,18 +41,30 @@ pub(crate) enum Team {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Launch {
     pub(crate) blocks: u32,
+    /// Threads along the block's x dimension: a block team's ranks, or a block of warps.
     pub(crate) threads: u32,
+    /// Block teams stacked along y (`team::Block` in kernels-gpu/src/team.rs): more than
+    /// one only for the held backward, whose teams then share a partial row.
+    pub(crate) stacked: u32,
     pub(crate) smem: u32,
 }
 
 impl Launch {
+    /// Teams in one block of this launch.
+    pub(crate) fn teams_per_block(self, team: Team) -> u32 {
+        match team {
+            Team::Warp => self.threads / 32,
+            Team::Block => self.stacked,
+        }
+    }
+
     /// The driver's launch configuration, or [`Error::SharedMemory`] where the blocks would
     /// need more shared memory than the device allows (`what` names the kernel).
     fn config(self, gpu: &Gpu, what: &'static str) -> Result<LaunchConfig> {
         check_smem(gpu, self.smem as usize, what)?;
         Ok(LaunchConfig {
             grid_dim: (self.blocks, 1, 1),
-            block_dim: (self.threads, 1, 1),
+            block_dim: (self.threads, self.stacked, 1),
             shared_mem_bytes: self.smem,
         })
     }
@@ -231,6 +243,30 @@ pub(crate) struct Forward<'a, T> {
 /// kernels-gpu/src/forward.rs).
 pub(crate) const PIPE_HELD: u32 = 4;
 
+/// Packs of x each rank of the general forward holds of a row that fits (`FWD_HELD` in
+/// kernels-gpu/src/row.rs).
+pub(crate) const FWD_HELD: u32 = 8;
+
+/// Packs of x each rank of the general forward holds of a longer aligned row, staging the
+/// rest in shared memory (`PART_HELD` in kernels-gpu/src/forward.rs).
+pub(crate) const PART_HELD: u32 = 4;
+
+/// Shared memory of a general forward block of `threads` on rows of `n`: the scratch, and
+/// for rows too long to hold, room to stage their packs past `PART_HELD` a rank
+/// (`Staged` in kernels-gpu/src/row.rs), where the device has it; rows it cannot stage
+/// whole stream, and get the scratch only.
+pub(crate) fn forward_smem<T: Element>(gpu: &Gpu, team: Team, threads: u32, n: u32) -> u32 {
+    if team == Team::Warp || fits_held::<T>(team, threads, n, FWD_HELD) {
+        return SCRATCH_BYTES;
+    }
+    let staged = SCRATCH_BYTES + (n / pack_len::<T>()).saturating_sub(PART_HELD * threads) * 16;
+    if staged <= gpu.kernels.max_smem {
+        staged
+    } else {
+        SCRATCH_BYTES
+    }
+}
+
 /// Whether `cols` columns of whole packs (a row, or a cluster's slice of one) fit `held`
 /// packs a rank of a team in blocks of `threads`.
 pub(crate) fn fits_held<T: Element>(team: Team, threads: u32, cols: u32, held: u32) -> bool {
@@ -340,11 +376,8 @@ pub(crate) fn backward_owned<T: Element>(
         part_dgamma.len() >= parts && part_dbeta.len() >= parts,
         "owned partials",
     );
-    let teams_per_block = if team == Team::Warp {
-        launch.threads / 32
-    } else {
-        1
-    };
+    require(launch.stacked == 1, "owned blocks are one team");
+    let teams_per_block = launch.teams_per_block(team);
     let local_bytes = owned_local_smem(teams_per_block, a.n);
     require(
         launch.smem >= SCRATCH_BYTES && (!local || launch.smem as usize >= local_bytes),
@@ -391,7 +424,7 @@ pub(crate) fn backward_held<T: Element>(
         "held partials",
     );
     require(
-        launch.smem as usize >= held_smem::<T>(launch.threads),
+        launch.smem as usize >= held_smem::<T>(launch.threads * launch.stacked),
         "held smem",
     );
     let k = gpu.kernels.of::<T>();
@@ -419,7 +452,7 @@ pub(crate) fn backward_held<T: Element>(
 /// kernels-gpu/src/row.rs).
 pub(crate) const BWD_HELD: u32 = 4;
 
-/// Shared memory of a held stage 1 block of `threads`: the scratch, then per rank
+/// Shared memory of a held stage 1 block of `threads` (all its teams' ranks): the scratch, then per rank
 /// `BWD_HELD` packs of f32 dgamma and dbeta (`RankPartials` in kernels-gpu/src/backward.rs).
 pub(crate) fn held_smem<T: Element>(threads: u32) -> usize {
     SCRATCH_BYTES as usize + threads as usize * 2 * 4 * (BWD_HELD * pack_len::<T>()) as usize
@@ -491,16 +524,21 @@ pub(crate) fn cluster_slice<T: Element>(n: u32) -> u32 {
     n.div_ceil(pack_len::<T>()).div_ceil(CLUSTER_SIZE) * pack_len::<T>()
 }
 
-/// Shared memory of a cluster block: the scratch and the exchange slot
+/// Bytes a cluster block keeps after the block reductions' scratch for the row sums'
+/// exchange: two 8-byte slots and a round count, padded to 32 (`CLUSTER_SCRATCH_BYTES` in
+/// kernels-gpu/src/cluster.rs).
+const CLUSTER_EXCHANGE_BYTES: usize = 32;
+
+/// Shared memory of a cluster block: the scratch and the exchange
 /// (`CLUSTER_SCRATCH_BYTES`), then a padded dgamma and dbeta row of one slice.
 pub(crate) fn cluster_smem<T: Element>(n: u32) -> usize {
-    owned_local_smem(1, cluster_slice::<T>(n)) + 16
+    owned_local_smem(1, cluster_slice::<T>(n)) + CLUSTER_EXCHANGE_BYTES
 }
 
 /// Shared memory of a held cluster block of `threads`: the cluster scratch (the block
-/// reductions' and the exchange slot, `CLUSTER_SCRATCH_BYTES`), then each rank's partials.
+/// reductions' and the exchange, `CLUSTER_SCRATCH_BYTES`), then each rank's partials.
 pub(crate) fn cluster_held_smem<T: Element>(threads: u32) -> usize {
-    held_smem::<T>(threads) + 16
+    held_smem::<T>(threads) + CLUSTER_EXCHANGE_BYTES
 }
 
 /// Stage 1, locked mode: `groups` partial rows and `2 * groups` zeroed lock/count words.

@@ -35,17 +35,32 @@ fn block_threads<T: Element>(kernel: &Kernel, n: u32, packs_per_thread: u32) -> 
         .clamp(64, kernel.max_threads)
 }
 
-/// A persistent grid: as many blocks as the device runs at once, and no more than the rows
-/// need; teams loop over the rows.
-fn resident(gpu: &Gpu, kernel: &Kernel, rows: u32, team: Team, threads: u32, smem: u32) -> Result<Launch> {
-    let per_block = if team == Team::Warp { threads / 32 } else { 1 };
-    let per_sm = kernel.blocks_per_sm(threads, smem)?;
-    let blocks = (gpu.sm_count * per_sm).min(rows.div_ceil(per_block)).max(1);
-    Ok(Launch {
-        blocks,
+/// Block teams a block may stack (`team::Block` in kernels-gpu/src/team.rs): team t
+/// synchronizes on barrier 1 + t of the 16 a block has.
+const MAX_STACKED: u32 = 15;
+
+/// A persistent grid of blocks of `threads` x `stacked` threads: as many blocks as the
+/// device runs at once, and no more than the rows need; teams loop over the rows.
+fn resident(
+    gpu: &Gpu,
+    kernel: &Kernel,
+    rows: u32,
+    team: Team,
+    threads: u32,
+    stacked: u32,
+    smem: u32,
+) -> Result<Launch> {
+    let shape = Launch {
+        blocks: 1,
         threads,
+        stacked,
         smem,
-    })
+    };
+    let per_sm = kernel.blocks_per_sm(threads * stacked, smem)?;
+    let blocks = (gpu.sm_count * per_sm)
+        .min(rows.div_ceil(shape.teams_per_block(team)))
+        .max(1);
+    Ok(Launch { blocks, ..shape })
 }
 
 /// `launch` with the fewest blocks that leave no team more rows than it had: teams loop
@@ -53,11 +68,7 @@ fn resident(gpu: &Gpu, kernel: &Kernel, rows: u32, team: Team, threads: u32, sme
 /// more partial row to write and sum (4096 rows on 660 teams is 7 rows for the busiest; 586
 /// teams do the same in 7, with 74 fewer partial rows).
 fn balanced(launch: Launch, rows: u32, team: Team) -> Launch {
-    let per_block = if team == Team::Warp {
-        launch.threads / 32
-    } else {
-        1
-    };
+    let per_block = launch.teams_per_block(team);
     let most = rows.div_ceil(launch.blocks * per_block);
     Launch {
         blocks: rows.div_ceil(most).div_ceil(per_block),
@@ -88,12 +99,12 @@ pub(crate) fn forward<T: Element>(gpu: &Gpu, a: Forward<'_, T>) -> Result<()> {
         Team::Block => &k.fwd_pipelined_block,
     };
     let fits = kernels::fits_held::<T>(team, threads, n, kernels::PIPE_HELD);
-    let kernel = if a.packed && fits && threads <= pipelined.max_threads {
-        pipelined
+    let (kernel, smem) = if a.packed && fits && threads <= pipelined.max_threads {
+        (pipelined, SCRATCH_BYTES)
     } else {
-        kernel
+        (kernel, kernels::forward_smem::<T>(gpu, team, threads, n))
     };
-    let launch = resident(gpu, kernel, rows, team, threads, SCRATCH_BYTES)?;
+    let launch = resident(gpu, kernel, rows, team, threads, 1, smem)?;
     kernels::forward(gpu, kernel, launch, a)
 }
 
@@ -150,6 +161,7 @@ pub(crate) fn backward<T: Element>(
             let launch = Launch {
                 blocks: clusters * kernels::CLUSTER_SIZE,
                 threads,
+                stacked: 1,
                 smem,
             };
             // Each cluster writes every column of its partial row (each block its slice).
@@ -157,9 +169,13 @@ pub(crate) fn backward<T: Element>(
             kernels::backward_cluster(gpu, held_slices.is_some(), launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, clusters)
         }
-        (BackwardMode::Deterministic, None, Some((kernel, threads))) => {
-            let smem = kernels::held_smem::<T>(threads) as u32;
-            let launch = balanced(resident(gpu, kernel, rows, team, threads, smem)?, rows, team);
+        (BackwardMode::Deterministic, None, Some((kernel, threads, stacked))) => {
+            let smem = kernels::held_smem::<T>(threads * stacked) as u32;
+            let launch = balanced(
+                resident(gpu, kernel, rows, team, threads, stacked, smem)?,
+                rows,
+                team,
+            );
             // The held kernel writes every element of every block's partial row.
             let (mut pg, mut pb) = alloc_partials(gpu, launch.blocks as usize * n as usize)?;
             kernels::backward_held(gpu, team, launch, stage1, &mut pg, &mut pb)?;
@@ -183,7 +199,7 @@ pub(crate) fn backward<T: Element>(
             }
             let local = local_smem <= gpu.kernels.max_smem as usize;
             let smem = if local { local_smem as u32 } else { SCRATCH_BYTES };
-            let launch = resident(gpu, kernel, rows, team, threads, smem)?;
+            let launch = resident(gpu, kernel, rows, team, threads, 1, smem)?;
             // The owned-mode kernel writes every element of every block's partial row.
             let (mut pg, mut pb) = alloc_partials(gpu, launch.blocks as usize * n as usize)?;
             kernels::backward_owned(gpu, team, launch, stage1, &mut pg, &mut pb, local)?;
@@ -205,7 +221,7 @@ pub(crate) fn backward<T: Element>(
                 Team::Warp => (&k.bwd_locked_warp, warp_threads(&k.bwd_locked_warp)),
                 Team::Block => (&k.bwd_locked_block, block_threads::<T>(&k.bwd_locked_block, n, 4)),
             };
-            let launch = resident(gpu, kernel, rows, team, threads, SCRATCH_BYTES)?;
+            let launch = resident(gpu, kernel, rows, team, threads, 1, SCRATCH_BYTES)?;
             kernels::backward_locked(gpu, team, launch, stage1, &mut pg, &mut pb, &mut words, groups)?;
             (pg, pb, groups)
         }
@@ -213,18 +229,36 @@ pub(crate) fn backward<T: Element>(
     kernels::backward_reduce(gpu, &parts_dgamma, &parts_dbeta, part_rows, n, dgamma, dbeta)
 }
 
-/// The held stage 1 kernel and its block size, where it can run the owned backward: every
-/// row whole aligned packs, held in registers at 4 packs a thread, with room in shared
-/// memory for each rank's partials.
-fn held<'k, T: Element>(gpu: &'k Gpu, team: Team, a: &kernels::Backward<'_, T>) -> Option<(&'k Kernel, u32)> {
+/// The held stage 1 kernel and its block, `threads` x `stacked`, where it can run the owned
+/// backward: every row whole aligned packs, held in registers at 4 packs a thread, with
+/// room in shared memory for each rank's partials. A block takes as many teams as the
+/// kernel's thread limit and shared memory allow (for block teams, stacked along y): the
+/// same teams per multiprocessor as one-team blocks, since the limit is the registers',
+/// but each block's teams add into one partial row, so there are fewer partial rows to
+/// write and for stage 2 to read (f16 N = 4096: 128 rows of 16 KB, not 512).
+fn held<'k, T: Element>(
+    gpu: &'k Gpu,
+    team: Team,
+    a: &kernels::Backward<'_, T>,
+) -> Option<(&'k Kernel, u32, u32)> {
     let k = gpu.kernels.of::<T>();
-    let (kernel, threads) = match team {
-        Team::Warp => (&k.bwd_held_warp, warp_threads(&k.bwd_held_warp)),
-        Team::Block => (&k.bwd_held_block, block_threads::<T>(&k.bwd_held_block, a.n, 4)),
+    let max_smem = gpu.kernels.max_smem as usize;
+    let (kernel, threads, most) = match team {
+        Team::Warp => (&k.bwd_held_warp, k.bwd_held_warp.max_threads, 1),
+        Team::Block => {
+            let threads = block_threads::<T>(&k.bwd_held_block, a.n, 4);
+            (
+                &k.bwd_held_block,
+                threads,
+                (k.bwd_held_block.max_threads / threads).min(MAX_STACKED),
+            )
+        }
     };
-    let room = kernels::held_smem::<T>(threads) <= gpu.kernels.max_smem as usize;
+    let stacked = (1..=most)
+        .rev()
+        .find(|&s| kernels::held_smem::<T>(threads * s) <= max_smem)?;
     let fits = kernels::fits_held::<T>(team, threads, a.n, kernels::BWD_HELD);
-    (a.packed && room && fits).then_some((kernel, threads))
+    (a.packed && fits).then_some((kernel, threads, stacked))
 }
 
 /// The cluster kernel, where it should run the owned backward of block-team rows of `n`:

@@ -49,7 +49,7 @@ use crate::cluster::{CLUSTER_SCRATCH_BYTES, Cluster, slice_width};
 use crate::device::{self, fma, load_f32_l2, shared_ptr};
 use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, read_cached, write};
 use crate::row::{BWD_HELD, Held, fits, for_each_chunk, prefetch, values};
-use crate::team::{Block, SCRATCH_BYTES, Team, Warp};
+use crate::team::{Block, SCRATCH_BYTES, StackedBlock, Team, Warp};
 
 /// The inputs of one backward launch, as the host passes them. A team walks `cols` columns
 /// from the row pointers: all `n` of them, or (clusters) a slice, with `x`, `dy`, `gamma`
@@ -769,7 +769,10 @@ unsafe fn stage1_held<T: Element, S: Team>(
     // the pack it covers.
     let (packs, per_pack) = (r.cols / T::PACK as u32, T::PACK as u32 / 4);
     let (size, row_at) = (S::size(), out_row as usize * r.n as usize);
-    let mut i = device::thread_idx();
+    // Every thread of the block takes chunks, whichever team it belongs to (block teams
+    // stack along y).
+    let threads = device::block_dim() * device::block_dim_y();
+    let mut i = device::thread_idx_y() * device::block_dim() + device::thread_idx();
     while i < RankPartials::chunks::<T>() * size {
         let (rank, q) = (i % size, i / size);
         let p = rank + q / per_pack * size;
@@ -791,7 +794,7 @@ unsafe fn stage1_held<T: Element, S: Team>(
                 device::store_16(part_dbeta.add(col) as *mut u32, b.map(f32::to_bits));
             }
         }
-        i += device::block_dim();
+        i += threads;
     }
 }
 
@@ -1034,7 +1037,7 @@ macro_rules! backward_kernels {
         backward_kernels!(@owned $t, $owned_warp, Warp);
         backward_kernels!(@owned $t, $owned_block, Block);
         backward_kernels!(@held $t, $held_warp, Warp);
-        backward_kernels!(@held $t, $held_block, Block);
+        backward_kernels!(@held $t, $held_block, StackedBlock);
         backward_kernels!(@locked $t, $locked_warp, Warp);
         backward_kernels!(@locked $t, $locked_block, Block);
 
@@ -1084,7 +1087,7 @@ macro_rules! backward_kernels {
     (@held $t:ty, $name:ident, $team:ty) => {
         /// Stage 1, owned mode, rows all whole aligned packs held in registers: args (x, dy,
         /// gamma, mean, rstd, dx, part_dgamma, part_dbeta, rows, n); one partial row per
-        /// block.
+        /// block, whose teams (warps, or block teams stacked along y) all add into it.
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows that hold.

@@ -92,11 +92,12 @@ unsafe fn read_remote_pair(offset: u32, rank: u32) -> (f32, f32) {
 /// [`Block`]; its `sum2` then adds the C blocks' sums in rank order, so every block of the
 /// cluster gets the same bits.
 ///
-/// Exchange protocol, two cluster barrier phases per row: each `sum2` waits for the
-/// previous phase (every block is done reading the last row's slots), writes its slot,
-/// arrives (release) and waits, reads all C slots, then arrives again ("done reading").
-/// [`Cluster::begin`] makes the first arrival and [`Cluster::end`] the last wait,
-/// so no block exits while another may still read its slot.
+/// Exchange protocol, one cluster barrier phase per row: each `sum2` writes its row sums
+/// into one of two slots (rows alternate), arrives (release) and waits (acquire), then reads
+/// that slot of all C blocks. A block writes a slot again only two rows later, after the
+/// wait of the row between, which every block reaches only once it has read the slot
+/// (its arrival releases its reads too). [`Cluster::end`] arrives and waits once more, so
+/// no block exits while another may still read its slots.
 pub struct Cluster<const C: u32>;
 
 impl<const C: u32> Cluster<C> {
@@ -106,26 +107,36 @@ impl<const C: u32> Cluster<C> {
         cluster_rank()
     }
 
-    /// Before the first row: the arrival the first `sum2`'s wait matches.
+    /// Before the first row: no row exchanged yet.
     #[inline(always)]
     pub fn begin() {
-        arrive();
+        if device::thread_idx() == 0 {
+            // SAFETY: the round counter lies in the cluster scratch the host sized; only
+            // thread 0 writes it, and the first `sum2`'s barriers order this write.
+            unsafe { shared_ptr::<u32>(ROUND_OFFSET).write(0) };
+        }
     }
 
     /// After the last row: every block has finished reading every slot.
     #[inline(always)]
     pub fn end() {
+        arrive();
         wait();
     }
 }
 
-/// Byte offset of a block's exchange slot (its row sums, 8 bytes) in dynamic shared
-/// memory: right after the block reductions' scratch.
+/// Byte offset of a block's two exchange slots (a row's two sums, 8 bytes each; rows
+/// alternate between them) in dynamic shared memory: right after the block reductions'
+/// scratch.
 const EXCHANGE_OFFSET: u32 = SCRATCH_BYTES;
 
+/// Byte offset of the block's count of rows exchanged so far (its parity picks the slot).
+const ROUND_OFFSET: u32 = EXCHANGE_OFFSET + 16;
+
 /// Dynamic shared memory of a cluster kernel before its partial rows: the block
-/// reductions' scratch, then the exchange slot (16 bytes, keeping the rows 16-byte aligned).
-pub const CLUSTER_SCRATCH_BYTES: u32 = SCRATCH_BYTES + 16;
+/// reductions' scratch, the two exchange slots and the round count (32 bytes, keeping the
+/// rows 16-byte aligned).
+pub const CLUSTER_SCRATCH_BYTES: u32 = SCRATCH_BYTES + 32;
 
 /// Columns of each block's slice of an `n`-column row: whole packs of `pack` elements, so
 /// that every slice of an aligned row starts aligned.
@@ -159,24 +170,31 @@ impl<const C: u32> Team for Cluster<C> {
     #[inline(always)]
     fn sum2(a: f32, b: f32) -> (f32, f32) {
         let (a, b) = Block::sum2(a, b);
-        let slot = shared_ptr::<[f32; 2]>(EXCHANGE_OFFSET);
-        // Every block has read the previous row's slots (their "done reading" arrivals).
-        wait();
+        let round = shared_ptr::<u32>(ROUND_OFFSET);
         if device::thread_idx() == 0 {
-            // SAFETY: the slot lies in the cluster scratch the host sized.
-            unsafe { slot.write([a, b]) };
+            // SAFETY: the counter and both slots lie in the cluster scratch the host sized.
+            // Block::sum2's barriers put this after every thread's read of the counter in
+            // the previous row; the slot was last read by the other blocks two rows ago,
+            // before their arrivals of the previous row, which this thread waited for.
+            unsafe {
+                let k = round.read();
+                shared_ptr::<[f32; 2]>(EXCHANGE_OFFSET + 8 * (k % 2)).write([a, b]);
+                round.write(k + 1);
+            }
         }
         arrive();
         wait();
+        // SAFETY: thread 0 wrote the counter before its release arrival, waited for above.
+        let slot = EXCHANGE_OFFSET + 8 * ((unsafe { round.read() } - 1) % 2);
         let (mut sa, mut sb) = (0.0f32, 0.0f32);
         for q in 0..C {
-            // SAFETY: block q wrote its slot before its release arrival, which this thread
-            // waited for; it cannot exit before this thread's next arrival.
-            let (qa, qb) = unsafe { read_remote_pair(EXCHANGE_OFFSET, q) };
+            // SAFETY: block q wrote this row's slot before its release arrival, which this
+            // thread waited for, and writes it again only after this thread's next arrival,
+            // before which it cannot exit either.
+            let (qa, qb) = unsafe { read_remote_pair(slot, q) };
             sa += qa;
             sb += qb;
         }
-        arrive();
         (sa, sb)
     }
     #[inline(always)]

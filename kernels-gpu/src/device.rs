@@ -24,6 +24,21 @@ pub fn block_dim() -> u32 {
     unsafe { nvptx::_block_dim_x() as u32 }
 }
 
+/// Index of this thread along the block's y dimension (the block's teams stacked: see
+/// `team::Block`).
+#[inline(always)]
+pub fn thread_idx_y() -> u32 {
+    // SAFETY: reads the %tid.y special register.
+    unsafe { nvptx::_thread_idx_y() as u32 }
+}
+
+/// Number of threads along the block's y dimension.
+#[inline(always)]
+pub fn block_dim_y() -> u32 {
+    // SAFETY: reads the %ntid.y special register.
+    unsafe { nvptx::_block_dim_y() as u32 }
+}
+
 /// Index of this block in the grid (x dimension).
 #[inline(always)]
 pub fn block_idx() -> u32 {
@@ -44,6 +59,16 @@ pub fn grid_dim() -> u32 {
 pub fn sync_block() {
     // SAFETY: a barrier; callers keep it on a block-uniform control path.
     unsafe { nvptx::_syncthreads() }
+}
+
+/// Barrier `id` (0..16) over the first `count` threads to reach it (`barrier.sync id,
+/// count`; `count` a multiple of 32): lets several teams of one block synchronize apart.
+/// The same visibility guarantee as [`sync_block`] among those threads.
+#[inline(always)]
+pub fn sync_threads(id: u32, count: u32) {
+    // SAFETY: a barrier; callers give each group of `count` threads its own id, keep it on a
+    // group-uniform control path, and never reuse an id for a different count meanwhile.
+    unsafe { asm!("barrier.sync {id}, {n};", id = in(reg32) id, n = in(reg32) count, options(nostack)) }
 }
 
 /// Warp-wide barrier over all 32 lanes (`bar.warp.sync`), the same guarantee for one warp.
@@ -148,6 +173,15 @@ pub fn shared_ptr<T>(offset: u32) -> *mut T {
     (base + offset as u64) as *mut T
 }
 
+/// Bytes of dynamic shared memory this launch gave each block (`%dynamic_smem_size`).
+#[inline(always)]
+pub fn dynamic_smem_size() -> u32 {
+    let r: u32;
+    // SAFETY: reads a special register.
+    unsafe { asm!("mov.u32 {r}, %dynamic_smem_size;", r = out(reg32) r, options(pure, nomem, nostack)) }
+    r
+}
+
 /// Shared-window address (32 bits, for `ld.shared`/`st.shared`) of byte `offset` of the
 /// block's dynamic shared memory.
 #[inline(always)]
@@ -203,6 +237,26 @@ pub unsafe fn load_16(p: *const u32) -> [u32; 4] {
              p = in(reg64) p, options(readonly, nostack));
     }
     [a, b, c, d]
+}
+
+/// Copies 16 bytes from global to shared memory without passing through registers
+/// (`cp.async.cg`, sm_80 and later): as many copies in flight as the thread issues, at no
+/// register cost. The data is there for this thread after [`cp_async_wait_all`].
+///
+/// # Safety
+/// `dst` (a [`shared_addr`]) and `src` 16-byte aligned, inside shared memory and valid for
+/// a 16-byte read; nothing reads or writes `dst` until the wait.
+#[inline(always)]
+pub unsafe fn cp_async_16(dst: u32, src: *const u32) {
+    // SAFETY: the caller guarantees both addresses.
+    unsafe { asm!("cp.async.cg.shared.global [{d}], [{s}], 16;", d = in(reg32) dst, s = in(reg64) src, options(nostack)) }
+}
+
+/// Waits for this thread's [`cp_async_16`] copies; their bytes are then visible to it.
+#[inline(always)]
+pub fn cp_async_wait_all() {
+    // SAFETY: waits on this thread's own copies; no memory is named.
+    unsafe { asm!("cp.async.wait_all;", options(nostack)) }
 }
 
 /// Loads 16 bytes that other blocks of this launch read too (gamma, beta): kept in L1.

@@ -22,11 +22,21 @@
 //!       `forward_rows_pipelined`: the team's next row is loaded right after this row's
 //!       first sum, so each team has two rows in flight (ncu showed the held rows' warps
 //!       waiting on their own loads more than on anything else).
+//!   v13 aligned rows too long to hold whole keep 4 packs a rank in registers and copy the
+//!       rest into shared memory (`cp.async`, every copy in flight at once), where the
+//!       room allows (f32 to about 74000): read from DRAM once, where the streamed rows'
+//!       second read missed L2 half the time.
 
 use crate::device::{fma, sqrt_rn};
-use crate::element::{Element, is_pack_aligned, read_cached, write};
-use crate::row::{FWD_HELD, Held, fits, for_each_chunk, values};
-use crate::team::{Block, Stats, StatsTeam, Warp};
+use crate::element::{Element, Pack, is_pack_aligned, read_cached, write};
+use crate::row::{FWD_HELD, Held, Staged, fits, for_each_chunk, values};
+use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Warp};
+
+/// Packs per rank a block team holds in registers of a row too long to hold whole; the
+/// rest is [`Staged`] in shared memory. f32 N = 65536 on 1024 threads: 64 KB in registers,
+/// 192 KB in shared memory (a block gets at most 227 KB). With 8, as `FWD_HELD`, the f32
+/// kernel spills at its 64 registers.
+const PART_HELD: usize = 4;
 
 /// Normalizes rows `S::id(), S::id() + S::count(), ...`, one team per row.
 ///
@@ -44,6 +54,7 @@ unsafe fn forward_rows<T: Element, S: StatsTeam>(
     n: u32,
     eps: f32,
 ) {
+    let staged = Staged::<PART_HELD>::after(SCRATCH_BYTES);
     let mut row = S::id();
     while row < rows {
         let offset = row as usize * n as usize;
@@ -57,6 +68,8 @@ unsafe fn forward_rows<T: Element, S: StatsTeam>(
         let (m, r) = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
                 forward_row::<T, S, true, FWD_HELD>(x_row, gamma, beta, y_row, n, eps)
+            } else if packed && S::HOLDS_PART_OF_LONG_ROWS && staged.holds::<T, S>(n) {
+                forward_row_staged::<T, S>(x_row, gamma, beta, y_row, n, eps, staged)
             } else if packed {
                 forward_row::<T, S, true, 0>(x_row, gamma, beta, y_row, n, eps)
             } else {
@@ -120,6 +133,51 @@ unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: 
     (mean, rstd)
 }
 
+/// One aligned row too long to hold whole: `PART_HELD` packs a rank in registers, the rest
+/// [`Staged`] in shared memory, all of it read from DRAM once with every load in flight
+/// together; then the held rows' arithmetic over both (mean, then M2, then y).
+///
+/// # Safety
+/// As for [`forward_rows`], for one row; all four pointers 16-byte aligned; `staged`
+/// [`Staged::holds`] the row, and its shared memory is this block's one team's.
+#[inline(always)]
+unsafe fn forward_row_staged<T: Element, S: StatsTeam>(
+    x: *const T,
+    gamma: *const T,
+    beta: *const T,
+    y: *mut T,
+    n: u32,
+    eps: f32,
+    staged: Staged<PART_HELD>,
+) -> (f32, f32) {
+    // SAFETY: the row is aligned whole packs (its tail elements are read one by one by the
+    // passes below) and the staging holds the packs past the held ones. The previous row's
+    // staged values were all in registers before its y stores, which precede this fill.
+    let held = unsafe {
+        let held = Held::<PART_HELD>::load::<T, S>(x, n / T::PACK as u32);
+        staged.fill::<T, S>(x, n);
+        held
+    };
+    // SAFETY (all below): as above; this rank filled the staging with this row.
+    let mut sum = unsafe { rank_sum::<T, S, true, PART_HELD>(&held, x, n) };
+    unsafe { staged.for_each::<T, S>(n, |_, v| sum += v[..T::PACK].iter().sum::<f32>()) };
+    let mean = S::sum2(sum, 0.0).0 / n as f32;
+    let mut m2 = unsafe { rank_m2::<T, S, true, PART_HELD>(&held, x, n, mean) };
+    unsafe {
+        staged.for_each::<T, S>(n, |_, v| {
+            for &v in &v[..T::PACK] {
+                m2 = fma(v - mean, v - mean, m2);
+            }
+        })
+    };
+    let rstd = 1.0 / sqrt_rn(S::sum2(m2, 0.0).0 / n as f32 + eps);
+    unsafe {
+        write_y::<T, S, true, PART_HELD>(&held, x, gamma, beta, y, n, mean, rstd);
+        staged.for_each::<T, S>(n, |j, v| write_y_chunk(gamma, beta, y, j, T::PACK, v, mean, rstd));
+    }
+    (mean, rstd)
+}
+
 /// This rank's sum of the row's x.
 ///
 /// # Safety
@@ -180,20 +238,34 @@ unsafe fn write_y<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usiz
 ) {
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-        let (xv, g, b) = unsafe {
-            (
-                values(held, x, j, len, slot),
-                read_cached(gamma, j, len),
-                read_cached(beta, j, len),
-            )
-        };
-        let mut out = xv;
-        for k in 0..len {
-            out[k] = (xv[k] - mean) * rstd * g[k] + b[k];
-        }
-        // SAFETY: as above.
-        unsafe { write(y, j, len, &out) };
+        unsafe { write_y_chunk(gamma, beta, y, j, len, values(held, x, j, len, slot), mean, rstd) }
     });
+}
+
+/// y of chunk (`j`, `len`) of a row from its x values `xv`.
+///
+/// # Safety
+/// The chunk lies inside the row; a whole pack is 16-byte aligned in y, gamma and beta.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn write_y_chunk<T: Element>(
+    gamma: *const T,
+    beta: *const T,
+    y: *mut T,
+    j: u32,
+    len: usize,
+    xv: Pack,
+    mean: f32,
+    rstd: f32,
+) {
+    // SAFETY: the caller's guarantee.
+    let (g, b) = unsafe { (read_cached(gamma, j, len), read_cached(beta, j, len)) };
+    let mut out = xv;
+    for k in 0..len {
+        out[k] = (xv[k] - mean) * rstd * g[k] + b[k];
+    }
+    // SAFETY: as above.
+    unsafe { write(y, j, len, &out) };
 }
 
 /// Packs per rank the pipelined forward holds for each of its two rows in flight.

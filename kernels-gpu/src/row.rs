@@ -93,6 +93,73 @@ pub fn fits<T: Element, S: Team, const K: usize>(n: u32) -> bool {
     n / T::PACK as u32 <= S::size() * K as u32
 }
 
+/// The whole packs of a row past the `K` a rank holds (packs `rank + K * size`, `rank + (K +
+/// 1) * size`, ...: rows too long to hold in registers), copied into the block's dynamic
+/// shared memory after its first `scratch` bytes. Pack `p` takes slot `p - K * size`, so a
+/// warp's 32 ranks fill 512 contiguous bytes (no bank conflicts), and each rank reads back
+/// only the slots it filled: its own copies' wait is the only synchronization.
+#[derive(Clone, Copy)]
+pub struct Staged<const K: usize> {
+    /// Shared address of slot 0.
+    base: u32,
+    /// Slots the launch's shared memory holds.
+    slots: u32,
+}
+
+impl<const K: usize> Staged<K> {
+    /// The staging area after the first `scratch` bytes of dynamic shared memory.
+    #[inline(always)]
+    pub fn after(scratch: u32) -> Self {
+        Staged {
+            base: device::shared_addr(scratch),
+            slots: device::dynamic_smem_size().saturating_sub(scratch) / 16,
+        }
+    }
+
+    /// Whether the whole packs of an `n`-element row past the held ones all have a slot.
+    #[inline(always)]
+    pub fn holds<T: Element, S: Team>(self, n: u32) -> bool {
+        (n / T::PACK as u32).saturating_sub(K as u32 * S::size()) <= self.slots
+    }
+
+    /// Copies this rank's packs past the held ones into their slots, all at once (no
+    /// registers held, so every copy is in flight together), and waits for them.
+    ///
+    /// # Safety
+    /// `row` is 16-byte aligned and holds `n` elements, and [`Staged::holds`] it; the
+    /// shared memory past `scratch` is this team's alone.
+    #[inline(always)]
+    pub unsafe fn fill<T: Element, S: Team>(self, row: *const T, n: u32) {
+        let packs = n / T::PACK as u32;
+        let first = K as u32 * S::size();
+        let mut p = S::rank() + first;
+        while p < packs {
+            // SAFETY: p < packs, a whole pack of the aligned row; slot p - first exists.
+            unsafe { device::cp_async_16(self.base + (p - first) * 16, row.add(p as usize * T::PACK) as *const u32) };
+            p += S::size();
+        }
+        device::cp_async_wait_all();
+    }
+
+    /// Calls `f(start, values)` for each of this rank's packs past the held ones, from the
+    /// slots [`Staged::fill`] filled.
+    ///
+    /// # Safety
+    /// This rank filled the slots with this row.
+    #[inline(always)]
+    pub unsafe fn for_each<T: Element, S: Team>(self, n: u32, mut f: impl FnMut(u32, Pack)) {
+        let packs = n / T::PACK as u32;
+        let first = K as u32 * S::size();
+        let mut p = S::rank() + first;
+        while p < packs {
+            // SAFETY: the slot holds pack p, copied there by this rank.
+            let w = unsafe { device::load_shared_16(self.base + (p - first) * 16) };
+            f(p * T::PACK as u32, T::unpack(w));
+            p += S::size();
+        }
+    }
+}
+
 /// Calls `f(start, len, slot)` for each piece of an `n`-element row this rank handles.
 ///
 /// With `PACKED` (every pointer of the row 16-byte aligned), rank r takes the packs

@@ -118,6 +118,11 @@ pub trait Team {
     /// extra instructions and L2 lines cost more than the overlap gains.
     const PREFETCH_NEXT_ROW: bool = false;
 
+    /// Whether the forward holds the first packs of rows too long to hold whole, streaming
+    /// only the rest (docs/PERF.md, v13). Block teams do; the host gives warps only rows
+    /// that fit, and the path would cost the warp kernels registers they do not have.
+    const HOLDS_PART_OF_LONG_ROWS: bool = false;
+
     /// Index of this thread within the team.
     fn rank() -> u32;
     /// Threads in the team.
@@ -199,35 +204,63 @@ impl StatsTeam for Warp {
     }
 }
 
-/// One block per row: `blockDim.x` threads, a multiple of 32, at most 1024.
-pub struct Block;
+/// One block per row: `blockDim.x` threads (a multiple of 32, at most 1024) share the row,
+/// warps exchanging through shared memory. [`Block`] is one team per block; a
+/// [`StackedBlock`] stacks `blockDim.y` such teams (at most 15), as the held backward does so
+/// that its teams add their partials into one partial row. Stacked team `t` synchronizes on
+/// barrier `1 + t` over its own threads, so it never waits for another team; a lone block
+/// team uses the block barrier and needs no registers for the stack.
+pub struct Blocks<const STACKED: bool>;
 
-impl Block {
-    /// Writes each warp's slot, then gives every lane `k < warps` the slot of warp `k`.
-    /// The barriers on both sides let the next reduction reuse the slots.
+/// A whole block per row, launched one-dimensional.
+pub type Block = Blocks<false>;
+
+/// `blockDim.y` teams of `blockDim.x` threads per block, one row each.
+pub type StackedBlock = Blocks<true>;
+
+impl<const STACKED: bool> Blocks<STACKED> {
+    /// This team's index in its block's stack.
+    #[inline(always)]
+    fn stack_index() -> u32 {
+        if STACKED { device::thread_idx_y() } else { 0 }
+    }
+
+    /// Teams in the block.
+    #[inline(always)]
+    fn stack_len() -> u32 {
+        if STACKED { device::block_dim_y() } else { 1 }
+    }
+
+    /// Writes each warp's slot, then gives every lane `k < warps` (the team's warps) the
+    /// slot of the team's warp `k`; a team is whole warps, and its warps' slots follow the
+    /// teams before it. The barriers on both sides let the next reduction reuse the slots.
     #[inline(always)]
     fn exchange(slot: [f32; 3], empty: [f32; 3]) -> [f32; 3] {
-        let warp = device::thread_idx() / 32;
-        let lane = device::thread_idx() % 32;
+        let team_warps = device::block_dim() / 32;
+        let first = Self::stack_index() * team_warps;
+        let (warp, lane) = (first + device::thread_idx() / 32, device::thread_idx() % 32);
         let smem = shared_ptr::<[f32; 4]>(0);
         if lane == 0 {
-            // SAFETY: warp < 32 and the scratch holds 32 slots of 16 bytes.
+            // SAFETY: warp < 32 (at most 1024 threads a block) and the scratch holds 32
+            // slots of 16 bytes.
             unsafe { smem.add(warp as usize).write([slot[0], slot[1], slot[2], 0.0]) };
         }
-        device::sync_block();
-        let out = if lane < device::block_dim() / 32 {
-            // SAFETY: lane < warps <= 32, and that slot was written before the barrier.
-            let v = unsafe { smem.add(lane as usize).read() };
+        Self::sync();
+        let out = if lane < team_warps {
+            // SAFETY: first + lane is one of the team's warps, whose slot was written before
+            // the barrier.
+            let v = unsafe { smem.add((first + lane) as usize).read() };
             [v[0], v[1], v[2]]
         } else {
             empty
         };
-        device::sync_block();
+        Self::sync();
         out
     }
 }
 
-impl Team for Block {
+impl<const STACKED: bool> Team for Blocks<STACKED> {
+    const HOLDS_PART_OF_LONG_ROWS: bool = true;
     #[inline(always)]
     fn rank() -> u32 {
         device::thread_idx()
@@ -238,15 +271,27 @@ impl Team for Block {
     }
     #[inline(always)]
     fn id() -> u32 {
-        device::block_idx()
+        device::block_idx() * Self::stack_len() + Self::stack_index()
     }
     #[inline(always)]
     fn count() -> u32 {
-        device::grid_dim()
+        device::grid_dim() * Self::stack_len()
+    }
+    #[inline(always)]
+    fn index_in_block() -> u32 {
+        Self::stack_index()
+    }
+    #[inline(always)]
+    fn per_block() -> u32 {
+        Self::stack_len()
     }
     #[inline(always)]
     fn sync() {
-        device::sync_block()
+        if STACKED {
+            device::sync_threads(1 + device::thread_idx_y(), device::block_dim())
+        } else {
+            device::sync_block()
+        }
     }
     #[inline(always)]
     fn sum2(a: f32, b: f32) -> (f32, f32) {
@@ -262,7 +307,7 @@ impl Team for Block {
     }
 }
 
-impl StatsTeam for Block {
+impl<const STACKED: bool> StatsTeam for Blocks<STACKED> {
     #[inline(always)]
     fn reduce_stats(s: Stats) -> Stats {
         let w = warp_stats(s);
