@@ -249,7 +249,9 @@ pub unsafe fn load_16(p: *const u32) -> [u32; 4] {
 #[inline(always)]
 pub unsafe fn cp_async_16(dst: u32, src: *const u32) {
     // SAFETY: the caller guarantees both addresses.
-    unsafe { asm!("cp.async.cg.shared.global [{d}], [{s}], 16;", d = in(reg32) dst, s = in(reg64) src, options(nostack)) }
+    unsafe {
+        asm!("cp.async.cg.shared.global [{d}], [{s}], 16;", d = in(reg32) dst, s = in(reg64) src, options(nostack))
+    }
 }
 
 /// Waits for this thread's [`cp_async_16`] copies; their bytes are then visible to it.

@@ -135,7 +135,12 @@ impl<const K: usize> Staged<K> {
         let mut p = S::rank() + first;
         while p < packs {
             // SAFETY: p < packs, a whole pack of the aligned row; slot p - first exists.
-            unsafe { device::cp_async_16(self.base + (p - first) * 16, row.add(p as usize * T::PACK) as *const u32) };
+            unsafe {
+                device::cp_async_16(
+                    self.base + (p - first) * 16,
+                    row.add(p as usize * T::PACK) as *const u32,
+                )
+            };
             p += S::size();
         }
         device::cp_async_wait_all();
