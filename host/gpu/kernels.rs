@@ -21,10 +21,14 @@ const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels
 /// The same kernels for sm_90 (Hopper) and later, plus the cluster kernels.
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels_sm90.ptx"));
 
-/// Blocks per cluster of the `layer_norm_bwd_cluster8_<T>` kernels (the most a launch may
-/// have without opting in to non-portable sizes; `CLUSTER_SIZE` in kernels-gpu's
+/// Blocks per cluster of the general `layer_norm_bwd_cluster8_<T>` kernels (the most a
+/// launch may have without opting in to non-portable sizes; `CLUSTER_SIZE` in kernels-gpu's
 /// backward.rs).
 pub(crate) const CLUSTER_SIZE: u32 = 8;
+
+/// Blocks per cluster of the held `layer_norm_bwd_cluster<C>_held_<T>` kernels, fewest
+/// first (`cluster_kernels!` in kernels-gpu/src/backward.rs).
+pub(crate) const HELD_CLUSTER_SIZES: [u32; 3] = [2, 4, 8];
 
 /// Dynamic shared memory every kernel needs at least: the block reductions' 32 slots of
 /// 16 bytes (`SCRATCH_BYTES` in kernels-gpu/src/team.rs).
@@ -109,11 +113,11 @@ impl Kernel {
         })
     }
 
-    /// Clusters of the kernel's (compile-time) [`CLUSTER_SIZE`], `threads` and `smem` per
+    /// Clusters of the kernel's (compile-time) `size` blocks, `threads` and `smem` per
     /// block, that the device runs at once (>= 1).
-    pub(crate) fn active_clusters(&self, gpu: &Gpu, threads: u32, smem: u32) -> Result<u32> {
+    pub(crate) fn active_clusters(&self, gpu: &Gpu, size: u32, threads: u32, smem: u32) -> Result<u32> {
         let config = LaunchConfig {
-            grid_dim: (CLUSTER_SIZE, 1, 1),
+            grid_dim: (size, 1, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: smem,
         };
@@ -155,8 +159,9 @@ pub(crate) struct TypeKernels {
     /// Owned-mode stage 1 over clusters of [`CLUSTER_SIZE`] blocks; None before sm_90.
     pub(crate) bwd_cluster: Option<Kernel>,
     /// The same over rows that are all whole aligned packs, each block's slice held in
-    /// registers (`stage1_cluster_held` in kernels-gpu/src/backward.rs); None before sm_90.
-    pub(crate) bwd_cluster_held: Option<Kernel>,
+    /// registers (`stage1_cluster_held` in kernels-gpu/src/backward.rs), one kernel per
+    /// [`HELD_CLUSTER_SIZES`]; empty before sm_90.
+    pub(crate) bwd_cluster_held: Vec<(u32, Kernel)>,
 }
 
 /// All kernels of the module, by storage type.
@@ -198,9 +203,12 @@ impl KernelTable {
                     None
                 },
                 bwd_cluster_held: if hopper {
-                    Some(load(&format!("bwd_cluster{CLUSTER_SIZE}_held"), ty)?)
+                    HELD_CLUSTER_SIZES
+                        .iter()
+                        .map(|&c| Ok((c, load(&format!("bwd_cluster{c}_held"), ty)?)))
+                        .collect::<Result<_>>()?
                 } else {
-                    None
+                    Vec::new()
                 },
             })
         };
@@ -466,40 +474,49 @@ pub(crate) fn owned_local_smem(teams: u32, n: u32) -> usize {
     SCRATCH_BYTES as usize + teams as usize * 2 * 4 * words
 }
 
-/// Stage 1, owned mode over clusters of [`CLUSTER_SIZE`] blocks: `launch.blocks / 8`
-/// partial rows, each block of a cluster summing one slice of the row in shared memory.
+/// Stage 1, owned mode over clusters of `size` blocks: `launch.blocks / size` partial
+/// rows, each block of a cluster summing one slice of the row in shared memory: held in
+/// registers (`held`, rows all aligned packs; sizes [`HELD_CLUSTER_SIZES`]) or not (size
+/// [`CLUSTER_SIZE`]).
 pub(crate) fn backward_cluster<T: Element>(
     gpu: &Gpu,
     held: bool,
+    size: u32,
     launch: Launch,
     a: Backward<'_, T>,
     part_dgamma: &mut CudaSlice<f32>,
     part_dbeta: &mut CudaSlice<f32>,
 ) -> Result<()> {
     a.check();
-    require(launch.blocks % CLUSTER_SIZE == 0, "whole clusters");
-    let parts = (launch.blocks / CLUSTER_SIZE) as usize * a.n as usize;
+    require(launch.blocks % size == 0, "whole clusters");
+    let parts = (launch.blocks / size) as usize * a.n as usize;
     require(
         part_dgamma.len() >= parts && part_dbeta.len() >= parts,
         "cluster partials",
     );
     let k = gpu.kernels.of::<T>();
     let (kernel, smem) = if held {
-        let slice = cluster_slice::<T>(a.n);
+        let slice = cluster_slice::<T>(a.n, size);
         let slice_fits = a.packed && fits_held::<T>(Team::Block, launch.threads, slice, BWD_HELD);
         require(slice_fits, "held cluster slices");
-        (&k.bwd_cluster_held, cluster_held_smem::<T>(launch.threads))
+        let kernel = k
+            .bwd_cluster_held
+            .iter()
+            .find(|(c, _)| *c == size)
+            .map(|(_, f)| f);
+        (kernel, cluster_held_smem::<T>(launch.threads))
     } else {
-        (&k.bwd_cluster, cluster_smem::<T>(a.n))
+        require(size == CLUSTER_SIZE, "general cluster size");
+        (k.bwd_cluster.as_ref(), cluster_smem::<T>(a.n))
     };
     require(launch.smem as usize >= smem, "cluster smem");
     let Some(f) = kernel else {
         panic!("layernorm-cuda bug: a cluster launch on a device without cluster kernels");
     };
     // SAFETY: `cluster_kernels!` in kernels-gpu/src/backward.rs takes these arguments for
-    // both kernels, every buffer (shared memory included) holds what the kernel indexes
-    // (checked above, with the held kernel's rows and slices), and the grid is whole
-    // clusters of the size the kernel declares.
+    // every cluster kernel, every buffer (shared memory included) holds what the kernel
+    // indexes (checked above, with the held kernel's rows and slices), and the grid is
+    // whole clusters of the size the kernel declares.
     unsafe {
         a.launch_with_partials(
             gpu,
@@ -518,10 +535,10 @@ pub(crate) fn pack_len<T: Element>() -> u32 {
     (16 / size_of::<T>()) as u32
 }
 
-/// Columns of one block's slice when a cluster shares a row of `n`: whole 16-byte packs
-/// (`slice_width` in kernels-gpu/src/cluster.rs).
-pub(crate) fn cluster_slice<T: Element>(n: u32) -> u32 {
-    n.div_ceil(pack_len::<T>()).div_ceil(CLUSTER_SIZE) * pack_len::<T>()
+/// Columns of one block's slice when a cluster of `size` blocks shares a row of `n`: whole
+/// 16-byte packs (`slice_width` in kernels-gpu/src/cluster.rs).
+pub(crate) fn cluster_slice<T: Element>(n: u32, size: u32) -> u32 {
+    n.div_ceil(pack_len::<T>()).div_ceil(size) * pack_len::<T>()
 }
 
 /// Bytes a cluster block keeps after the block reductions' scratch for the row sums'
@@ -532,7 +549,7 @@ const CLUSTER_EXCHANGE_BYTES: usize = 32;
 /// Shared memory of a cluster block: the scratch and the exchange
 /// (`CLUSTER_SCRATCH_BYTES`), then a padded dgamma and dbeta row of one slice.
 pub(crate) fn cluster_smem<T: Element>(n: u32) -> usize {
-    owned_local_smem(1, cluster_slice::<T>(n)) + CLUSTER_EXCHANGE_BYTES
+    owned_local_smem(1, cluster_slice::<T>(n, CLUSTER_SIZE)) + CLUSTER_EXCHANGE_BYTES
 }
 
 /// Shared memory of a held cluster block of `threads`: the cluster scratch (the block

@@ -140,33 +140,39 @@ pub(crate) fn backward<T: Element>(
     };
     let (parts_dgamma, parts_dbeta, part_rows) = match (mode, cluster, held) {
         (BackwardMode::Deterministic, Some(general), _) => {
-            // Slices held in registers where every row is aligned packs and a slice fits.
-            let slice = kernels::cluster_slice::<T>(n);
-            let held_slices = k.bwd_cluster_held.as_ref().and_then(|kernel| {
+            // Slices held in registers where every row is aligned packs, over the fewest
+            // blocks whose slices fit: fewer blocks wait at each row's cluster barrier.
+            let held_slices = k.bwd_cluster_held.iter().find_map(|(size, kernel)| {
+                let slice = kernels::cluster_slice::<T>(n, *size);
                 let threads = block_threads::<T>(kernel, slice, 4);
                 let smem = kernels::cluster_held_smem::<T>(threads);
                 let fits = kernels::fits_held::<T>(Team::Block, threads, slice, kernels::BWD_HELD);
-                (stage1.packed && fits && smem <= gpu.kernels.max_smem as usize)
-                    .then_some((kernel, threads, smem))
+                (stage1.packed && fits && smem <= gpu.kernels.max_smem as usize).then_some((
+                    kernel,
+                    *size,
+                    threads,
+                    smem as u32,
+                ))
             });
-            let (kernel, threads, smem) = match held_slices {
-                Some((kernel, threads, smem)) => (kernel, threads, smem as u32),
-                None => (
+            let (kernel, size, threads, smem) = held_slices.unwrap_or_else(|| {
+                let slice = kernels::cluster_slice::<T>(n, kernels::CLUSTER_SIZE);
+                (
                     general,
+                    kernels::CLUSTER_SIZE,
                     block_threads::<T>(general, slice, 4),
                     kernels::cluster_smem::<T>(n) as u32,
-                ),
-            };
-            let clusters = kernel.active_clusters(gpu, threads, smem)?.min(rows);
+                )
+            });
+            let clusters = kernel.active_clusters(gpu, size, threads, smem)?.min(rows);
             let launch = Launch {
-                blocks: clusters * kernels::CLUSTER_SIZE,
+                blocks: clusters * size,
                 threads,
                 stacked: 1,
                 smem,
             };
             // Each cluster writes every column of its partial row (each block its slice).
             let (mut pg, mut pb) = alloc_partials(gpu, clusters as usize * n as usize)?;
-            kernels::backward_cluster(gpu, held_slices.is_some(), launch, stage1, &mut pg, &mut pb)?;
+            kernels::backward_cluster(gpu, held_slices.is_some(), size, launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, clusters)
         }
         (BackwardMode::Deterministic, None, Some((kernel, threads, stacked))) => {

@@ -1171,22 +1171,28 @@ backward_kernels!(
     layer_norm_bwd_reduce_bf16
 );
 
-/// Blocks per cluster of the cluster stage 1: the portable maximum. Measured against 2
-/// and 4 (docs/PERF.md, v6): the smaller slices leave room for more blocks, hence more
-/// rows in flight, per multiprocessor, which outweighs the wider barrier.
+/// Blocks per cluster of the general cluster kernels: the portable maximum. Measured
+/// against 2 and 4 (docs/PERF.md, v6): their smaller slices leave room for more blocks,
+/// hence more rows in flight, per multiprocessor, which outweighs the wider barrier.
 #[cfg(layernorm_sm90)]
 const CLUSTER_SIZE: u32 = 8;
 
-/// Exports the cluster stage 1 (sm_90 module only) of one storage type; build.rs gives it
-/// `.reqnctapercluster 8` from its name.
+/// Exports the cluster stage 1 kernels (sm_90 module only) of one storage type: the general
+/// one over 8 blocks, and the held one over 2, 4 and 8 (the host takes the fewest blocks
+/// whose slices fit 4 packs a rank: fewer blocks wait at each row's cluster barrier).
+/// build.rs gives each `.reqnctapercluster C` from its name.
 #[cfg(layernorm_sm90)]
 macro_rules! cluster_kernels {
-    ($t:ty, $name:ident, $held:ident) => {
-        cluster_kernels!(@one $t, $held, stage1_cluster_held,
+    ($t:ty, $name:ident, $held2:ident, $held4:ident, $held8:ident) => {
+        cluster_kernels!(@one $t, $held2, stage1_cluster_held, 2,
+            "Stage 1, owned mode over a cluster of 2 blocks, slices held (rows of aligned packs).");
+        cluster_kernels!(@one $t, $held4, stage1_cluster_held, 4,
+            "Stage 1, owned mode over a cluster of 4 blocks, slices held (rows of aligned packs).");
+        cluster_kernels!(@one $t, $held8, stage1_cluster_held, 8,
             "Stage 1, owned mode over a cluster of 8 blocks, slices held (rows of aligned packs).");
-        cluster_kernels!(@one $t, $name, stage1_cluster, "Stage 1, owned mode over a cluster of 8 blocks.");
+        cluster_kernels!(@one $t, $name, stage1_cluster, CLUSTER_SIZE, "Stage 1, owned mode over a cluster of 8 blocks.");
     };
-    (@one $t:ty, $name:ident, $stage:ident, $doc:literal) => {
+    (@one $t:ty, $name:ident, $stage:ident, $c:expr, $doc:literal) => {
         #[doc = $doc]
         /// Args (x, dy, gamma, mean, rstd, dx, part_dgamma, part_dbeta, rows, n); the
         /// partial buffers hold one row per cluster.
@@ -1209,22 +1215,32 @@ macro_rules! cluster_kernels {
         ) {
             let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
             // SAFETY: the host launches this kernel only as `$stage` requires.
-            unsafe { $stage::<$t, CLUSTER_SIZE>(r, part_dgamma, part_dbeta) }
+            unsafe { $stage::<$t, { $c }>(r, part_dgamma, part_dbeta) }
         }
     };
 }
 
 #[cfg(layernorm_sm90)]
-cluster_kernels!(f32, layer_norm_bwd_cluster8_f32, layer_norm_bwd_cluster8_held_f32);
+cluster_kernels!(
+    f32,
+    layer_norm_bwd_cluster8_f32,
+    layer_norm_bwd_cluster2_held_f32,
+    layer_norm_bwd_cluster4_held_f32,
+    layer_norm_bwd_cluster8_held_f32
+);
 #[cfg(layernorm_sm90)]
 cluster_kernels!(
     crate::element::F16,
     layer_norm_bwd_cluster8_f16,
+    layer_norm_bwd_cluster2_held_f16,
+    layer_norm_bwd_cluster4_held_f16,
     layer_norm_bwd_cluster8_held_f16
 );
 #[cfg(layernorm_sm90)]
 cluster_kernels!(
     crate::element::Bf16,
     layer_norm_bwd_cluster8_bf16,
+    layer_norm_bwd_cluster2_held_bf16,
+    layer_norm_bwd_cluster4_held_bf16,
     layer_norm_bwd_cluster8_held_bf16
 );
