@@ -41,6 +41,11 @@
 //!       first thing each row waited on, a DRAM round trip of their own).
 //!   v12 clusters hold their slices too (`stage1_cluster_held`: the held stage 1 over a
 //!       slice of each row, with the cluster's row sums).
+//!   v13 the held stage 1's block teams stack along y and share one partial row per block
+//!       (a quarter of the partial rows at f16 N = 4096, whose writes nothing overlapped);
+//!       cluster row sums alternate between two slots: one cluster barrier per row.
+//!   v14 held clusters of 2, 4 or 8 blocks, the fewest whose slices fit: fewer blocks wait
+//!       at each row's barrier.
 
 use core::sync::atomic::{AtomicU32, Ordering, fence};
 
