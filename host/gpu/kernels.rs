@@ -47,7 +47,7 @@ pub(crate) struct Launch {
     pub(crate) blocks: u32,
     /// Threads along the block's x dimension: a block team's ranks, or a block of warps.
     pub(crate) threads: u32,
-    /// Block teams stacked along y (`team::Block` in kernels-gpu/src/team.rs): more than
+    /// Block teams stacked along y (`StackedBlock` in kernels-gpu/src/team.rs): more than
     /// one only for the held backward, whose teams then share a partial row.
     pub(crate) stacked: u32,
     pub(crate) smem: u32,

@@ -35,7 +35,7 @@ fn block_threads<T: Element>(kernel: &Kernel, n: u32, packs_per_thread: u32) -> 
         .clamp(64, kernel.max_threads)
 }
 
-/// Block teams a block may stack (`team::Block` in kernels-gpu/src/team.rs): team t
+/// Block teams a block may stack (`StackedBlock` in kernels-gpu/src/team.rs): team t
 /// synchronizes on barrier 1 + t of the 16 a block has.
 const MAX_STACKED: u32 = 15;
 
@@ -248,22 +248,24 @@ fn held<'k, T: Element>(
     a: &kernels::Backward<'_, T>,
 ) -> Option<(&'k Kernel, u32, u32)> {
     let k = gpu.kernels.of::<T>();
-    let max_smem = gpu.kernels.max_smem as usize;
-    let (kernel, threads, most) = match team {
-        Team::Warp => (&k.bwd_held_warp, k.bwd_held_warp.max_threads, 1),
+    // A team's ranks, and the most teams the kernel's thread limit allows a block.
+    let (kernel, ranks, most) = match team {
+        Team::Warp => (&k.bwd_held_warp, 32, k.bwd_held_warp.max_threads / 32),
         Team::Block => {
-            let threads = block_threads::<T>(&k.bwd_held_block, a.n, 4);
-            (
-                &k.bwd_held_block,
-                threads,
-                (k.bwd_held_block.max_threads / threads).min(MAX_STACKED),
-            )
+            let ranks = block_threads::<T>(&k.bwd_held_block, a.n, 4);
+            let most = (k.bwd_held_block.max_threads / ranks).min(MAX_STACKED);
+            (&k.bwd_held_block, ranks, most)
         }
     };
-    let stacked = (1..=most)
+    // The most of those whose partials fit shared memory (each rank holds its own).
+    let teams = (1..=most)
         .rev()
-        .find(|&s| kernels::held_smem::<T>(threads * s) <= max_smem)?;
-    let fits = kernels::fits_held::<T>(team, threads, a.n, kernels::BWD_HELD);
+        .find(|&t| kernels::held_smem::<T>(ranks * t) <= gpu.kernels.max_smem as usize)?;
+    let fits = kernels::fits_held::<T>(team, ranks, a.n, kernels::BWD_HELD);
+    let (threads, stacked) = match team {
+        Team::Warp => (32 * teams, 1),
+        Team::Block => (ranks, teams),
+    };
     (a.packed && fits).then_some((kernel, threads, stacked))
 }
 
