@@ -558,7 +558,8 @@ pub(crate) fn cluster_held_smem<T: Element>(threads: u32) -> usize {
     held_smem::<T>(threads) + CLUSTER_EXCHANGE_BYTES
 }
 
-/// Stage 1, locked mode: `groups` partial rows and `2 * groups` zeroed lock/count words.
+/// Stage 1, locked mode: `2 * groups` partial rows (each group's sums, then their Kahan
+/// compensations) and `2 * groups` zeroed lock/count words.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward_locked<T: Element>(
     gpu: &Gpu,
@@ -571,7 +572,7 @@ pub(crate) fn backward_locked<T: Element>(
     groups: u32,
 ) -> Result<()> {
     a.check();
-    let parts = groups as usize * a.n as usize;
+    let parts = 2 * groups as usize * a.n as usize;
     require(
         groups >= 1 && group_dgamma.len() >= parts && group_dbeta.len() >= parts,
         "groups",

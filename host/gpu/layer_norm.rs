@@ -215,9 +215,10 @@ pub(crate) fn backward<T: Element>(
             // Groups beyond `rows` would get no row (row i goes to group i mod G = i), so
             // clamping changes nothing but leaves no group unwritten.
             let groups = groups.unwrap_or_else(|| default_groups(n as usize)).min(rows);
-            // Every group row is written by its first holder (count word 0) before it is
-            // added to, and all `groups` groups get a row since groups <= rows.
-            let (mut pg, mut pb) = alloc_partials(gpu, groups as usize * n as usize)?;
+            // Every group row (and its compensation row) is written by its first holder
+            // (count word 0) before it is added to, and all `groups` groups get a row since
+            // groups <= rows.
+            let (mut pg, mut pb) = alloc_partials(gpu, 2 * groups as usize * n as usize)?;
             let words_len = 2 * groups as usize;
             let mut words = gpu
                 .stream
@@ -229,7 +230,8 @@ pub(crate) fn backward<T: Element>(
             };
             let launch = resident(gpu, kernel, rows, team, threads, 1, SCRATCH_BYTES)?;
             kernels::backward_locked(gpu, team, launch, stage1, &mut pg, &mut pb, &mut words, groups)?;
-            (pg, pb, groups)
+            // Stage 2 sums the compensation rows with the sums.
+            (pg, pb, 2 * groups)
         }
     };
     kernels::backward_reduce(gpu, &parts_dgamma, &parts_dbeta, part_rows, n, dgamma, dbeta)

@@ -3,7 +3,7 @@
 //! Per row i, with xhat_j = (x_j - mean_i) * rstd_i and wdy_j = gamma_j * dy_j:
 //!   c1   = sum_j xhat_j * wdy_j / n
 //!   c2   = sum_j wdy_j / n
-//!   dx_j = rstd_i * (wdy_j - (xhat_j * c1 + c2))   (computed as two fma, see `dx_of`)
+//!   dx_j = rstd_i * ((wdy_j - c2) - xhat_j * c1)   (computed in halves, see `Centering`)
 //! and over all rows:
 //!   dgamma_j = sum_i dy_ij * xhat_ij        dbeta_j = sum_i dy_ij
 //!
@@ -17,7 +17,9 @@
 //! - locked (the Triton tutorial's scheme): row i adds into group i mod G under that group's
 //!   spinlock (an atomic compare-and-swap on a lock word); a count word says whether the
 //!   group was written yet (first writer stores, later ones add), so the G rows need no
-//!   clearing, only the 2*G lock and count words.
+//!   clearing, only the 2*G lock and count words. Each group row keeps a compensation row
+//!   beside it (Kahan summation), so that a group that takes many rows in turn does not
+//!   lose a rounding per row; stage 2 sums the 2G rows.
 //!
 //! Versions (docs/PERF.md has the measurements):
 //!   v1  three passes over the row: sums, dx (+ partials when owned), and in locked mode a
@@ -80,17 +82,60 @@ fn add_row_sums(s1: f32, s2: f32, xhat: f32, wdy: f32) -> (f32, f32) {
     (fma(xhat, wdy, s1), s2 + wdy)
 }
 
-/// (a, b) such that dx_j = rstd * wdy_j + (xhat_j * a + b), from the row's sums:
-///   c1 = s1 / n,   c2 = s2 / n,   a = -rstd * c1,   b = -rstd * c2.
-#[inline(always)]
-fn dx_coefficients(s1: f32, s2: f32, rstd: f32, n: u32) -> (f32, f32) {
-    (-rstd * (s1 / n as f32), -rstd * (s2 / n as f32))
+/// A row's xhat and dx, from its mean and rstd, computed in halves:
+///   xhat_j = (x_j - mean) * rstd            as  fma(x_j, 1/2, -mean/2) * (2 rstd)
+///   dx_j   = rstd * ((wdy_j - c2) - xhat_j * c1)
+///                                           as  (2 rstd) * fma(-xhat_j, c1/2, fma(wdy_j, 1/2, -c2/2))
+/// Halving is exact, so wherever x_j - mean and wdy_j - c2 are normal f32 numbers these are
+/// the bits of the plain forms; but x_j - mean itself overflows where x_j and mean have
+/// opposite signs near f32's limit (rows the forward normalized with scaled statistics),
+/// and its half cannot. wdy_j - c2 comes first, exactly where the two are close, so dx is
+/// exactly 0 wherever it should be (n = 1: xhat = 0 and c2 = wdy); the earlier two-fma form
+/// rstd * wdy_j + (xhat_j * (-rstd c1) - rstd c2) left the rounding of rstd * c2 behind
+/// (1e-5 at rstd = 316). Four values a row, as that form had.
+#[derive(Clone, Copy)]
+struct Centering {
+    neg_half_mean: f32,
+    twice_rstd: f32,
 }
 
-/// dx_j = rstd * (wdy_j - (xhat_j * c1 + c2)), as two fma: rstd * wdy_j + (xhat_j * a + b).
-#[inline(always)]
-fn dx_of(wdy: f32, xhat: f32, rstd: f32, a: f32, b: f32) -> f32 {
-    fma(wdy, rstd, fma(xhat, a, b))
+impl Centering {
+    #[inline(always)]
+    fn new(mean: f32, rstd: f32) -> Self {
+        Centering {
+            neg_half_mean: -0.5 * mean,
+            twice_rstd: 2.0 * rstd,
+        }
+    }
+
+    #[inline(always)]
+    fn xhat(self, x: f32) -> f32 {
+        fma(x, 0.5, self.neg_half_mean) * self.twice_rstd
+    }
+
+    /// dx_j from the row's [`DxCoefficients`].
+    #[inline(always)]
+    fn dx(self, wdy: f32, xhat: f32, c: DxCoefficients) -> f32 {
+        self.twice_rstd * fma(-xhat, c.half_c1, fma(wdy, 0.5, c.neg_half_c2))
+    }
+}
+
+/// c1 / 2 and -c2 / 2 of a row (c1 = s1 / n, c2 = s2 / n), as [`Centering::dx`] takes them.
+#[derive(Clone, Copy)]
+struct DxCoefficients {
+    half_c1: f32,
+    neg_half_c2: f32,
+}
+
+impl DxCoefficients {
+    /// From the row's sums s1 = sum_j xhat_j * wdy_j and s2 = sum_j wdy_j.
+    #[inline(always)]
+    fn new(s1: f32, s2: f32, n: u32) -> Self {
+        DxCoefficients {
+            half_c1: 0.5 * (s1 / n as f32),
+            neg_half_c2: -0.5 * (s2 / n as f32),
+        }
+    }
 }
 
 /// One row of partial sums: a group row in global memory (locked mode), a block's row in
@@ -103,6 +148,9 @@ struct PartialRow {
     accumulate: bool,
     /// In shared memory (padded, see [`padded`]) rather than global memory.
     shared: bool,
+    /// Elements from each sum to its compensation (Kahan's running error, see
+    /// [`PartialRow::add`]), or 0 for plain sums.
+    compensation: usize,
 }
 
 /// Where column j lives in a shared-memory partial row: one padding word after every 32.
@@ -124,12 +172,20 @@ fn padded_len(n: u32) -> usize {
 impl PartialRow {
     /// Row `r` of `[_, n]` buffers in global memory, read through L2 (`ld.global.cg`): a
     /// locked group row was last written by another multiprocessor, whose writes are not
-    /// in this one's L1.
+    /// in this one's L1. With `compensation` != 0, each sum keeps its running error that many
+    /// elements further on.
     ///
     /// # Safety
-    /// `r` < the buffers' row count.
+    /// `r` < the buffers' row count, and the compensations lie inside them too.
     #[inline(always)]
-    unsafe fn global(dgamma: *mut f32, dbeta: *mut f32, r: u32, n: u32, accumulate: bool) -> Self {
+    unsafe fn global(
+        dgamma: *mut f32,
+        dbeta: *mut f32,
+        r: u32,
+        n: u32,
+        accumulate: bool,
+        compensation: usize,
+    ) -> Self {
         let offset = r as usize * n as usize;
         // SAFETY: the caller guarantees the row is inside both buffers.
         let (dgamma, dbeta) = unsafe { (dgamma.add(offset), dbeta.add(offset)) };
@@ -138,6 +194,7 @@ impl PartialRow {
             dbeta,
             accumulate,
             shared: false,
+            compensation,
         }
     }
 
@@ -159,7 +216,75 @@ impl PartialRow {
             dbeta,
             accumulate: true,
             shared: true,
+            compensation: 0,
         }
+    }
+
+    /// `len` values from `p`: 16-byte loads through L2 where `vector`, else one at a time
+    /// (through L2 for global rows).
+    ///
+    /// # Safety
+    /// `p` holds `len` values; with `vector`, 16-byte aligned and `len` a multiple of 4.
+    #[inline(always)]
+    unsafe fn load(self, p: *const f32, len: usize, vector: bool) -> Pack {
+        let mut out = [0.0; MAX_PACK];
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            if vector {
+                for v in 0..len / 4 {
+                    let w = device::load_16(p.add(4 * v) as *const u32);
+                    for k in 0..4 {
+                        out[4 * v + k] = f32::from_bits(w[k]);
+                    }
+                }
+            } else {
+                for (k, o) in out.iter_mut().enumerate().take(len) {
+                    *o = if self.shared {
+                        p.add(k).read()
+                    } else {
+                        load_f32_l2(p.add(k))
+                    };
+                }
+            }
+        }
+        out
+    }
+
+    /// Stores `len` values at `p`, 16 bytes at a time where `vector`.
+    ///
+    /// # Safety
+    /// As for [`PartialRow::load`], for writing.
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, len: usize, vector: bool, v: &Pack) {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            if vector {
+                for q in 0..len / 4 {
+                    device::store_16(
+                        p.add(4 * q) as *mut u32,
+                        [0, 1, 2, 3].map(|k| v[4 * q + k].to_bits()),
+                    );
+                }
+            } else {
+                for (k, &x) in v.iter().enumerate().take(len) {
+                    p.add(k).write(x);
+                }
+            }
+        }
+    }
+
+    /// The chunk `[start, start + len)`'s addresses in the dgamma and dbeta rows, and whether
+    /// they take 16-byte accesses.
+    #[inline(always)]
+    fn chunk<T: Element>(self, start: u32, len: usize) -> (*mut f32, *mut f32, bool) {
+        let at = if self.shared {
+            padded(start)
+        } else {
+            start as usize
+        };
+        let (g, b) = (self.dgamma.wrapping_add(at), self.dbeta.wrapping_add(at));
+        let vector = !self.shared && len == T::PACK && is_pack_aligned(g) && is_pack_aligned(b);
+        (g, b, vector)
     }
 
     /// Adds the chunk `[start, start + len)`'s dgamma and dbeta terms. Every load of the
@@ -170,57 +295,63 @@ impl PartialRow {
     /// The chunk is inside the row, and no other thread writes it concurrently.
     #[inline(always)]
     unsafe fn add<T: Element>(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
-        let at = if self.shared {
-            padded(start)
+        let (g, b, vector) = self.chunk::<T>(start, len);
+        let zero = [0.0; MAX_PACK];
+        // SAFETY (all below): as above; vectors only where both rows are 16-byte aligned.
+        let (old_g, old_b) = if self.accumulate {
+            unsafe { (self.load(g, len, vector), self.load(b, len, vector)) }
         } else {
-            start as usize
+            (zero, zero)
         };
-        // SAFETY: the caller guarantees bounds and exclusive access.
-        let (g, b) = unsafe { (self.dgamma.add(at), self.dbeta.add(at)) };
-        let (mut old_g, mut old_b) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
-        let vector = !self.shared && len == T::PACK && is_pack_aligned(g) && is_pack_aligned(b);
-        // SAFETY: as above; vectors only where both rows are 16-byte aligned.
+        let sum = |old: &Pack, add: &Pack| core::array::from_fn::<f32, MAX_PACK, _>(|k| old[k] + add[k]);
         unsafe {
-            if self.accumulate {
-                if vector {
-                    // A global row: 16-byte loads through L2, 4 f32 each.
-                    for v in 0..len / 4 {
-                        let (wg, wb) = (
-                            device::load_16(g.add(4 * v) as *const u32),
-                            device::load_16(b.add(4 * v) as *const u32),
-                        );
-                        for k in 0..4 {
-                            (old_g[4 * v + k], old_b[4 * v + k]) =
-                                (f32::from_bits(wg[k]), f32::from_bits(wb[k]));
-                        }
-                    }
-                } else {
-                    for k in 0..len {
-                        (old_g[k], old_b[k]) = if self.shared {
-                            (g.add(k).read(), b.add(k).read())
-                        } else {
-                            (load_f32_l2(g.add(k)), load_f32_l2(b.add(k)))
-                        };
-                    }
-                }
+            Self::store(g, len, vector, &sum(&old_g, dgamma));
+            Self::store(b, len, vector, &sum(&old_b, dbeta));
+        }
+    }
+
+    /// [`PartialRow::add`] for a row with compensations (the locked mode's group rows, where
+    /// one sum may take every row of the batch in turn): each add is Kahan's. With the sum s
+    /// and its running error e (the true sum is s + e),
+    ///   u = v + e,   t = s + u,   e = u - (t - s),   s = t
+    /// so the error of a column sum stays at a few roundings of the sum however many rows it
+    /// takes (plain f32 adds lose about a rounding per row: 8e-6 relative over 100000 rows,
+    /// against 2e-7 for PyTorch). Stage 2 adds the compensation rows like any other.
+    ///
+    /// # Safety
+    /// As for [`PartialRow::add`], the chunk's compensations included.
+    #[inline(always)]
+    unsafe fn add_compensated<T: Element>(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
+        let (g, b, vector) = self.chunk::<T>(start, len);
+        let zero = [0.0; MAX_PACK];
+        // A compensation row is aligned as its sum row is (whole rows apart).
+        let (eg, eb) = (
+            g.wrapping_add(self.compensation),
+            b.wrapping_add(self.compensation),
+        );
+        let kahan = |s: &Pack, e: &Pack, v: &Pack| -> (Pack, Pack) {
+            let (mut sum, mut err) = (zero, zero);
+            // (A chunk is at most a pack; the bound spares the PTX a panic path.)
+            for k in 0..len.min(MAX_PACK) {
+                let u = v[k] + e[k];
+                let t = s[k] + u;
+                (sum[k], err[k]) = (t, u - (t - s[k]));
             }
-            if vector {
-                for v in 0..len / 4 {
-                    let word = |a: &Pack, d: &Pack, k: usize| (a[4 * v + k] + d[4 * v + k]).to_bits();
-                    device::store_16(
-                        g.add(4 * v) as *mut u32,
-                        [0, 1, 2, 3].map(|k| word(&old_g, dgamma, k)),
-                    );
-                    device::store_16(
-                        b.add(4 * v) as *mut u32,
-                        [0, 1, 2, 3].map(|k| word(&old_b, dbeta, k)),
-                    );
-                }
+            (sum, err)
+        };
+        // SAFETY (all below): as above; vectors only where both rows are 16-byte aligned.
+        // dgamma's sums and errors, then dbeta's: all four at once would spill the 80-register
+        // f16 kernels.
+        for (p, e, v) in [(g, eg, dgamma), (b, eb, dbeta)] {
+            let (s, err) = if self.accumulate {
+                unsafe { (self.load(p, len, vector), self.load(e, len, vector)) }
             } else {
-                for k in 0..len {
-                    g.add(k).write(old_g[k] + dgamma[k]);
-                    b.add(k).write(old_b[k] + dbeta[k]);
-                }
+                (zero, zero)
+            };
+            let (s, err) = kahan(&s, &err, v);
+            unsafe {
+                Self::store(p, len, vector, &s);
+                Self::store(e, len, vector, &err);
             }
         }
     }
@@ -278,6 +409,7 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
             prefetch::<T, S>(r.dy.add(at), cols);
         }
     }
+    let centering = Centering::new(mean, rstd);
     // (xhat, gamma * dy, dy) of one chunk.
     let terms = |j: u32, len: usize, slot: Option<usize>| -> (Pack, Pack, Pack) {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
@@ -290,7 +422,7 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
         };
         let (mut xhat, mut wdy) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
         for k in 0..len {
-            xhat[k] = (xv[k] - mean) * rstd;
+            xhat[k] = centering.xhat(xv[k]);
             wdy[k] = g[k] * dyv[k];
         }
         (xhat, wdy, dyv)
@@ -306,39 +438,47 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
         }
     });
     let (s1, s2) = S::sum2(s1, s2);
-    let (a, b) = dx_coefficients(s1, s2, rstd, n);
+    let coefficients = DxCoefficients::new(s1, s2, n);
 
     // Pass 2: dx.
     for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, wdy, _) = terms(j, len, slot);
         let mut out = [0.0; MAX_PACK];
         for k in 0..len {
-            out[k] = dx_of(wdy[k], xhat[k], rstd, a, b);
+            out[k] = centering.dx(wdy[k], xhat[k], coefficients);
         }
         // SAFETY: as above.
         unsafe { write(dx, j, len, &out) };
     });
 
     // Pass 3: the partials (dy * xhat, dy), into the team's own row or, with the lock held,
-    // into the row's group. A pass of its own keeps fewer values live than adding them
-    // during pass 2 (no register spills at 64 per thread), and held rows cost no memory.
-    let (part, lock) = match sink {
-        Sink::Owned(p) => (p, None),
-        // SAFETY: the group index is below G and its lock and count words exist.
-        Sink::Locked(l) => (unsafe { l.acquire::<T, S>(row) }, Some(l)),
-    };
-    for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
+    // into the row's group (compensated sums). A pass of its own keeps fewer values live than
+    // adding them during pass 2 (no register spills at 64 per thread), and held rows cost no
+    // memory. One loop per sink, so that each kernel carries only its own way of adding.
+    let partials = |j: u32, len: usize, slot: Option<usize>| {
         let (xhat, _, dyv) = terms(j, len, slot);
         let mut dgamma = [0.0; MAX_PACK];
         for k in 0..len {
             dgamma[k] = dyv[k] * xhat[k];
         }
-        // SAFETY: as above; the row is this team's alone (owned, or locked by it).
-        unsafe { part.add::<T>(j, len, &dgamma, &dyv) };
-    });
-    if let Some(lock) = lock {
-        // SAFETY: this team holds the lock it releases.
-        unsafe { lock.release::<S>(row) };
+        (dgamma, dyv)
+    };
+    // SAFETY (both arms): as above; the row is this team's alone (owned, or locked by it).
+    match sink {
+        Sink::Owned(part) => for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
+            let (dgamma, dbeta) = partials(j, len, slot);
+            unsafe { part.add::<T>(j, len, &dgamma, &dbeta) };
+        }),
+        Sink::Locked(lock) => {
+            // SAFETY: the group index is below G and its lock and count words exist.
+            let part = unsafe { lock.acquire::<T, S>(row) };
+            for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
+                let (dgamma, dbeta) = partials(j, len, slot);
+                unsafe { part.add_compensated::<T>(j, len, &dgamma, &dbeta) };
+            });
+            // SAFETY: this team holds the lock it releases.
+            unsafe { lock.release::<S>(row) };
+        }
     }
 }
 
@@ -368,6 +508,7 @@ unsafe fn backward_row_any<T: Element, S: Team>(r: &Rows<T>, row: u32, sink: Sin
 
 /// The G group rows of the locked mode with their lock and count words.
 struct GroupLock {
+    /// `[2 * groups, n]`: group g's sums in row g, their compensations in row G + g.
     dgamma: *mut f32,
     dbeta: *mut f32,
     /// `groups` lock words, then `groups` count words; zero before the launch.
@@ -387,7 +528,7 @@ impl GroupLock {
     /// Spins until this team holds row `row`'s group, then returns the group row.
     ///
     /// # Safety
-    /// `words` holds 2 * `groups` words, the group buffers `[groups, n]` f32.
+    /// `words` holds 2 * `groups` words, the group buffers `[2 * groups, n]` f32.
     #[inline(always)]
     unsafe fn acquire<T: Element, S: Team>(&self, row: u32) -> PartialRow {
         let g = self.group(row);
@@ -410,8 +551,10 @@ impl GroupLock {
         let written = S::broadcast(written);
         // The acquire was rank 0's; every rank orders its own reads after it.
         fence(Ordering::Acquire);
-        // SAFETY: g < groups.
-        unsafe { PartialRow::global(self.dgamma, self.dbeta, g, self.n, written != 0) }
+        // Group g's compensations are rows G + g.
+        let compensation = self.groups as usize * self.n as usize;
+        // SAFETY: g < groups, and the buffers hold 2 * groups rows.
+        unsafe { PartialRow::global(self.dgamma, self.dbeta, g, self.n, written != 0, compensation) }
     }
 
     /// Publishes the team's writes to the group row, marks it written and unlocks it.
@@ -511,7 +654,7 @@ unsafe fn stage1_owned<T: Element, S: Team>(
         // SAFETY: block < gridDim, so row b exists; the launch sized shared memory for
         // every team of the block.
         unsafe {
-            let out = PartialRow::global(part_dgamma, part_dbeta, block, r.n, false);
+            let out = PartialRow::global(part_dgamma, part_dbeta, block, r.n, false, 0);
             owned_in_shared::<T, S>(&r, SCRATCH_BYTES, out);
         }
         return;
@@ -519,7 +662,7 @@ unsafe fn stage1_owned<T: Element, S: Team>(
     if block >= r.rows {
         // More blocks than rows: this partial row gets no contribution, so it holds zeros.
         // SAFETY: block < gridDim, so the partial row exists.
-        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, false) };
+        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, false, 0) };
         let mut q = S::rank() as usize;
         while q < r.n as usize {
             // SAFETY: q < n.
@@ -532,7 +675,7 @@ unsafe fn stage1_owned<T: Element, S: Team>(
     while row < r.rows {
         // SAFETY: block < gridDim; the first row overwrites, later rows add. Only block
         // teams come here (one team per block), so the row is this team's alone.
-        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, row != block) };
+        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, row != block, 0) };
         // SAFETY: row < rows.
         unsafe { backward_row_any::<T, S>(&r, row, Sink::Owned(part)) };
         S::sync();
@@ -706,26 +849,28 @@ unsafe fn backward_row_held<T: Element, S: Team>(
         (c, xs.pack::<T>(c), dys.pack::<T>(c), g)
     };
 
+    let centering = Centering::new(mean, rstd);
+
     // Pass 1.
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
     for_each_chunk::<T, S, true, BWD_HELD>(r.cols, |j, _, slot| {
         let (_, xv, dyv, g) = held(j, slot);
         for k in 0..T::PACK {
-            (s1, s2) = add_row_sums(s1, s2, (xv[k] - mean) * rstd, g[k] * dyv[k]);
+            (s1, s2) = add_row_sums(s1, s2, centering.xhat(xv[k]), g[k] * dyv[k]);
         }
     });
     // SAFETY: as this function requires of every row.
     let upcoming = unsafe { load_held_row::<T, S>(r, next) };
     let (s1, s2) = S::sum2(s1, s2);
-    let (a, b) = dx_coefficients(s1, s2, rstd, r.n);
+    let coefficients = DxCoefficients::new(s1, s2, r.n);
 
     // Pass 2.
     for_each_chunk::<T, S, true, BWD_HELD>(r.cols, |j, _, slot| {
         let (c, xv, dyv, g) = held(j, slot);
         let (mut xhat, mut out) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
         for k in 0..T::PACK {
-            xhat[k] = (xv[k] - mean) * rstd;
-            out[k] = dx_of(g[k] * dyv[k], xhat[k], rstd, a, b);
+            xhat[k] = centering.xhat(xv[k]);
+            out[k] = centering.dx(g[k] * dyv[k], xhat[k], coefficients);
         }
         // SAFETY: as above; the rank's partials are its own.
         unsafe {
@@ -768,6 +913,14 @@ unsafe fn stage1_held<T: Element, S: Team>(
         let next = row + S::count();
         held = unsafe { backward_row_held::<T, S>(&r, row, held, next, mine) };
         row = next;
+    }
+    // Each stacked team passes its own barrier before the block's. The block barrier alone
+    // orders every rank's partials before the reads below, but compute-sanitizer's racecheck
+    // loses that ordering for a team whose last barrier was its named one while another
+    // team (one with no rows left, say) already waited at the block barrier, and reports
+    // the reads below as races; a barrier per block, not per row, keeps its verdict clean.
+    if S::per_block() > 1 {
+        S::sync();
     }
     device::sync_block();
     // Chunk q of rank k (in every team): the teams' sums in team order, into the columns of
@@ -840,6 +993,7 @@ unsafe fn stage1_cluster<T: Element, const C: u32>(r: Rows<T>, part_dgamma: *mut
             Cluster::<C>::id(),
             r.n,
             false,
+            0,
         );
         owned_in_shared::<T, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out);
     }
@@ -1118,7 +1272,8 @@ macro_rules! backward_kernels {
     };
     (@locked $t:ty, $name:ident, $team:ty) => {
         /// Stage 1, locked mode: args (x, dy, gamma, mean, rstd, dx, group_dgamma,
-        /// group_dbeta, words, groups, rows, n); `words` is 2 * groups zeroed u32.
+        /// group_dbeta, words, groups, rows, n); the group buffers are `[2 * groups, n]`
+        /// (sums, then their compensations); `words` is 2 * groups zeroed u32.
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes.

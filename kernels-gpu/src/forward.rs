@@ -7,6 +7,11 @@
 //!   y_j  = (x_j - mean) * rstd * gamma_j + beta_j
 //! `mean` and `rstd` are written per row for the backward.
 //!
+//! A row whose sums overflow f32 (|x_j - mean| past about 1.8e19: M2 = inf, or a mean past
+//! f32's range) takes its statistics again on x_j * 2^-81, with var and rstd in f64 (see
+//! [`RowNorm`]); y is computed in halves so that x_j - mean cannot overflow. Where M2 is
+//! finite, the results are the plain formulas' to the bit.
+//!
 //! Versions (docs/PERF.md has the measurements):
 //!   v1  one pass for the statistics (per-pack exact stats, Chan merges across packs, lanes
 //!       and warps), a second pass that re-reads x (from L2 for rows that fit there) to
@@ -28,15 +33,88 @@
 //!       second read missed L2 half the time.
 
 use crate::device::{fma, sqrt_rn};
-use crate::element::{Element, Pack, is_pack_aligned, read_cached, write};
+use crate::element::{Element, Pack, is_pack_aligned, read, read_cached, write};
 use crate::row::{FWD_HELD, Held, Staged, fits, for_each_chunk, values};
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Warp};
+use core::f64::math::sqrt as sqrt_f64;
 
 /// Packs per rank a block team holds in registers of a row too long to hold whole; the
 /// rest is [`Staged`] in shared memory. f32 N = 65536 on 1024 threads: 64 KB in registers,
 /// 192 KB in shared memory (a block gets at most 227 KB). With 8, as `FWD_HELD`, the f32
 /// kernel spills at its 64 registers.
 const PART_HELD: usize = 4;
+
+/// The factor on x of rows whose f32 sums overflow: n <= 2^31 values up to 2^128 sum to at
+/// most 2^159, and their squared deviations (each at most 2^258) to 2^289; times 2^-81 and
+/// 2^-162 both stay below f32's 2^128, while the values that decide such a row's variance
+/// stay far above f32's smallest normal.
+const HUGE_ROW_SCALE: f32 = 1.0 / (1u128 << 81) as f32;
+
+/// How a row is normalized, from its mean and rstd:
+///   xhat_j = fma(x_j, 1/2, -mean/2) * (2 rstd)
+/// Halving is exact, so for every x_j - mean in f32's normal range this is (x_j - mean) *
+/// rstd to the bit; but x_j - mean itself overflows where x_j and mean have opposite signs
+/// near f32's limit, and its half cannot. (The backward's `Centering` computes the same.)
+/// Only the two halved values are kept: the mean and rstd written out are recovered from
+/// them, so that no more than the plain form's two values stay live across y's pass (the
+/// 64-register kernels have no room for more).
+#[derive(Clone, Copy)]
+struct RowNorm {
+    neg_half_mean: f32,
+    twice_rstd: f32,
+}
+
+impl RowNorm {
+    /// From the row's mean and M2 (the sum of squared deviations), or None where M2 is not
+    /// finite: the sums overflowed, or the row holds a NaN or an infinity (whose rows the
+    /// scaled statistics leave NaN, as they should be).
+    #[inline(always)]
+    fn of(mean: f32, m2: f32, n: u32, eps: f32) -> Option<RowNorm> {
+        if !m2.is_finite() {
+            return None;
+        }
+        let rstd = 1.0 / sqrt_rn(m2 / n as f32 + eps);
+        Some(RowNorm {
+            neg_half_mean: -0.5 * mean,
+            twice_rstd: 2.0 * rstd,
+        })
+    }
+
+    /// From the mean and M2 of x_j * [`HUGE_ROW_SCALE`]. var = M2 / n / scale^2 can pass
+    /// f32's range, so var + eps and its root are taken in f64; rstd may then be subnormal
+    /// in f32, as in any f32 result of such a row. The mean of a row lies within its
+    /// values; the clamp undoes a rounding past f32's largest.
+    #[inline(always)]
+    fn of_scaled(mean_s: f32, m2_s: f32, n: u32, eps: f32) -> RowNorm {
+        let scale = HUGE_ROW_SCALE as f64;
+        let var = m2_s as f64 / n as f64 / (scale * scale);
+        let rstd = 1.0 / sqrt_f64(var + eps as f64);
+        RowNorm {
+            neg_half_mean: -0.5 * (mean_s / HUGE_ROW_SCALE).clamp(f32::MIN, f32::MAX),
+            twice_rstd: (2.0 * rstd) as f32,
+        }
+    }
+
+    #[inline(always)]
+    fn xhat(self, x: f32) -> f32 {
+        fma(x, 0.5, self.neg_half_mean) * self.twice_rstd
+    }
+
+    /// Writes the row's mean and rstd (rank 0 of the team), for the backward.
+    ///
+    /// # Safety
+    /// `mean` and `rstd` point at the row's entries.
+    #[inline(always)]
+    unsafe fn publish<S: StatsTeam>(self, mean: *mut f32, rstd: *mut f32) {
+        if S::rank() == 0 {
+            // SAFETY: the caller's guarantee.
+            unsafe {
+                mean.write(-2.0 * self.neg_half_mean);
+                rstd.write(0.5 * self.twice_rstd);
+            }
+        }
+    }
+}
 
 /// Normalizes rows `S::id(), S::id() + S::count(), ...`, one team per row.
 ///
@@ -65,7 +143,7 @@ unsafe fn forward_rows<T: Element, S: StatsTeam>(
             && is_pack_aligned(gamma)
             && is_pack_aligned(beta);
         // SAFETY: as above; `packed` was checked for every pointer the packed path reads.
-        let (m, r) = unsafe {
+        let norm = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
                 forward_row::<T, S, true, FWD_HELD>(x_row, gamma, beta, y_row, n, eps)
             } else if packed && S::HOLDS_PART_OF_LONG_ROWS && staged.holds::<T, S>(n) {
@@ -76,22 +154,22 @@ unsafe fn forward_rows<T: Element, S: StatsTeam>(
                 forward_row::<T, S, false, 0>(x_row, gamma, beta, y_row, n, eps)
             }
         };
-        if S::rank() == 0 {
-            // SAFETY: row < rows.
-            unsafe {
-                mean.add(row as usize).write(m);
-                rstd.add(row as usize).write(r);
-            }
+        // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
+        unsafe {
+            let norm = norm.unwrap_or_else(|| forward_row_huge::<T, S>(x_row, gamma, beta, y_row, n, eps));
+            norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         row += S::count();
     }
 }
 
-/// One row, holding `HELD` packs per rank in registers; returns its (mean, rstd).
+/// One row, holding `HELD` packs per rank in registers: writes y and returns the row's
+/// normalization, or writes nothing where its statistics overflowed (None: the caller
+/// then takes [`forward_row_huge`], once per kernel rather than once per path).
 ///
 /// # Safety
-/// As for [`forward_rows`], for one row; with `PACKED`, all four pointers 16-byte aligned;
-/// with `HELD` > 0, the row [`fits`].
+/// As for [`forward_rows`], for one row (`stats` its entries of mean and rstd); with
+/// `PACKED`, all four pointers 16-byte aligned; with `HELD` > 0, the row [`fits`].
 #[inline(always)]
 unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
     x: *const T,
@@ -100,7 +178,7 @@ unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: 
     y: *mut T,
     n: u32,
     eps: f32,
-) -> (f32, f32) {
+) -> Option<RowNorm> {
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let held = unsafe { Held::<HELD>::load::<T, S>(x, if PACKED { n / T::PACK as u32 } else { 0 }) };
 
@@ -127,15 +205,55 @@ unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: 
         let stats = S::reduce_stats(stats);
         (stats.mean, stats.m2)
     };
-    let rstd = 1.0 / sqrt_rn(m2 / n as f32 + eps);
+    let norm = RowNorm::of(mean, m2, n, eps)?;
     // SAFETY: as for this function.
-    unsafe { write_y::<T, S, PACKED, HELD>(&held, x, gamma, beta, y, n, mean, rstd) };
-    (mean, rstd)
+    unsafe { write_y::<T, S, PACKED, HELD>(&held, x, gamma, beta, y, n, norm) };
+    Some(norm)
+}
+
+/// The forward of a row whose f32 statistics overflowed (M2 not finite: |x_j - mean| past
+/// about 1.8e19, a mean past f32's range, or a NaN or an infinity in the row): the
+/// statistics again, of x_j * [`HUGE_ROW_SCALE`] (see [`RowNorm::of_scaled`]), then y. The
+/// row is read from memory again, element by element: the fast paths' registers are dead
+/// on this branch, so it costs them none.
+///
+/// # Safety
+/// As [`forward_row`] requires, without alignment.
+#[inline(always)]
+unsafe fn forward_row_huge<T: Element, S: StatsTeam>(
+    x: *const T,
+    gamma: *const T,
+    beta: *const T,
+    y: *mut T,
+    n: u32,
+    eps: f32,
+) -> RowNorm {
+    // Two plain passes for the statistics (mean, then M2), as the held rows take them: no
+    // divisions, and fewer live values than Chan's merges.
+    let scaled = |j: u32| {
+        // SAFETY: for_each_chunk yields in-bounds elements.
+        unsafe { read(x, j, 1)[0] * HUGE_ROW_SCALE }
+    };
+    let mut sum = 0.0;
+    for_each_chunk::<T, S, false, 0>(n, |j, _, _| sum += scaled(j));
+    let mean = S::sum2(sum, 0.0).0 / n as f32;
+    let mut m2 = 0.0;
+    for_each_chunk::<T, S, false, 0>(n, |j, _, _| {
+        let d = scaled(j) - mean;
+        m2 = fma(d, d, m2);
+    });
+    let norm = RowNorm::of_scaled(mean, S::sum2(m2, 0.0).0, n, eps);
+    for_each_chunk::<T, S, false, 0>(n, |j, len, _| {
+        // SAFETY: as above; the caller's guarantee for y, gamma and beta.
+        unsafe { write_y_chunk(gamma, beta, y, j, len, read(x, j, len), norm) }
+    });
+    norm
 }
 
 /// One aligned row too long to hold whole: `PART_HELD` packs a rank in registers, the rest
 /// [`Staged`] in shared memory, all of it read from DRAM once with every load in flight
-/// together; then the held rows' arithmetic over both (mean, then M2, then y).
+/// together; then the held rows' arithmetic over both (mean, then M2, then y). Returns
+/// None, having written nothing, as [`forward_row`] does.
 ///
 /// # Safety
 /// As for [`forward_rows`], for one row; all four pointers 16-byte aligned; `staged`
@@ -149,7 +267,7 @@ unsafe fn forward_row_staged<T: Element, S: StatsTeam>(
     n: u32,
     eps: f32,
     staged: Staged<PART_HELD>,
-) -> (f32, f32) {
+) -> Option<RowNorm> {
     // SAFETY: the row is aligned whole packs (its tail elements are read one by one by the
     // passes below) and the staging holds the packs past the held ones. The previous row's
     // staged values were all in registers before its y stores, which precede this fill.
@@ -170,12 +288,12 @@ unsafe fn forward_row_staged<T: Element, S: StatsTeam>(
             }
         })
     };
-    let rstd = 1.0 / sqrt_rn(S::sum2(m2, 0.0).0 / n as f32 + eps);
+    let norm = RowNorm::of(mean, S::sum2(m2, 0.0).0, n, eps)?;
     unsafe {
-        write_y::<T, S, true, PART_HELD>(&held, x, gamma, beta, y, n, mean, rstd);
-        staged.for_each::<T, S>(n, |j, v| write_y_chunk(gamma, beta, y, j, T::PACK, v, mean, rstd));
+        write_y::<T, S, true, PART_HELD>(&held, x, gamma, beta, y, n, norm);
+        staged.for_each::<T, S>(n, |j, v| write_y_chunk(gamma, beta, y, j, T::PACK, v, norm));
     }
-    (mean, rstd)
+    Some(norm)
 }
 
 /// This rank's sum of the row's x.
@@ -219,7 +337,7 @@ unsafe fn rank_m2<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usiz
     m2
 }
 
-/// y = (x - mean) * rstd * gamma + beta over the row, x from registers where held. A
+/// y = xhat * gamma + beta over the row (xhat as `norm` gives it), x from registers where held. A
 /// streamed row is read again: from L2, not DRAM, while the rows in flight fit there.
 ///
 /// # Safety
@@ -233,12 +351,11 @@ unsafe fn write_y<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usiz
     beta: *const T,
     y: *mut T,
     n: u32,
-    mean: f32,
-    rstd: f32,
+    norm: RowNorm,
 ) {
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-        unsafe { write_y_chunk(gamma, beta, y, j, len, values(held, x, j, len, slot), mean, rstd) }
+        unsafe { write_y_chunk(gamma, beta, y, j, len, values(held, x, j, len, slot), norm) }
     });
 }
 
@@ -255,14 +372,13 @@ unsafe fn write_y_chunk<T: Element>(
     j: u32,
     len: usize,
     xv: Pack,
-    mean: f32,
-    rstd: f32,
+    norm: RowNorm,
 ) {
     // SAFETY: the caller's guarantee.
     let (g, b) = unsafe { (read_cached(gamma, j, len), read_cached(beta, j, len)) };
     let mut out = xv;
     for k in 0..len {
-        out[k] = (xv[k] - mean) * rstd * g[k] + b[k];
+        out[k] = norm.xhat(xv[k]) * g[k] + b[k];
     }
     // SAFETY: as above.
     unsafe { write(y, j, len, &out) };
@@ -305,7 +421,7 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(
     while row < rows {
         let next = row + S::count();
         let x_row = row_of(row);
-        // SAFETY (all three): the row is aligned whole packs that fit, held in `held`.
+        // SAFETY (all below): the row is aligned whole packs that fit, held in `held`.
         let sum = unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) };
         let upcoming = load(next);
         let m = S::sum2(sum, 0.0).0 / n as f32;
@@ -314,16 +430,17 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(
             0.0,
         )
         .0;
-        let r = 1.0 / sqrt_rn(m2 / n as f32 + eps);
-        // SAFETY: row < rows: the row lies inside y.
-        let y_row = unsafe { y.add(row as usize * n as usize) };
-        unsafe { write_y::<T, S, true, PIPE_HELD>(&held, x_row, gamma, beta, y_row, n, m, r) };
-        if S::rank() == 0 {
-            // SAFETY: row < rows.
-            unsafe {
-                mean.add(row as usize).write(m);
-                rstd.add(row as usize).write(r);
-            }
+        // SAFETY: row < rows: the row lies inside y, its statistics inside mean and rstd.
+        unsafe {
+            let y_row = y.add(row as usize * n as usize);
+            let norm = match RowNorm::of(m, m2, n, eps) {
+                Some(norm) => {
+                    write_y::<T, S, true, PIPE_HELD>(&held, x_row, gamma, beta, y_row, n, norm);
+                    norm
+                }
+                None => forward_row_huge::<T, S>(x_row, gamma, beta, y_row, n, eps),
+            };
+            norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         held = upcoming;
         row = next;
