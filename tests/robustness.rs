@@ -174,10 +174,10 @@ fn two_streams_on_one_gpu_run_concurrently() {
     });
 }
 
-/// Tensors may move between handles of one GPU, whose streams run concurrently (cudarc
-/// orders them with events, README "Guarantees"). Phase 1: stream A is kept busy, then
-/// writes y1; B reads y1 at once, so B must wait for A. Phase 2: B is kept busy, then writes
-/// z, a tensor of A's, and A copies z to the host at once, so A must wait for B. Every
+/// Tensors may move between handles of one GPU, whose streams run concurrently (each
+/// tensor's memory orders its uses, README "Guarantees"). Phase 1: stream A is kept busy,
+/// then writes y1; B reads y1 at once, so B must wait for A. Phase 2: B is kept busy, then
+/// writes z, a tensor of A's, and A copies z to the host at once, so A must wait for B. Every
 /// tensor is allocated before the busy work (an upload waits for its stream). Without
 /// either wait, B reads y1 before it exists or A copies the NaN poison z starts with.
 #[test]
