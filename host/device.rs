@@ -8,6 +8,7 @@ use ndarray::{ArrayView, Dimension};
 use crate::element::Element;
 use crate::error::{AllocContext, DriverContext, Error, Result};
 use crate::gpu::Gpu;
+use crate::gpu::storage::CudaStorage;
 use crate::tensor::{Data, Tensor, element_count, host_vec};
 
 /// A device handle: the CPU, or a CUDA device with its own stream.
@@ -78,7 +79,9 @@ impl Device {
     }
 
     /// The CUDA stream this handle queues its work on (None on the CPU): for timing with
-    /// events, or ordering other CUDA work around this crate's.
+    /// events, or ordering other CUDA work around this crate's. cudarc's event tracking is
+    /// off in its context (this crate orders its tensors across streams itself): slices you
+    /// allocate there and use on more than one stream need your own events.
     pub fn cuda_stream(&self) -> Option<&Arc<cudarc::driver::CudaStream>> {
         match &self.kind {
             Kind::Cpu => None,
@@ -127,7 +130,7 @@ impl Device {
                 g.stream
                     .memcpy_htod(&host_filled(len, value)?, &mut s)
                     .during("filling a tensor")?;
-                Data::Cuda(s)
+                Data::Cuda(CudaStorage::new(s))
             }
         };
         Ok(Tensor::new(self.clone(), shape.to_vec(), data))
@@ -138,11 +141,11 @@ impl Device {
         let len = element_count::<T>("tensor", shape)?;
         let data = match &self.kind {
             Kind::Cpu => Data::Host(host_filled(len, T::from_f32(0.0))?),
-            Kind::Cuda(g) => Data::Cuda(
+            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(
                 g.stream
                     .alloc_zeros::<T>(len)
                     .allocating(len * size_of::<T>(), ALLOC)?,
-            ),
+            )),
         };
         Ok(Tensor::new(self.clone(), shape.to_vec(), data))
     }
@@ -154,9 +157,9 @@ impl Device {
             Kind::Cpu => Data::Host(host_filled(len, T::default())?),
             // SAFETY: the memory is uninitialized; every caller hands it to an op that
             // writes each element before anything reads it.
-            Kind::Cuda(g) => {
-                Data::Cuda(unsafe { g.stream.alloc::<T>(len) }.allocating(len * size_of::<T>(), ALLOC)?)
-            }
+            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(
+                unsafe { g.stream.alloc::<T>(len) }.allocating(len * size_of::<T>(), ALLOC)?,
+            )),
         };
         Ok(Tensor::new(self.clone(), shape.to_vec(), data))
     }
@@ -169,16 +172,17 @@ impl Device {
                 v.extend_from_slice(host);
                 Data::Host(v)
             }
-            Kind::Cuda(g) => Data::Cuda(
+            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(
                 g.stream
                     .clone_htod(host)
                     .allocating(size_of_val(host), "copying to the device")?,
-            ),
+            )),
         })
     }
 
     /// Whether tensors of `other` can be used by ops on `self`: both the CPU, or the same
-    /// CUDA device (streams may differ; cudarc orders their use with events).
+    /// CUDA device (streams may differ: each tensor's storage orders its uses across
+    /// streams, gpu/storage.rs).
     pub(crate) fn same_as(&self, other: &Device) -> bool {
         match (&self.kind, &other.kind) {
             (Kind::Cpu, Kind::Cpu) => true,

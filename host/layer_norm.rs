@@ -3,9 +3,10 @@
 //! Autograd-style, like `torch.autograd.Function`: `forward` returns y and a [`Context`]
 //! holding what the backward needs; `backward(&ctx, &dy)` returns dx, dgamma and dbeta.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cudarc::driver::{CudaSlice, CudaView};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2};
 
 use crate::cpu;
@@ -160,13 +161,14 @@ impl<T: Element> LayerNorm<T> {
                     host1_mut(rstd_d),
                 ),
                 Kind::Cuda(g) => {
+                    let s = &g.stream;
                     let a = Forward {
-                        x: cuda(x),
-                        gamma: cuda(&self.gamma),
-                        beta: cuda(&self.beta),
-                        y: cuda_mut(y),
-                        mean: cuda_mut(mean_d),
-                        rstd: cuda_mut(rstd_d),
+                        x: cuda(x, s)?,
+                        gamma: cuda(&self.gamma, s)?,
+                        beta: cuda(&self.beta, s)?,
+                        y: cuda_mut(y, s)?,
+                        mean: cuda_mut(mean_d, s)?,
+                        rstd: cuda_mut(rstd_d, s)?,
                         rows: rows as u32,
                         n: n as u32,
                         eps: self.eps,
@@ -240,18 +242,19 @@ impl<T: Element> LayerNorm<T> {
                 host1_mut(dbeta),
             ),
             Kind::Cuda(g) => {
+                let s = &g.stream;
                 let a = Backward {
-                    x: cuda(&ctx.x),
-                    dy: cuda(dy),
-                    gamma: cuda(&self.gamma),
-                    mean: cuda(&ctx.mean),
-                    rstd: cuda(&ctx.rstd),
-                    dx: cuda_mut(dx),
+                    x: cuda(&ctx.x, s)?,
+                    dy: cuda(dy, s)?,
+                    gamma: cuda(&self.gamma, s)?,
+                    mean: cuda(&ctx.mean, s)?,
+                    rstd: cuda(&ctx.rstd, s)?,
+                    dx: cuda_mut(dx, s)?,
                     rows: rows as u32,
                     n: n as u32,
                     packed: packed_rows(n, [&ctx.x, dy, &self.gamma]),
                 };
-                gpu::backward(g, self.mode, a, cuda_mut(dgamma), cuda_mut(dbeta))?;
+                gpu::backward(g, self.mode, a, cuda_mut(dgamma, s)?, cuda_mut(dbeta, s)?)?;
             }
         }
         Ok(())
@@ -289,7 +292,10 @@ fn check_dim(what: &'static str, value: usize) -> Result<()> {
 fn zero<T: Element>(dev: &Device, data: &mut Data<T>) -> Result<()> {
     match (data, &dev.kind) {
         (Data::Host(h), _) => h.fill(T::from_f32(0.0)),
-        (Data::Cuda(s), Kind::Cuda(g)) => g.stream.memset_zeros(s).during("zeroing a tensor")?,
+        (Data::Cuda(s), Kind::Cuda(g)) => g
+            .stream
+            .memset_zeros(s.write(&g.stream)?)
+            .during("zeroing a tensor")?,
         (Data::Cuda(_), Kind::Cpu) => unreachable!("checked: tensors live on the op's device"),
     }
     Ok(())
@@ -298,7 +304,8 @@ fn zero<T: Element>(dev: &Device, data: &mut Data<T>) -> Result<()> {
 // Storage accessors. `Device::check` ran on every tensor before these, so CPU ops only see
 // host storage and CUDA ops only CUDA storage; the other arm cannot be reached. Inputs are
 // read through their range of the storage (they may be views); outputs are whole tensors
-// (`Tensor::data_mut` refuses views).
+// (`Tensor::data_mut` refuses views). CUDA storage is reached through its record, for the
+// stream the launch goes on, so that uses on other streams come first (gpu/storage.rs).
 
 fn host<T: Element>(t: &Tensor<T>) -> &[T] {
     match t.data() {
@@ -338,16 +345,16 @@ fn packed_rows<T: Element>(n: usize, inputs: [&Tensor<T>; 3]) -> bool {
     n * size_of::<T>() % 16 == 0 && inputs.iter().all(|t| t.range().start * size_of::<T>() % 16 == 0)
 }
 
-fn cuda<T: Element>(t: &Tensor<T>) -> CudaView<'_, T> {
+fn cuda<'t, T: Element>(t: &'t Tensor<T>, stream: &Arc<CudaStream>) -> Result<CudaView<'t, T>> {
     match t.data() {
-        Data::Cuda(s) => s.slice(t.range()),
+        Data::Cuda(s) => Ok(s.read(stream)?.slice(t.range())),
         Data::Host(_) => unreachable!("checked: CUDA ops get device tensors"),
     }
 }
 
-fn cuda_mut<T: Element>(d: &mut Data<T>) -> &mut CudaSlice<T> {
+fn cuda_mut<'d, T: Element>(d: &'d mut Data<T>, stream: &Arc<CudaStream>) -> Result<&'d mut CudaSlice<T>> {
     match d {
-        Data::Cuda(s) => s,
+        Data::Cuda(s) => s.write(stream),
         Data::Host(_) => unreachable!("checked: CUDA ops get device tensors"),
     }
 }

@@ -3,12 +3,12 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use cudarc::driver::CudaSlice;
 use ndarray::{Array1, Array2, ArrayD, IxDyn};
 
 use crate::device::{Device, Kind};
 use crate::element::Element;
 use crate::error::{DriverContext, Error, Result};
+use crate::gpu::storage::CudaStorage;
 
 /// A dense row-major tensor: a whole allocation, or a view of a run of consecutive elements
 /// of another tensor ([`Tensor::view`], [`Tensor::slice_rows`]). Cloning and views share the
@@ -25,7 +25,8 @@ pub struct Tensor<T: Element> {
 
 pub(crate) enum Data<T> {
     Host(Vec<T>),
-    Cuda(CudaSlice<T>),
+    /// Device memory, with the record that orders its uses across streams.
+    Cuda(CudaStorage<T>),
 }
 
 impl<T> Data<T> {
@@ -161,6 +162,7 @@ impl<T: Element> Tensor<T> {
             (Data::Host(v), _) => out.extend_from_slice(&v[self.range()]),
             (Data::Cuda(s), Kind::Cuda(g)) => {
                 out.resize(self.len(), T::default());
+                let s = s.read(&g.stream)?;
                 g.stream
                     .memcpy_dtoh(&s.slice(self.range()), &mut out)
                     .during(during)?;

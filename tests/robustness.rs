@@ -174,10 +174,10 @@ fn two_streams_on_one_gpu_run_concurrently() {
     });
 }
 
-/// Tensors may move between handles of one GPU, whose streams run concurrently (cudarc
-/// orders them with events, README "Guarantees"). Phase 1: stream A is kept busy, then
-/// writes y1; B reads y1 at once, so B must wait for A. Phase 2: B is kept busy, then writes
-/// z, a tensor of A's, and A copies z to the host at once, so A must wait for B. Every
+/// Tensors may move between handles of one GPU, whose streams run concurrently (each
+/// tensor's memory orders its uses, README "Guarantees"). Phase 1: stream A is kept busy,
+/// then writes y1; B reads y1 at once, so B must wait for A. Phase 2: B is kept busy, then
+/// writes z, a tensor of A's, and A copies z to the host at once, so A must wait for B. Every
 /// tensor is allocated before the busy work (an upload waits for its stream). Without
 /// either wait, B reads y1 before it exists or A copies the NaN poison z starts with.
 #[test]
@@ -226,6 +226,108 @@ fn tensors_move_between_streams_in_order() {
         let err = rel_err(z.view(), rz.view());
         assert!(err <= 2.0 * tolerance::<f32>(), "{what}: error {err:e}");
     }
+}
+
+/// Queues tens of milliseconds of work on `device`'s stream and returns without waiting
+/// for it: forwards over 256 MB of f32, each about 0.15 to 0.2 ms at an H200's or H100's
+/// bandwidth.
+fn queue_long_work(device: &Device) {
+    let (rows, n) = (8192, 8192);
+    let zeros = |shape: &[usize]| device.zeros::<f32>(shape).unwrap();
+    let ln = LayerNorm::new(zeros(&[n]), zeros(&[n]), 1e-5).unwrap();
+    let (x, mut y) = (zeros(&[rows, n]), zeros(&[rows, n]));
+    for _ in 0..200 {
+        ln.forward_into(&x, &mut y).unwrap();
+    }
+}
+
+/// Three handles on one GPU, each with a stream of its own and an op (the same gamma and
+/// beta on each), a tensor t made on C, and t's forward as one stream computes it.
+struct ThreeStreams {
+    a: Device,
+    c: Device,
+    ln_a: LayerNorm<f32>,
+    ln_b: LayerNorm<f32>,
+    ln_c: LayerNorm<f32>,
+    t: Tensor<f32>,
+    t_forward: Array2<f32>,
+    /// Other values of t's shape.
+    other: Array2<f32>,
+}
+
+fn three_streams() -> Option<ThreeStreams> {
+    let gpu = gpu_or_skip()?;
+    let [a, b, c] = [(); 3].map(|_| gpu.with_new_stream().unwrap());
+    let mut rng = Rng::new(91);
+    let (rows, n) = (2048, 2048);
+    let gamma = random_vec::<f32>(&mut rng, n, 1.0, 0.5);
+    let beta = random_vec::<f32>(&mut rng, n, 0.0, 0.5);
+    let [ln_a, ln_b, ln_c] = [&a, &b, &c].map(|d| op(d, &gamma, &beta));
+    let t = c.upload(mixed_matrix::<f32>(&mut rng, rows, n).view()).unwrap();
+    let t_forward = ln_c.forward(&t).unwrap().0.to_array2().unwrap();
+    let other = mixed_matrix::<f32>(&mut rng, rows, n);
+    Some(ThreeStreams {
+        a,
+        c,
+        ln_a,
+        ln_b,
+        ln_c,
+        t,
+        t_forward,
+        other,
+    })
+}
+
+/// Keeps A busy, then queues a forward of t on A and one on B, and returns their outputs.
+/// Their contexts, which hold t, are gone: t is its storage's only handle again. B runs at
+/// once; A's read of t waits behind the busy work for tens of milliseconds.
+fn read_t_on_a_then_b(s: &ThreeStreams) -> [Tensor<f32>; 2] {
+    queue_long_work(&s.a);
+    let (y_a, ctx_a) = s.ln_a.forward(&s.t).unwrap();
+    let (y_b, ctx_b) = s.ln_b.forward(&s.t).unwrap();
+    drop((ctx_a, ctx_b));
+    [y_a, y_b]
+}
+
+/// A and B normalized t's values from before C changed its memory: their outputs are
+/// exactly what one stream computed from those values (the forward adds in a fixed order).
+fn assert_read_t_as_it_was(what: &str, t_forward: &Array2<f32>, [y_a, y_b]: [Tensor<f32>; 2]) {
+    for (stream, y) in [("A", y_a), ("B", y_b)] {
+        assert!(
+            y.to_array2().unwrap() == *t_forward,
+            "{what}: stream {stream} read t's memory after C changed it"
+        );
+    }
+}
+
+/// A write waits for every stream that read the tensor before it, not just the last. A
+/// busy stream A reads t, B reads t, then C writes t (`forward_into` with t as y) at once.
+/// A record of one read event per tensor, recorded again at each read (cudarc's own
+/// tracking), would make C wait for B's read only: C's write, queued long before A's busy
+/// work ends, would then overwrite t before A reads it, and A would normalize C's values.
+#[test]
+fn writing_a_tensor_waits_for_every_stream_that_read_it() {
+    let Some(mut s) = three_streams() else { return };
+    let x_c = s.c.upload(s.other.view()).unwrap();
+    let ys = read_t_on_a_then_b(&s);
+    s.ln_c.forward_into(&x_c, &mut s.t).unwrap();
+    assert_read_t_as_it_was("write on C", &s.t_forward, ys);
+}
+
+/// Freeing waits for every stream that read the tensor, as a write does. A busy stream A
+/// reads t, B reads t, then t's last handle goes: its memory is freed on C, the stream it
+/// was allocated on, and C allocates the same size at once and fills it with other values.
+/// The stream-ordered pool lets an allocation on C reuse memory freed on C without waiting,
+/// so that allocation most likely gets t's memory. A free that waited for B's read only
+/// (one read event, recorded again at each read) would let that upload overwrite t before
+/// A reads it.
+#[test]
+fn freeing_a_tensor_waits_for_every_stream_that_read_it() {
+    let Some(s) = three_streams() else { return };
+    let ys = read_t_on_a_then_b(&s);
+    drop(s.t);
+    let _reuse = s.c.upload(s.other.view()).unwrap();
+    assert_read_t_as_it_was("free on C", &s.t_forward, ys);
 }
 
 /// What may cross threads: device handles, tensors, ops and contexts are all Send + Sync

@@ -31,6 +31,15 @@ impl Gpu {
             return Err(Error::NoDevice { ordinal, count });
         }
         let ctx = CudaContext::new(ordinal).during("creating the context")?;
+        // cudarc's event tracking orders a write or a free after the last reader only, and
+        // costs event calls at every launch even where one stream does everything;
+        // gpu/storage.rs orders tensors' memory instead.
+        // SAFETY: cudarc's conditions for slices without tracking hold for every slice this
+        // crate makes in this context, all allocated after this line: a tensor's storage
+        // orders its uses and its free across streams (gpu/storage.rs), and the ops' scratch
+        // buffers are allocated, used and freed on one stream. Slices that users make on
+        // `Device::cuda_stream()` are theirs to order, as its documentation says.
+        unsafe { ctx.disable_event_tracking() };
         let name = ctx.name().during("reading the device name")?;
         let (major, minor) = ctx
             .compute_capability()

@@ -1,5 +1,8 @@
 //! LayerNorm on a CUDA device: picks each launch's team and grid, allocates the backward's
-//! scratch, and queues the kernels. Shapes were checked by the op (`crate::layer_norm`).
+//! scratch, and queues the kernels. Shapes were checked by the op (`crate::layer_norm`),
+//! which also ordered the tensors' memory for `gpu.stream` (gpu/storage.rs). The scratch is
+//! allocated, used and freed on `gpu.stream` alone, so stream order is all it needs: it is
+//! plain cudarc slices, with no record.
 
 use cudarc::driver::CudaSlice;
 

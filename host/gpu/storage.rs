@@ -1,0 +1,136 @@
+//! Device memory that several streams may use, and the record that orders their uses.
+//!
+//! cudarc can order the streams that use a `CudaSlice` itself, with a read and a write event
+//! per slice, but it records the read event again at every read: after reads on two streams
+//! a write or a free waits for the later one only, while the earlier may still be running.
+//! Its tracking is therefore off in this crate's contexts (`Gpu::open`), and each storage
+//! keeps its own record instead: the stream that last wrote it, and the other streams that
+//! have read it since. Uses on another stream are ordered lazily, when they come, by a
+//! wait for the other stream's tail (an event recorded on it then: a stream runs its work
+//! in order, so its tail includes every use it queued before):
+//! - a read on S waits for the last writer's tail, unless S is the writer or has waited
+//!   for it already (then it is in the record's readers);
+//! - a write on S, and the free (cudarc queues it on the stream the memory was allocated
+//!   on), wait for the tails of the writer and of every reader, other than S itself.
+//!
+//! The allocation counts as a write on its stream (the memory exists only in that stream's
+//! order), so a program that uses one stream never meets another stream here and records
+//! no events at all.
+
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use cudarc::driver::{CudaSlice, CudaStream, DriverError};
+
+use crate::error::{DriverContext, Result};
+
+/// A device allocation and the record of the streams that have used it.
+pub(crate) struct CudaStorage<T> {
+    /// Reached only through [`CudaStorage::read`] and [`CudaStorage::write`], which order
+    /// the use first.
+    slice: CudaSlice<T>,
+    uses: Mutex<Uses>,
+}
+
+/// The streams that have used a storage since its last write.
+struct Uses {
+    /// The stream of the last write.
+    writer: Arc<CudaStream>,
+    /// Streams other than `writer` that have read since, each after a wait for the write.
+    readers: Vec<Arc<CudaStream>>,
+}
+
+impl<T> CudaStorage<T> {
+    /// The storage of `slice`, which has been used (allocated, perhaps written) on no stream
+    /// but the one it was allocated on.
+    pub(crate) fn new(slice: CudaSlice<T>) -> CudaStorage<T> {
+        let writer = slice.stream().clone();
+        CudaStorage {
+            slice,
+            uses: Mutex::new(Uses {
+                writer,
+                readers: Vec::new(),
+            }),
+        }
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.slice.len()
+    }
+
+    /// The memory, to be read by work queued on `stream` next: `stream` has been made to wait
+    /// for the last write.
+    pub(crate) fn read(&self, stream: &Arc<CudaStream>) -> Result<&CudaSlice<T>> {
+        // No driver call is made under the lock. The writer cannot change meanwhile (a write
+        // needs `&mut self`), and `stream` joins the readers only once its wait is queued, so
+        // a second thread reading on `stream` never skips a wait that is not queued yet.
+        let writer = {
+            let uses = self.lock();
+            (!uses.waited(stream)).then(|| uses.writer.clone())
+        };
+        if let Some(writer) = writer {
+            stream
+                .join(&writer)
+                .during("ordering a read after another stream's write")?;
+            let mut uses = self.lock();
+            if !uses.waited(stream) {
+                uses.readers.push(stream.clone());
+            }
+        }
+        Ok(&self.slice)
+    }
+
+    /// The memory, to be written by work queued on `stream` next: `stream` has been made to
+    /// wait for every other stream's use since the last write, and the write.
+    pub(crate) fn write(&mut self, stream: &Arc<CudaStream>) -> Result<&mut CudaSlice<T>> {
+        let uses = self.uses.get_mut().unwrap_or_else(PoisonError::into_inner);
+        uses.join_all(stream)
+            .during("ordering a write after other streams' uses")?;
+        if !Arc::ptr_eq(&uses.writer, stream) {
+            uses.writer = stream.clone();
+        }
+        uses.readers.clear();
+        Ok(&mut self.slice)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Uses> {
+        // Each change to the record is one push or one assignment, so a panic elsewhere while
+        // the lock was held cannot have left it half made.
+        self.uses.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Uses {
+    /// Whether work queued on `stream` from now on runs after the last write.
+    fn waited(&self, stream: &Arc<CudaStream>) -> bool {
+        Arc::ptr_eq(&self.writer, stream) || self.readers.iter().any(|r| Arc::ptr_eq(r, stream))
+    }
+
+    /// Makes `stream` wait for the work queued so far on every other stream of the record.
+    fn join_all(&self, stream: &Arc<CudaStream>) -> std::result::Result<(), DriverError> {
+        for other in std::iter::once(&self.writer).chain(&self.readers) {
+            if !Arc::ptr_eq(other, stream) {
+                stream.join(other)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<T> Drop for CudaStorage<T> {
+    fn drop(&mut self) {
+        // `slice` is dropped after this, and cudarc queues its free on the stream it was
+        // allocated on: that stream waits for the other streams' uses first.
+        let free_on = self.slice.stream();
+        let uses = self.uses.get_mut().unwrap_or_else(PoisonError::into_inner);
+        if let Err(e) = uses.join_all(free_on) {
+            // A drop cannot return the error. Wait for all of the device's work instead, so
+            // the free is safe all the same, and leave the error in the context for its next
+            // call to report, as cudarc does with errors in its own drops. (The wait goes
+            // first: it begins by taking any stored error, and would fail with ours unwaited.)
+            let ctx = free_on.context();
+            let synchronized = ctx.synchronize();
+            ctx.record_err::<()>(Err(e));
+            ctx.record_err(synchronized);
+        }
+    }
+}
