@@ -24,15 +24,17 @@ pub(crate) fn forward<T: Element>(
         .for_each(|x, mut y, m, r| {
             let mu = x.iter().map(|v| v.to_f32() as f64).sum::<f64>() / n;
             let var = x.iter().map(|v| (v.to_f32() as f64 - mu).powi(2)).sum::<f64>() / n;
-            let (mu, rs) = (mu as f32, (1.0 / (var + eps as f64).sqrt()) as f32);
+            let rs = 1.0 / (var + eps as f64).sqrt();
+            // xhat in f64: x - mean overflows f32 for rows that span its range.
             Zip::from(&mut y)
                 .and(&x)
                 .and(&gamma)
                 .and(&beta)
                 .for_each(|y, &x, &g, &b| {
-                    *y = T::from_f32((x.to_f32() - mu) * rs * g.to_f32() + b.to_f32());
+                    let xhat = ((x.to_f32() as f64 - mu) * rs) as f32;
+                    *y = T::from_f32(xhat * g.to_f32() + b.to_f32());
                 });
-            (*m, *r) = (mu, rs);
+            (*m, *r) = (mu as f32, rs as f32);
         });
 }
 
@@ -61,7 +63,8 @@ pub(crate) fn backward<T: Element>(
         .for_each(|x, dy, mut dx, &mu, &rs| {
             let (mut c1, mut c2) = (0.0f64, 0.0f64);
             for j in 0..n {
-                xhat[j] = (x[j].to_f32() - mu) * rs;
+                // In f64: x - mean overflows f32 for rows that span its range.
+                xhat[j] = ((x[j].to_f32() as f64 - mu as f64) * rs as f64) as f32;
                 wdy[j] = gamma[j].to_f32() * dy[j].to_f32();
                 c1 += (xhat[j] * wdy[j]) as f64;
                 c2 += wdy[j] as f64;

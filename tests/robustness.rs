@@ -6,7 +6,7 @@ mod common;
 use common::{
     Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec, reference, rel_err, to_f64, tolerance,
 };
-use layernorm_cuda::{Device, Element, LayerNorm, Tensor, f16};
+use layernorm_cuda::{BackwardMode, Device, Element, LayerNorm, Tensor, bf16, f16};
 use ndarray::{Array1, Array2, s};
 
 fn devices() -> Vec<Device> {
@@ -339,4 +339,108 @@ fn handles_are_send_and_sync() {
     send_sync::<Tensor<f32>>();
     send_sync::<LayerNorm<f16>>();
     send_sync::<layernorm_cuda::Context<f32>>();
+}
+
+/// A row of one element has xhat = 0 and c2 = gamma * dy, so dx is exactly 0 in both modes
+/// (as in PyTorch), not the rounding error of rstd * c2 (about 1e-5 at rstd = 1/sqrt(eps)).
+#[test]
+fn one_column_rows_have_zero_dx() {
+    fn check<T: Element>(device: &Device) {
+        let mut rng = Rng::new(83);
+        let (rows, n) = (37, 1);
+        let x = random_matrix::<T>(&mut rng, rows, n);
+        let dy = random_matrix::<T>(&mut rng, rows, n);
+        let (gamma, beta) = (
+            random_vec::<T>(&mut rng, n, 1.0, 0.5),
+            random_vec::<T>(&mut rng, n, 0.0, 0.5),
+        );
+        for mode in [BackwardMode::Deterministic, BackwardMode::Locked { groups: None }] {
+            let ln = op(device, &gamma, &beta).with_backward_mode(mode).unwrap();
+            let (_, ctx) = ln.forward(&device.upload(x.view()).unwrap()).unwrap();
+            let grads = ln.backward(&ctx, &device.upload(dy.view()).unwrap()).unwrap();
+            let dx = grads.dx.to_vec().unwrap();
+            assert!(
+                dx.iter().all(|v| v.to_f32() == 0.0),
+                "{} {} {mode:?}: dx of one-column rows {dx:?}",
+                device.name(),
+                T::NAME
+            );
+        }
+    }
+    for device in devices() {
+        check::<f32>(&device);
+        check::<f16>(&device);
+        check::<bf16>(&device);
+    }
+}
+
+/// Rows whose spread or mean is near f32's limit (here up to 3e38, as f32 and bf16 hold):
+/// their squared deviations, and even their sums, overflow f32, which left y = beta on the
+/// GPU. y, mean and rstd now follow the float64 reference there as on the CPU, and the
+/// backward's dgamma and dbeta (sums of dy * xhat, of ordinary size) stay correct.
+#[test]
+fn rows_near_the_f32_limit_normalize_as_in_f64() {
+    fn check<T: Element>(device: &Device, n: usize) {
+        let mut rng = Rng::new(89 + n as u64);
+        let rows = 6;
+        let x = Array2::from_shape_fn((rows, n), |(i, j)| {
+            let u = rng.uniform();
+            let v = match i % 3 {
+                // Both signs at full range: M2 overflows.
+                0 => 3e38 * u,
+                // One sign, close to the limit: the sum overflows too.
+                1 => 2.5e38 + 5e37 * u,
+                // Alternating +-3e38 with small noise.
+                _ => (if j % 2 == 0 { 3e38 } else { -3e38 }) * (1.0 - 0.1 * u.abs()),
+            };
+            T::from_f32(v as f32)
+        });
+        let dy = random_matrix::<T>(&mut rng, rows, n);
+        let (gamma, beta) = (
+            random_vec::<T>(&mut rng, n, 1.0, 0.5),
+            random_vec::<T>(&mut rng, n, 0.0, 0.5),
+        );
+        let ln = op(device, &gamma, &beta);
+        let (y, ctx) = ln.forward(&device.upload(x.view()).unwrap()).unwrap();
+        let grads = ln.backward(&ctx, &device.upload(dy.view()).unwrap()).unwrap();
+        let (xf, gf, bf) = (to_f64(x.view()), to_f64(gamma.view()), to_f64(beta.view()));
+        let (ry, rmean, rrstd) = reference::forward(xf.view(), gf.view(), bf.view(), 1e-5f32 as f64);
+        let (_, rdgamma, rdbeta) =
+            reference::backward(xf.view(), to_f64(dy.view()).view(), gf.view(), 1e-5f32 as f64);
+        let what = format!("{} {} n = {n}", device.name(), T::NAME);
+        let tol = tolerance::<T>();
+        let errs = [
+            ("y", rel_err(y.to_array2().unwrap().view(), ry.view())),
+            (
+                "mean",
+                rel_err(ctx.mean().to_array1().unwrap().view(), rmean.view()),
+            ),
+            (
+                "dgamma",
+                rel_err(grads.dgamma.to_array1().unwrap().view(), rdgamma.view()),
+            ),
+            (
+                "dbeta",
+                rel_err(grads.dbeta.to_array1().unwrap().view(), rdbeta.view()),
+            ),
+        ];
+        for (name, err) in errs {
+            assert!(
+                err < tol,
+                "{what}: {name} relative error {err:e} (tolerance {tol:e})"
+            );
+        }
+        // rstd is about 1e-38 here, where f32 keeps fewer bits (subnormal): 1e-5 relative.
+        let rstd_err = rel_err(ctx.rstd().to_array1().unwrap().view(), rrstd.view());
+        assert!(rstd_err < 1e-5, "{what}: rstd relative error {rstd_err:e}");
+        let dx = grads.dx.to_vec().unwrap();
+        assert!(dx.iter().all(|v| v.to_f32().is_finite()), "{what}: dx not finite");
+    }
+    for device in devices() {
+        // One element at a time (odd n), warp rows, held block rows, streamed block rows.
+        for n in [7, 1024, 4096, 40000] {
+            check::<f32>(&device, n);
+            check::<bf16>(&device, n);
+        }
+    }
 }
