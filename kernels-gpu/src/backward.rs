@@ -324,11 +324,12 @@ impl PartialRow {
     unsafe fn add_compensated<T: Element>(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
         let (g, b, vector) = self.chunk::<T>(start, len);
         let zero = [0.0; MAX_PACK];
-        // A compensation row is aligned as its sum row is (whole rows apart).
         let (eg, eb) = (
             g.wrapping_add(self.compensation),
             b.wrapping_add(self.compensation),
         );
+        // G rows apart: aligned as the sums only where G * n is a multiple of 4.
+        let vector = vector && is_pack_aligned(eg) && is_pack_aligned(eb);
         let kahan = |s: &Pack, e: &Pack, v: &Pack| -> (Pack, Pack) {
             let (mut sum, mut err) = (zero, zero);
             // (A chunk is at most a pack; the bound spares the PTX a panic path.)
@@ -339,7 +340,7 @@ impl PartialRow {
             }
             (sum, err)
         };
-        // SAFETY (all below): as above; vectors only where both rows are 16-byte aligned.
+        // SAFETY (all below): as above; vectors only where all four rows are 16-byte aligned.
         // dgamma's sums and errors, then dbeta's: all four at once would spill the 80-register
         // f16 kernels.
         for (p, e, v) in [(g, eg, dgamma), (b, eb, dbeta)] {
