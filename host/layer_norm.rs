@@ -238,7 +238,7 @@ impl<T: Element> LayerNorm<T> {
                 host2_mut(dx, rows, n),
                 host1_mut(dgamma),
                 host1_mut(dbeta),
-            ),
+            )?,
             Kind::Cuda(g) => {
                 let a = Backward {
                     x: cuda(&ctx.x),
