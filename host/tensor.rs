@@ -170,16 +170,29 @@ impl<T: Element> Tensor<T> {
         Ok(out)
     }
 
-    /// Copies to the host as an n-dimensional array.
+    /// Copies to the host as an n-dimensional array. [`Error::Shape`] where ndarray cannot
+    /// hold the shape: no elements, but other dimensions whose product passes `isize::MAX`.
     pub fn to_array(&self) -> Result<ArrayD<T>> {
         let v = self.to_vec()?;
-        Ok(ArrayD::from_shape_vec(IxDyn(&self.shape), v).expect("a tensor's length matches its shape"))
+        ArrayD::from_shape_vec(IxDyn(&self.shape), v).map_err(|_| self.not_an_array())
     }
 
-    /// Copies a 2-D tensor to the host.
+    /// Copies a 2-D tensor to the host ([`Error::Shape`] as [`Tensor::to_array`]).
     pub fn to_array2(&self) -> Result<Array2<T>> {
         let [r, c] = self.dims2("tensor")?;
-        Ok(Array2::from_shape_vec((r, c), self.to_vec()?).expect("a tensor's length matches its shape"))
+        Array2::from_shape_vec((r, c), self.to_vec()?).map_err(|_| self.not_an_array())
+    }
+
+    /// The one shape ndarray refuses that a tensor can have (the length always matches).
+    fn not_an_array(&self) -> Error {
+        Error::Shape {
+            what: "tensor",
+            got: self.shape.clone(),
+            expected: format!(
+                "dimensions whose product, zeros left out, is at most {}",
+                isize::MAX
+            ),
+        }
     }
 
     /// Copies a 1-D tensor to the host.

@@ -142,6 +142,34 @@ fn empty_inputs_have_defined_results() {
     }
 }
 
+/// A tensor with no elements may have other dimensions whose product passes `isize::MAX`;
+/// ndarray cannot hold that shape, so copying it into an array is `Shape`, not a panic. Its
+/// elements (none) still copy out as a vector.
+#[test]
+fn empty_tensors_that_ndarray_cannot_shape_are_refused_by_to_array() {
+    for device in devices() {
+        for shape in [&[0, usize::MAX][..], &[0, 1 << 40, 1 << 40]] {
+            let t = device.full::<f32>(shape, 0.0).unwrap();
+            assert_eq!(t.to_vec().unwrap(), Vec::<f32>::new());
+            let r = t.to_array();
+            assert!(
+                matches!(&r, Err(Error::Shape { what: "tensor", got, .. }) if got == shape),
+                "{shape:?}: {r:?}"
+            );
+        }
+        let t = device.full::<f32>(&[0, usize::MAX], 0.0).unwrap();
+        let r = t.to_array2();
+        assert!(
+            matches!(&r, Err(Error::Shape { what: "tensor", got, .. }) if got == &[0, usize::MAX]),
+            "{r:?}"
+        );
+        // Shapes ndarray can hold still copy out.
+        let t = device.full::<f32>(&[0, 1 << 40], 0.0).unwrap();
+        assert_eq!(t.to_array2().unwrap().dim(), (0, 1 << 40));
+        assert_eq!(t.to_array().unwrap().shape(), &[0, 1 << 40]);
+    }
+}
+
 /// Without a driver, opening a device is `NoDriver`; with one, a missing ordinal is
 /// `NoDevice`. Never a panic.
 #[test]
