@@ -124,11 +124,13 @@ impl<T: Element> Tensor<T> {
                 rows: count,
             });
         }
-        // Cannot overflow: the rows lie inside this tensor, whose size fits in memory.
-        let row_len: usize = rest.iter().product();
+        // Multiplied from rows.start on: a tensor with no rows may have other dimensions whose
+        // product overflows, and its one range starts at 0. Saturating, so an offset that
+        // cannot exist is refused by `view` instead of wrapping around.
+        let offset = rest.iter().fold(rows.start, |o, &d| o.saturating_mul(d));
         let mut shape = self.shape.clone();
         shape[0] = rows.len();
-        self.view(rows.start * row_len, &shape)
+        self.view(offset, &shape)
     }
 
     pub fn shape(&self) -> &[usize] {

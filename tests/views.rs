@@ -217,6 +217,27 @@ fn views_out_of_range_are_refused() {
     }
 }
 
+/// Rows of a tensor with no rows, whose other dimensions multiply past `usize::MAX`: the
+/// empty range is a view of the same shape, any other range `RowsOutOfRange`, never an
+/// overflow.
+#[test]
+fn rows_of_an_empty_tensor_with_huge_rows() {
+    for device in devices() {
+        let shape = [0, 1 << 40, 1 << 40];
+        let t = device.full::<f32>(&shape, 0.0).unwrap();
+        let rows = t.slice_rows(0..0).unwrap();
+        assert_eq!(rows.shape(), &shape);
+        assert!(rows.is_empty());
+        for (start, end) in [(0, 1), (1, 1), (1, 0)] {
+            let r = t.slice_rows(start..end);
+            assert!(
+                matches!(r, Err(Error::RowsOutOfRange { rows: 0, .. })),
+                "rows {start}..{end}: {r:?}"
+            );
+        }
+    }
+}
+
 /// Outputs must be whole tensors: a view is refused as y or dx (even where it is its storage's
 /// only handle), and nothing is written. A reshaped view of all of a storage is whole.
 #[test]
