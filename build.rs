@@ -13,9 +13,10 @@
 //!
 //! Where none exists (or `LAYERNORM_KERNEL_PTX=checked-in`), the PTX checked in beside the
 //! kernel crate (`kernels-gpu/*.ptx`) is used. Each file's first line records the SHA-256 of
-//! the kernel sources it was built from; if the sources have changed since, the build fails
-//! rather than ship kernels that do not match them. `LAYERNORM_KERNEL_PTX=update` writes
-//! the freshly built PTX back to those files (run it after changing a kernel).
+//! what it was built from (the kernel sources and this file); if that has changed since, the
+//! build fails rather than ship kernels that do not match it. `LAYERNORM_KERNEL_PTX=update`
+//! writes the freshly built PTX back to those files (run it after changing a kernel or this
+//! file).
 
 use std::env;
 use std::fs;
@@ -78,6 +79,7 @@ const LAUNCH_BOUNDS: &[(&str, &str)] = &[
 ];
 
 fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed={KERNEL_DIR}/src");
     println!("cargo:rerun-if-changed={KERNEL_DIR}/Cargo.toml");
     for m in MODULES {
@@ -92,7 +94,7 @@ fn main() {
     }
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let hash = source_hash(&root.join(KERNEL_DIR));
+    let hash = source_hash(&root);
     let mode = env::var("LAYERNORM_KERNEL_PTX").unwrap_or_default();
 
     let toolchain = if mode == "checked-in" {
@@ -280,8 +282,8 @@ fn checked_in_ptx(path: &Path, hash: &str) -> String {
         .unwrap_or("");
     if recorded != hash {
         panic!(
-            "{} was built from other kernel sources (recorded {recorded}, now {hash}), \
-             and no kernel toolchain was found to rebuild it. Install one \
+            "{} was built from other kernel sources (kernels-gpu/ and build.rs; recorded \
+             {recorded}, now {hash}), and no kernel toolchain was found to rebuild it. Install one \
              (Debian: `apt-get install rustc-web cargo-web rust-web-src`; rustup: \
              `rustup toolchain install nightly --component rust-src`), or set \
              LAYERNORM_KERNEL_CARGO and LAYERNORM_KERNEL_RUSTC; then rebuild, and refresh the \
@@ -292,15 +294,21 @@ fn checked_in_ptx(path: &Path, hash: &str) -> String {
     text
 }
 
-/// SHA-256 over every kernel source file (relative path and contents, in path order) and
-/// the kernel crate's manifest.
-fn source_hash(kernel_dir: &Path) -> String {
-    let mut files = vec![kernel_dir.join("Cargo.toml")];
+/// SHA-256 over everything that shapes the PTX (relative path and contents of each file, in
+/// path order): the kernel crate's sources and manifest, and all of this file. This file
+/// holds the module list, target cpus and flags, the launch bounds, the cluster directive
+/// rule and the nested build's command line; hashing the whole of it, rather than a
+/// rendering of its tables, leaves out nothing that code here adds to the PTX now or later.
+/// The price: any edit of this file, a comment's included, needs the checked-in PTX's hash
+/// line refreshed (`LAYERNORM_KERNEL_PTX=update`).
+fn source_hash(root: &Path) -> String {
+    let kernel_dir = root.join(KERNEL_DIR);
+    let mut files = vec![root.join("build.rs"), kernel_dir.join("Cargo.toml")];
     collect_rs(&kernel_dir.join("src"), &mut files);
     files.sort();
     let mut h = Sha256::new();
     for f in &files {
-        let rel = f.strip_prefix(kernel_dir).expect("under the kernel dir");
+        let rel = f.strip_prefix(root).expect("under the crate's root");
         h.update(rel.to_string_lossy().as_bytes());
         h.update([0]);
         h.update(fs::read(f).unwrap_or_else(|e| panic!("read {}: {e}", f.display())));
