@@ -16,9 +16,11 @@
 //! what it was built from (the kernel sources and this file); if that has changed since, the
 //! build fails rather than ship kernels that do not match it. `LAYERNORM_KERNEL_PTX=update`
 //! writes the freshly built PTX back to those files (run it after changing a kernel or this
-//! file).
+//! file). Any other value of `LAYERNORM_KERNEL_PTX`, or only one of `LAYERNORM_KERNEL_CARGO`
+//! and `LAYERNORM_KERNEL_RUSTC`, stops the build.
 
 use std::env;
+use std::ffi::OsString;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -27,6 +29,17 @@ use sha2::{Digest, Sha256};
 
 const KERNEL_DIR: &str = "kernels-gpu";
 const HASH_PREFIX: &str = "// layernorm-cuda kernel sources sha256: ";
+
+/// What `LAYERNORM_KERNEL_PTX` asks for.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// Unset: build the PTX where a kernel toolchain is found, else use the checked-in files.
+    Build,
+    /// `checked-in`: use the checked-in files without looking for a toolchain.
+    CheckedIn,
+    /// `update`: build the PTX and write it over the checked-in files.
+    Update,
+}
 
 /// One PTX module: its file name (in `$OUT_DIR` and, checked in, in `kernels-gpu/`), the
 /// GPU it targets, the extra rustc flags of its build, and launch bounds of its own that
@@ -92,15 +105,44 @@ fn main() {
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
+    // Settings first: a misspelt one must stop the build, not be silently ignored.
+    let mode = match setting("LAYERNORM_KERNEL_PTX") {
+        None => Mode::Build,
+        Some(v) if v == "checked-in" => Mode::CheckedIn,
+        Some(v) if v == "update" => Mode::Update,
+        Some(v) => panic!(
+            "LAYERNORM_KERNEL_PTX={:?} is not a mode this build knows. Accepted: unset or empty \
+             (build the PTX where a kernel toolchain is found, else use the checked-in files), \
+             `checked-in` (use the checked-in files), `update` (build the PTX and write it \
+             over the checked-in files).",
+            v.to_string_lossy()
+        ),
+    };
+    let explicit = match (
+        setting("LAYERNORM_KERNEL_CARGO"),
+        setting("LAYERNORM_KERNEL_RUSTC"),
+    ) {
+        (Some(cargo), Some(rustc)) => Some((PathBuf::from(cargo), PathBuf::from(rustc))),
+        (None, None) => None,
+        (cargo, _) => panic!(
+            "only {} is set: LAYERNORM_KERNEL_CARGO and LAYERNORM_KERNEL_RUSTC name a \
+             cargo/rustc pair for the kernel build; set both, or neither to let the build look \
+             for a kernel toolchain",
+            if cargo.is_some() {
+                "LAYERNORM_KERNEL_CARGO"
+            } else {
+                "LAYERNORM_KERNEL_RUSTC"
+            }
+        ),
+    };
+
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let hash = source_hash(&root);
-    let mode = env::var("LAYERNORM_KERNEL_PTX").unwrap_or_default();
 
-    let toolchain = if mode == "checked-in" {
-        None
-    } else {
-        find_toolchain()
+    let toolchain = match mode {
+        Mode::CheckedIn => None,
+        Mode::Build | Mode::Update => find_toolchain(explicit),
     };
     for m in MODULES {
         let checked_in = root.join(KERNEL_DIR).join(m.file);
@@ -108,7 +150,7 @@ fn main() {
             Some(tc) => {
                 let body = build_ptx(tc, m, &root.join(KERNEL_DIR), &out);
                 let ptx = format!("{HASH_PREFIX}{hash}\n{body}");
-                if mode == "update" {
+                if mode == Mode::Update {
                     fs::write(&checked_in, &ptx).expect("write the checked-in PTX");
                     println!(
                         "cargo:warning=updated {} from the kernel sources",
@@ -123,6 +165,11 @@ fn main() {
     }
 }
 
+/// An environment variable's value; unset and empty are the same.
+fn setting(name: &str) -> Option<OsString> {
+    env::var_os(name).filter(|v| !v.is_empty())
+}
+
 /// A cargo/rustc pair that can build `core` for nvptx64, and how to run it.
 struct Toolchain {
     cargo: PathBuf,
@@ -133,14 +180,12 @@ struct Toolchain {
     keep_rustup_env: bool,
 }
 
-fn find_toolchain() -> Option<Toolchain> {
-    if let (Ok(cargo), Ok(rustc)) = (
-        env::var("LAYERNORM_KERNEL_CARGO"),
-        env::var("LAYERNORM_KERNEL_RUSTC"),
-    ) {
+/// The `explicit` pair if given, else the first toolchain found (see the file's header).
+fn find_toolchain(explicit: Option<(PathBuf, PathBuf)>) -> Option<Toolchain> {
+    if let Some((cargo, rustc)) = explicit {
         return Some(Toolchain {
-            cargo: cargo.into(),
-            rustc: Some(rustc.into()),
+            cargo,
+            rustc: Some(rustc),
             channel_arg: None,
             keep_rustup_env: true,
         });
