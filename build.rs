@@ -11,13 +11,14 @@
 //!      /usr/lib/rustlib/src/rust/library);
 //!   3. a rustup `nightly` toolchain with the `rust-src` component.
 //!
-//! Where none exists (or `LAYERNORM_KERNEL_PTX=checked-in`), the PTX checked in beside the
-//! kernel crate (`kernels-gpu/*.ptx`) is used. Each file's first line records the SHA-256 of
-//! what it was built from (the kernel sources and this file); if that has changed since, the
-//! build fails rather than ship kernels that do not match it. `LAYERNORM_KERNEL_PTX=update`
-//! writes the freshly built PTX back to those files (run it after changing a kernel or this
-//! file). Any other value of `LAYERNORM_KERNEL_PTX`, or only one of `LAYERNORM_KERNEL_CARGO`
-//! and `LAYERNORM_KERNEL_RUSTC`, stops the build.
+//! Where none exists, where the one found fails (a `cargo:warning` says how), or with
+//! `LAYERNORM_KERNEL_PTX=checked-in`, the PTX checked in beside the kernel crate
+//! (`kernels-gpu/*.ptx`) is used. Each file's first line records the SHA-256 of what it was
+//! built from (the kernel sources and this file); if that has changed since, the build fails
+//! rather than ship kernels that do not match it. `LAYERNORM_KERNEL_PTX=update` writes the
+//! freshly built PTX back to those files (run it after changing a kernel or this file), and
+//! fails where it cannot build them. Any other value of `LAYERNORM_KERNEL_PTX`, or only one
+//! of `LAYERNORM_KERNEL_CARGO` and `LAYERNORM_KERNEL_RUSTC`, stops the build.
 
 use std::env;
 use std::ffi::OsString;
@@ -29,11 +30,15 @@ use sha2::{Digest, Sha256};
 
 const KERNEL_DIR: &str = "kernels-gpu";
 const HASH_PREFIX: &str = "// layernorm-cuda kernel sources sha256: ";
+const INSTALL: &str = "Install a kernel toolchain (Debian: `apt-get install rustc-web cargo-web \
+     rust-web-src`; rustup: `rustup toolchain install nightly --component rust-src`), or set \
+     LAYERNORM_KERNEL_CARGO and LAYERNORM_KERNEL_RUSTC to a cargo/rustc pair that can build \
+     `core` for nvptx64-nvidia-cuda";
 
 /// What `LAYERNORM_KERNEL_PTX` asks for.
 #[derive(Clone, Copy, PartialEq)]
 enum Mode {
-    /// Unset: build the PTX where a kernel toolchain is found, else use the checked-in files.
+    /// Unset: build the PTX where a kernel toolchain works, else use the checked-in files.
     Build,
     /// `checked-in`: use the checked-in files without looking for a toolchain.
     CheckedIn,
@@ -112,7 +117,7 @@ fn main() {
         Some(v) if v == "update" => Mode::Update,
         Some(v) => panic!(
             "LAYERNORM_KERNEL_PTX={:?} is not a mode this build knows. Accepted: unset or empty \
-             (build the PTX where a kernel toolchain is found, else use the checked-in files), \
+             (build the PTX where a kernel toolchain works, else use the checked-in files), \
              `checked-in` (use the checked-in files), `update` (build the PTX and write it \
              over the checked-in files).",
             v.to_string_lossy()
@@ -138,30 +143,62 @@ fn main() {
 
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    let kernel_dir = root.join(KERNEL_DIR);
     let hash = source_hash(&root);
 
     let toolchain = match mode {
         Mode::CheckedIn => None,
         Mode::Build | Mode::Update => find_toolchain(explicit),
     };
+    if mode == Mode::Update && toolchain.is_none() {
+        panic!(
+            "LAYERNORM_KERNEL_PTX=update rebuilds the checked-in PTX, but no kernel toolchain was found. {INSTALL}."
+        );
+    }
     for m in MODULES {
-        let checked_in = root.join(KERNEL_DIR).join(m.file);
-        let ptx = match &toolchain {
-            Some(tc) => {
-                let body = build_ptx(tc, m, &root.join(KERNEL_DIR), &out);
-                let ptx = format!("{HASH_PREFIX}{hash}\n{body}");
-                if mode == Mode::Update {
-                    fs::write(&checked_in, &ptx).expect("write the checked-in PTX");
-                    println!(
-                        "cargo:warning=updated {} from the kernel sources",
-                        checked_in.display()
-                    );
-                }
-                ptx
+        let checked_in = kernel_dir.join(m.file);
+        let ptx = match toolchain.as_ref().map(|tc| build_ptx(tc, m, &kernel_dir, &out)) {
+            Some(Ok(body)) => format!("{HASH_PREFIX}{hash}\n{body}"),
+            Some(Err(why)) if mode == Mode::Update => {
+                panic!("LAYERNORM_KERNEL_PTX=update: building {} failed: {why}", m.file)
             }
-            None => checked_in_ptx(&checked_in, &hash),
+            // A user's build needs working PTX, not this toolchain: the checked-in file
+            // serves wherever it matches the sources.
+            Some(Err(why)) => {
+                for line in why.lines() {
+                    println!("cargo:warning={line}");
+                }
+                println!(
+                    "cargo:warning=building {} with the kernel toolchain failed; using the checked-in {}",
+                    m.file,
+                    checked_in.display()
+                );
+                checked_in_ptx(
+                    &checked_in,
+                    &hash,
+                    "the kernel toolchain found failed to rebuild it (see the warnings)",
+                )
+            }
+            None if mode == Mode::CheckedIn => checked_in_ptx(
+                &checked_in,
+                &hash,
+                "LAYERNORM_KERNEL_PTX=checked-in forbids rebuilding it (unset it to rebuild)",
+            ),
+            None => checked_in_ptx(&checked_in, &hash, "no kernel toolchain was found to rebuild it"),
         };
         fs::write(out.join(m.file), ptx).expect("write PTX to OUT_DIR");
+    }
+    // Only once every module has built, so that a failure leaves the checked-in files as
+    // they were, not half of them updated.
+    if mode == Mode::Update {
+        for m in MODULES {
+            let checked_in = kernel_dir.join(m.file);
+            fs::copy(out.join(m.file), &checked_in).expect("write the checked-in PTX");
+            println!(
+                "cargo:warning=updated {} from the kernel sources",
+                checked_in.display()
+            );
+        }
     }
 }
 
@@ -215,8 +252,9 @@ fn find_toolchain(explicit: Option<(PathBuf, PathBuf)>) -> Option<Toolchain> {
     None
 }
 
-/// Runs the nested cargo and returns the PTX text.
-fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> String {
+/// Runs the nested cargo and returns the PTX text, or what went wrong (several lines where
+/// the nested build printed errors).
+fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> Result<String, String> {
     // A target dir per module: cargo does not count `cargo rustc`'s extra flags as a change,
     // so with one dir the second module's build would be skipped as fresh and read back
     // the first module's PTX.
@@ -258,32 +296,39 @@ fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> 
             &format!("target-cpu={}", module.target_cpu),
         ])
         .args(module.flags);
-    let status = cmd
-        .status()
-        .unwrap_or_else(|e| panic!("could not run {}: {e}", tc.cargo.display()));
-    if !status.success() {
-        panic!(
-            "building the GPU kernels ({}) failed: {status}; see the errors above",
-            kernel_dir.display()
-        );
+    let cargo = tc.cargo.display();
+    // Captured, not inherited: where a fallback follows, cargo would not show the nested
+    // build's errors, so they go into the warning.
+    let output = cmd.output().map_err(|e| format!("could not run {cargo}: {e}"))?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let errors: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        return Err(format!(
+            "{cargo} building {} for {} failed ({}){}{}",
+            kernel_dir.display(),
+            module.target_cpu,
+            output.status,
+            if errors.is_empty() { "" } else { ":\n" },
+            errors[errors.len().saturating_sub(20)..].join("\n")
+        ));
     }
     // rustc names the asm output `<crate>-<hash>.s`; the newest one is this build's.
     let deps = target_dir.join("nvptx64-nvidia-cuda/release/deps");
     let newest = fs::read_dir(&deps)
-        .expect("the kernel build wrote its deps folder")
+        .map_err(|e| format!("{cargo} wrote no {}: {e}", deps.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "s"))
         .max_by_key(|p| fs::metadata(p).and_then(|m| m.modified()).ok())
-        .expect("the kernel build wrote a .s file");
-    let ptx = fs::read_to_string(newest).expect("read the kernel PTX");
+        .ok_or_else(|| format!("{cargo} wrote no .s file in {}", deps.display()))?;
+    let ptx = fs::read_to_string(&newest).map_err(|e| format!("read {}: {e}", newest.display()))?;
     // Only this crate's code is in the PTX: a call into `core` (a panic on an unguarded
     // division, say) stays an unresolved `.extern .func`, and the driver refuses the module.
     if let Some(line) = ptx.lines().find(|l| l.starts_with(".extern .func")) {
-        panic!(
+        return Err(format!(
             "the kernel PTX calls a function it does not contain ({line}); remove the code path that needs it"
-        );
+        ));
     }
-    with_launch_bounds(&ptx, module.bounds)
+    Ok(with_launch_bounds(&ptx, module.bounds))
 }
 
 /// Adds each kernel's [`LAUNCH_BOUNDS`] after its parameter list, where PTX wants them,
@@ -316,10 +361,11 @@ fn with_launch_bounds(ptx: &str, module_bounds: &[(&str, &str)]) -> String {
     out
 }
 
-/// The checked-in PTX, refused if the kernel sources changed since it was built.
-fn checked_in_ptx(path: &Path, hash: &str) -> String {
-    let text = fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("no kernel toolchain, and {}: {e}", path.display()));
+/// The checked-in PTX, refused if what it is built from changed since; `why_not_built` says
+/// why it is not rebuilt here.
+fn checked_in_ptx(path: &Path, hash: &str, why_not_built: &str) -> String {
+    let text =
+        fs::read_to_string(path).unwrap_or_else(|e| panic!("{why_not_built}, and {}: {e}", path.display()));
     let recorded = text
         .lines()
         .next()
@@ -328,11 +374,8 @@ fn checked_in_ptx(path: &Path, hash: &str) -> String {
     if recorded != hash {
         panic!(
             "{} was built from other kernel sources (kernels-gpu/ and build.rs; recorded \
-             {recorded}, now {hash}), and no kernel toolchain was found to rebuild it. Install one \
-             (Debian: `apt-get install rustc-web cargo-web rust-web-src`; rustup: \
-             `rustup toolchain install nightly --component rust-src`), or set \
-             LAYERNORM_KERNEL_CARGO and LAYERNORM_KERNEL_RUSTC; then rebuild, and refresh the \
-             checked-in files with LAYERNORM_KERNEL_PTX=update.",
+             {recorded}, now {hash}), and {why_not_built}. {INSTALL}; then rebuild, and \
+             refresh the checked-in files with LAYERNORM_KERNEL_PTX=update.",
             path.display()
         );
     }
