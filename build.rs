@@ -11,13 +11,17 @@
 //!      /usr/lib/rustlib/src/rust/library);
 //!   3. a rustup `nightly` toolchain with the `rust-src` component.
 //!
-//! Where none exists (or `LAYERNORM_KERNEL_PTX=checked-in`), the PTX checked in beside the
-//! kernel crate (`kernels-gpu/*.ptx`) is used. Each file's first line records the SHA-256 of
-//! the kernel sources it was built from; if the sources have changed since, the build fails
-//! rather than ship kernels that do not match them. `LAYERNORM_KERNEL_PTX=update` writes
-//! the freshly built PTX back to those files (run it after changing a kernel).
+//! Where none exists, where the one found fails (a `cargo:warning` says how), or with
+//! `LAYERNORM_KERNEL_PTX=checked-in`, the PTX checked in beside the kernel crate
+//! (`kernels-gpu/*.ptx`) is used. Each file's first line records the SHA-256 of what it was
+//! built from (the kernel sources and this file); if that has changed since, the build fails
+//! rather than ship kernels that do not match it. `LAYERNORM_KERNEL_PTX=update` writes the
+//! freshly built PTX back to those files (run it after changing a kernel or this file), and
+//! fails where it cannot build them. Any other value of `LAYERNORM_KERNEL_PTX`, or only one
+//! of `LAYERNORM_KERNEL_CARGO` and `LAYERNORM_KERNEL_RUSTC`, stops the build.
 
 use std::env;
+use std::ffi::OsString;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -26,6 +30,21 @@ use sha2::{Digest, Sha256};
 
 const KERNEL_DIR: &str = "kernels-gpu";
 const HASH_PREFIX: &str = "// layernorm-cuda kernel sources sha256: ";
+const INSTALL: &str = "Install a kernel toolchain (Debian: `apt-get install rustc-web cargo-web \
+     rust-web-src`; rustup: `rustup toolchain install nightly --component rust-src`), or set \
+     LAYERNORM_KERNEL_CARGO and LAYERNORM_KERNEL_RUSTC to a cargo/rustc pair that can build \
+     `core` for nvptx64-nvidia-cuda";
+
+/// What `LAYERNORM_KERNEL_PTX` asks for.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// Unset: build the PTX where a kernel toolchain works, else use the checked-in files.
+    Build,
+    /// `checked-in`: use the checked-in files without looking for a toolchain.
+    CheckedIn,
+    /// `update`: build the PTX and write it over the checked-in files.
+    Update,
+}
 
 /// One PTX module: its file name (in `$OUT_DIR` and, checked in, in `kernels-gpu/`), the
 /// GPU it targets, the extra rustc flags of its build, and launch bounds of its own that
@@ -82,6 +101,7 @@ const LAUNCH_BOUNDS: &[(&str, &str)] = &[
 ];
 
 fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed={KERNEL_DIR}/src");
     println!("cargo:rerun-if-changed={KERNEL_DIR}/Cargo.toml");
     for m in MODULES {
@@ -94,35 +114,101 @@ fn main() {
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
+    // Settings first: a misspelt one must stop the build, not be silently ignored.
+    let mode = match setting("LAYERNORM_KERNEL_PTX") {
+        None => Mode::Build,
+        Some(v) if v == "checked-in" => Mode::CheckedIn,
+        Some(v) if v == "update" => Mode::Update,
+        Some(v) => panic!(
+            "LAYERNORM_KERNEL_PTX={:?} is not a mode this build knows. Accepted: unset or empty \
+             (build the PTX where a kernel toolchain works, else use the checked-in files), \
+             `checked-in` (use the checked-in files), `update` (build the PTX and write it \
+             over the checked-in files).",
+            v.to_string_lossy()
+        ),
+    };
+    let explicit = match (
+        setting("LAYERNORM_KERNEL_CARGO"),
+        setting("LAYERNORM_KERNEL_RUSTC"),
+    ) {
+        (Some(cargo), Some(rustc)) => Some((PathBuf::from(cargo), PathBuf::from(rustc))),
+        (None, None) => None,
+        (cargo, _) => panic!(
+            "only {} is set: LAYERNORM_KERNEL_CARGO and LAYERNORM_KERNEL_RUSTC name a \
+             cargo/rustc pair for the kernel build; set both, or neither to let the build look \
+             for a kernel toolchain",
+            if cargo.is_some() {
+                "LAYERNORM_KERNEL_CARGO"
+            } else {
+                "LAYERNORM_KERNEL_RUSTC"
+            }
+        ),
+    };
+
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
-    let hash = source_hash(&root.join(KERNEL_DIR));
-    let mode = env::var("LAYERNORM_KERNEL_PTX").unwrap_or_default();
+    let kernel_dir = root.join(KERNEL_DIR);
+    let hash = source_hash(&root);
 
-    let toolchain = if mode == "checked-in" {
-        None
-    } else {
-        find_toolchain()
+    let toolchain = match mode {
+        Mode::CheckedIn => None,
+        Mode::Build | Mode::Update => find_toolchain(explicit),
     };
+    if mode == Mode::Update && toolchain.is_none() {
+        panic!(
+            "LAYERNORM_KERNEL_PTX=update rebuilds the checked-in PTX, but no kernel toolchain was found. {INSTALL}."
+        );
+    }
     for m in MODULES {
-        let checked_in = root.join(KERNEL_DIR).join(m.file);
-        let ptx = match &toolchain {
-            Some(tc) => {
-                let body = build_ptx(tc, m, &root.join(KERNEL_DIR), &out);
-                let ptx = format!("{HASH_PREFIX}{hash}\n{body}");
-                if mode == "update" {
-                    fs::write(&checked_in, &ptx).expect("write the checked-in PTX");
-                    println!(
-                        "cargo:warning=updated {} from the kernel sources",
-                        checked_in.display()
-                    );
-                }
-                ptx
+        let checked_in = kernel_dir.join(m.file);
+        let ptx = match toolchain.as_ref().map(|tc| build_ptx(tc, m, &kernel_dir, &out)) {
+            Some(Ok(body)) => format!("{HASH_PREFIX}{hash}\n{body}"),
+            Some(Err(why)) if mode == Mode::Update => {
+                panic!("LAYERNORM_KERNEL_PTX=update: building {} failed: {why}", m.file)
             }
-            None => checked_in_ptx(&checked_in, &hash),
+            // A user's build needs working PTX, not this toolchain: the checked-in file
+            // serves wherever it matches the sources.
+            Some(Err(why)) => {
+                for line in why.lines() {
+                    println!("cargo:warning={line}");
+                }
+                println!(
+                    "cargo:warning=building {} with the kernel toolchain failed; using the checked-in {}",
+                    m.file,
+                    checked_in.display()
+                );
+                checked_in_ptx(
+                    &checked_in,
+                    &hash,
+                    "the kernel toolchain found failed to rebuild it (see the warnings)",
+                )
+            }
+            None if mode == Mode::CheckedIn => checked_in_ptx(
+                &checked_in,
+                &hash,
+                "LAYERNORM_KERNEL_PTX=checked-in forbids rebuilding it (unset it to rebuild)",
+            ),
+            None => checked_in_ptx(&checked_in, &hash, "no kernel toolchain was found to rebuild it"),
         };
         fs::write(out.join(m.file), ptx).expect("write PTX to OUT_DIR");
     }
+    // Only once every module has built, so that a failure leaves the checked-in files as
+    // they were, not half of them updated.
+    if mode == Mode::Update {
+        for m in MODULES {
+            let checked_in = kernel_dir.join(m.file);
+            fs::copy(out.join(m.file), &checked_in).expect("write the checked-in PTX");
+            println!(
+                "cargo:warning=updated {} from the kernel sources",
+                checked_in.display()
+            );
+        }
+    }
+}
+
+/// An environment variable's value; unset and empty are the same.
+fn setting(name: &str) -> Option<OsString> {
+    env::var_os(name).filter(|v| !v.is_empty())
 }
 
 /// A cargo/rustc pair that can build `core` for nvptx64, and how to run it.
@@ -135,14 +221,12 @@ struct Toolchain {
     keep_rustup_env: bool,
 }
 
-fn find_toolchain() -> Option<Toolchain> {
-    if let (Ok(cargo), Ok(rustc)) = (
-        env::var("LAYERNORM_KERNEL_CARGO"),
-        env::var("LAYERNORM_KERNEL_RUSTC"),
-    ) {
+/// The `explicit` pair if given, else the first toolchain found (see the file's header).
+fn find_toolchain(explicit: Option<(PathBuf, PathBuf)>) -> Option<Toolchain> {
+    if let Some((cargo, rustc)) = explicit {
         return Some(Toolchain {
-            cargo: cargo.into(),
-            rustc: Some(rustc.into()),
+            cargo,
+            rustc: Some(rustc),
             channel_arg: None,
             keep_rustup_env: true,
         });
@@ -172,8 +256,9 @@ fn find_toolchain() -> Option<Toolchain> {
     None
 }
 
-/// Runs the nested cargo and returns the PTX text.
-fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> String {
+/// Runs the nested cargo and returns the PTX text, or what went wrong (several lines where
+/// the nested build printed errors).
+fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> Result<String, String> {
     // A target dir per module: cargo does not count `cargo rustc`'s extra flags as a change,
     // so with one dir the second module's build would be skipped as fresh and read back
     // the first module's PTX.
@@ -215,32 +300,39 @@ fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> 
             &format!("target-cpu={}", module.target_cpu),
         ])
         .args(module.flags);
-    let status = cmd
-        .status()
-        .unwrap_or_else(|e| panic!("could not run {}: {e}", tc.cargo.display()));
-    if !status.success() {
-        panic!(
-            "building the GPU kernels ({}) failed: {status}; see the errors above",
-            kernel_dir.display()
-        );
+    let cargo = tc.cargo.display();
+    // Captured, not inherited: where a fallback follows, cargo would not show the nested
+    // build's errors, so they go into the warning.
+    let output = cmd.output().map_err(|e| format!("could not run {cargo}: {e}"))?;
+    if !output.status.success() {
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        let errors: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        return Err(format!(
+            "{cargo} building {} for {} failed ({}){}{}",
+            kernel_dir.display(),
+            module.target_cpu,
+            output.status,
+            if errors.is_empty() { "" } else { ":\n" },
+            errors[errors.len().saturating_sub(20)..].join("\n")
+        ));
     }
     // rustc names the asm output `<crate>-<hash>.s`; the newest one is this build's.
     let deps = target_dir.join("nvptx64-nvidia-cuda/release/deps");
     let newest = fs::read_dir(&deps)
-        .expect("the kernel build wrote its deps folder")
+        .map_err(|e| format!("{cargo} wrote no {}: {e}", deps.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "s"))
         .max_by_key(|p| fs::metadata(p).and_then(|m| m.modified()).ok())
-        .expect("the kernel build wrote a .s file");
-    let ptx = fs::read_to_string(newest).expect("read the kernel PTX");
+        .ok_or_else(|| format!("{cargo} wrote no .s file in {}", deps.display()))?;
+    let ptx = fs::read_to_string(&newest).map_err(|e| format!("read {}: {e}", newest.display()))?;
     // Only this crate's code is in the PTX: a call into `core` (a panic on an unguarded
     // division, say) stays an unresolved `.extern .func`, and the driver refuses the module.
     if let Some(line) = ptx.lines().find(|l| l.starts_with(".extern .func")) {
-        panic!(
+        return Err(format!(
             "the kernel PTX calls a function it does not contain ({line}); remove the code path that needs it"
-        );
+        ));
     }
-    with_launch_bounds(&ptx, module.bounds)
+    Ok(with_launch_bounds(&ptx, module.bounds))
 }
 
 /// Adds each kernel's [`LAUNCH_BOUNDS`] after its parameter list, where PTX wants them,
@@ -273,10 +365,11 @@ fn with_launch_bounds(ptx: &str, module_bounds: &[(&str, &str)]) -> String {
     out
 }
 
-/// The checked-in PTX, refused if the kernel sources changed since it was built.
-fn checked_in_ptx(path: &Path, hash: &str) -> String {
-    let text = fs::read_to_string(path)
-        .unwrap_or_else(|e| panic!("no kernel toolchain, and {}: {e}", path.display()));
+/// The checked-in PTX, refused if what it is built from changed since; `why_not_built` says
+/// why it is not rebuilt here.
+fn checked_in_ptx(path: &Path, hash: &str, why_not_built: &str) -> String {
+    let text =
+        fs::read_to_string(path).unwrap_or_else(|e| panic!("{why_not_built}, and {}: {e}", path.display()));
     let recorded = text
         .lines()
         .next()
@@ -284,27 +377,30 @@ fn checked_in_ptx(path: &Path, hash: &str) -> String {
         .unwrap_or("");
     if recorded != hash {
         panic!(
-            "{} was built from other kernel sources (recorded {recorded}, now {hash}), \
-             and no kernel toolchain was found to rebuild it. Install one \
-             (Debian: `apt-get install rustc-web cargo-web rust-web-src`; rustup: \
-             `rustup toolchain install nightly --component rust-src`), or set \
-             LAYERNORM_KERNEL_CARGO and LAYERNORM_KERNEL_RUSTC; then rebuild, and refresh the \
-             checked-in files with LAYERNORM_KERNEL_PTX=update.",
+            "{} was built from other kernel sources (kernels-gpu/ and build.rs; recorded \
+             {recorded}, now {hash}), and {why_not_built}. {INSTALL}; then rebuild, and \
+             refresh the checked-in files with LAYERNORM_KERNEL_PTX=update.",
             path.display()
         );
     }
     text
 }
 
-/// SHA-256 over every kernel source file (relative path and contents, in path order) and
-/// the kernel crate's manifest.
-fn source_hash(kernel_dir: &Path) -> String {
-    let mut files = vec![kernel_dir.join("Cargo.toml")];
+/// SHA-256 over everything that shapes the PTX (relative path and contents of each file, in
+/// path order): the kernel crate's sources and manifest, and all of this file. This file
+/// holds the module list, target cpus and flags, the launch bounds, the cluster directive
+/// rule and the nested build's command line; hashing the whole of it, rather than a
+/// rendering of its tables, leaves out nothing that code here adds to the PTX now or later.
+/// The price: any edit of this file, a comment's included, needs the checked-in PTX's hash
+/// line refreshed (`LAYERNORM_KERNEL_PTX=update`).
+fn source_hash(root: &Path) -> String {
+    let kernel_dir = root.join(KERNEL_DIR);
+    let mut files = vec![root.join("build.rs"), kernel_dir.join("Cargo.toml")];
     collect_rs(&kernel_dir.join("src"), &mut files);
     files.sort();
     let mut h = Sha256::new();
     for f in &files {
-        let rel = f.strip_prefix(kernel_dir).expect("under the kernel dir");
+        let rel = f.strip_prefix(root).expect("under the crate's root");
         h.update(rel.to_string_lossy().as_bytes());
         h.update([0]);
         h.update(fs::read(f).unwrap_or_else(|e| panic!("read {}: {e}", f.display())));

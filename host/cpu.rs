@@ -4,6 +4,8 @@
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Zip};
 
 use crate::element::Element;
+use crate::error::Result;
+use crate::tensor::host_vec;
 
 /// Per row: y = (x - mean) * rstd * gamma + beta, with mean and rstd = 1/sqrt(var + eps)
 /// (var biased) written out. Two passes over the row: mean, then squared deviations.
@@ -39,7 +41,8 @@ pub(crate) fn forward<T: Element>(
 }
 
 /// dx per row, dgamma and dbeta summed over rows (see `kernels-gpu/src/backward.rs` for the
-/// formulas). Column sums run in f64 in row order.
+/// formulas). Column sums run in f64 in row order. The row scratch is taken before anything
+/// is written, so where host memory cannot hold it the outputs are left as they were.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<T: Element>(
     x: ArrayView2<'_, T>,
@@ -50,11 +53,10 @@ pub(crate) fn backward<T: Element>(
     mut dx: ArrayViewMut2<'_, T>,
     mut dgamma: ArrayViewMut1<'_, T>,
     mut dbeta: ArrayViewMut1<'_, T>,
-) {
+) -> Result<()> {
     let n = x.ncols();
-    let (mut sum_dgamma, mut sum_dbeta) = (vec![0.0f64; n], vec![0.0f64; n]);
-    let mut xhat = vec![0.0f32; n];
-    let mut wdy = vec![0.0f32; n];
+    let (mut sum_dgamma, mut sum_dbeta) = (zeroed::<f64>(n)?, zeroed::<f64>(n)?);
+    let (mut xhat, mut wdy) = (zeroed::<f32>(n)?, zeroed::<f32>(n)?);
     Zip::from(x.rows())
         .and(dy.rows())
         .and(dx.rows_mut())
@@ -82,4 +84,12 @@ pub(crate) fn backward<T: Element>(
     Zip::from(&mut dbeta)
         .and(&sum_dbeta)
         .for_each(|d, &s| *d = T::from_f32(s as f32));
+    Ok(())
+}
+
+/// `n` zeros of backward scratch, or [`crate::Error::OutOfMemory`].
+fn zeroed<F: Copy + Default>(n: usize) -> Result<Vec<F>> {
+    let mut v = host_vec(n, "allocating the CPU backward's scratch")?;
+    v.resize(n, F::default());
+    Ok(v)
 }

@@ -131,11 +131,15 @@ impl<T: Element> LayerNorm<T> {
         Ok((y, ctx))
     }
 
-    /// As [`LayerNorm::forward`], writing y into `y` (same shape as x, sole handle).
+    /// As [`LayerNorm::forward`], writing y into `y` (same shape as x, a whole tensor and its
+    /// storage's sole handle, even where x is empty).
     pub fn forward_into(&self, x: &Tensor<T>, y: &mut Tensor<T>) -> Result<Context<T>> {
         let [rows, n] = self.check_input("x", x)?;
         y.expect_shape("y", x.shape())?;
         self.device().check("y", y)?;
+        // Refused whatever the shape, as the backward refuses its outputs, even where
+        // nothing would be written.
+        let y = y.data_mut("y")?;
         let dev = self.device();
         // The kernels write every row's statistics; those of an empty row are undefined:
         // NaN, as 0/0 gives. (Filling from the host would cost a copy per call.)
@@ -148,7 +152,6 @@ impl<T: Element> LayerNorm<T> {
         };
         let (mut mean, mut rstd) = (stats()?, stats()?);
         if rows > 0 && n > 0 {
-            let y = y.data_mut("y")?;
             let (mean_d, rstd_d) = (mean.data_mut("mean")?, rstd.data_mut("rstd")?);
             match &dev.kind {
                 Kind::Cpu => cpu::forward(
@@ -240,7 +243,7 @@ impl<T: Element> LayerNorm<T> {
                 host2_mut(dx, rows, n),
                 host1_mut(dgamma),
                 host1_mut(dbeta),
-            ),
+            )?,
             Kind::Cuda(g) => {
                 let s = &g.stream;
                 let a = Backward {

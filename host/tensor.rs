@@ -125,11 +125,13 @@ impl<T: Element> Tensor<T> {
                 rows: count,
             });
         }
-        // Cannot overflow: the rows lie inside this tensor, whose size fits in memory.
-        let row_len: usize = rest.iter().product();
+        // Multiplied from rows.start on: a tensor with no rows may have other dimensions whose
+        // product overflows, and its one range starts at 0. Saturating, so an offset that
+        // cannot exist is refused by `view` instead of wrapping around.
+        let offset = rest.iter().fold(rows.start, |o, &d| o.saturating_mul(d));
         let mut shape = self.shape.clone();
         shape[0] = rows.len();
-        self.view(rows.start * row_len, &shape)
+        self.view(offset, &shape)
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -172,16 +174,29 @@ impl<T: Element> Tensor<T> {
         Ok(out)
     }
 
-    /// Copies to the host as an n-dimensional array.
+    /// Copies to the host as an n-dimensional array. [`Error::Shape`] where ndarray cannot
+    /// hold the shape: no elements, but other dimensions whose product passes `isize::MAX`.
     pub fn to_array(&self) -> Result<ArrayD<T>> {
         let v = self.to_vec()?;
-        Ok(ArrayD::from_shape_vec(IxDyn(&self.shape), v).expect("a tensor's length matches its shape"))
+        ArrayD::from_shape_vec(IxDyn(&self.shape), v).map_err(|_| self.not_an_array())
     }
 
-    /// Copies a 2-D tensor to the host.
+    /// Copies a 2-D tensor to the host ([`Error::Shape`] as [`Tensor::to_array`]).
     pub fn to_array2(&self) -> Result<Array2<T>> {
         let [r, c] = self.dims2("tensor")?;
-        Ok(Array2::from_shape_vec((r, c), self.to_vec()?).expect("a tensor's length matches its shape"))
+        Array2::from_shape_vec((r, c), self.to_vec()?).map_err(|_| self.not_an_array())
+    }
+
+    /// The one shape ndarray refuses that a tensor can have (the length always matches).
+    fn not_an_array(&self) -> Error {
+        Error::Shape {
+            what: "tensor",
+            got: self.shape.clone(),
+            expected: format!(
+                "dimensions whose product, zeros left out, is at most {}",
+                isize::MAX
+            ),
+        }
     }
 
     /// Copies a 1-D tensor to the host.

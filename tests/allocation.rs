@@ -4,10 +4,70 @@
 
 mod common;
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+
 use common::{
     Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec, reference, rel_err, to_f64, tolerance,
 };
-use layernorm_cuda::{Device, Error, LayerNorm, f16};
+use layernorm_cuda::{Device, Error, Gradients, LayerNorm, f16};
+
+/// The system allocator, except that on a thread inside [`refusing_allocations_from`] it
+/// refuses every allocation of at least that many bytes, as a host out of memory would. Per
+/// thread, so the other tests of this binary, running beside it, allocate as usual.
+struct RefusingAllocator;
+
+thread_local! {
+    static REFUSE_FROM: Cell<usize> = const { Cell::new(usize::MAX) };
+}
+
+impl RefusingAllocator {
+    fn refuses(size: usize) -> bool {
+        // `try_with`: a thread may still allocate while its locals are being torn down.
+        REFUSE_FROM.try_with(|from| size >= from.get()).unwrap_or(false)
+    }
+}
+
+// SAFETY: every call is passed on to `System` unchanged, or answered with null, which the
+// `GlobalAlloc` contract allows for any allocation that cannot be satisfied.
+unsafe impl GlobalAlloc for RefusingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if Self::refuses(layout.size()) {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: the caller's contract for `layout`, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if Self::refuses(layout.size()) {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: the caller's contract for `layout`, passed on.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        if new_size > layout.size() && Self::refuses(new_size) {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: the caller's contract for `ptr`, `layout` and `new_size`, passed on.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` came from `System` with `layout` (this allocator hands out no other).
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: RefusingAllocator = RefusingAllocator;
+
+/// Runs `f` with every allocation of `bytes` or more on this thread refused.
+fn refusing_allocations_from<R>(bytes: usize, f: impl FnOnce() -> R) -> R {
+    REFUSE_FROM.set(bytes);
+    let r = f();
+    REFUSE_FROM.set(usize::MAX);
+    r
+}
 
 /// Checks a small forward and backward on `device` against the reference: the device works.
 fn small_problem_works(device: &Device) {
@@ -71,6 +131,65 @@ fn cpu_absurd_sizes_are_typed_errors() {
         matches!(r, Err(Error::OutOfMemory { bytes, .. }) if bytes == 1 << 62),
         "{r:?}"
     );
+    small_problem_works(&cpu);
+}
+
+/// The CPU backward's row scratch (a few vectors of n) comes from host memory like any
+/// tensor: where it cannot be had, `backward_into` is `OutOfMemory` (not an abort), writes
+/// nothing, and the same call succeeds once memory is there again.
+#[test]
+fn cpu_backward_scratch_out_of_memory_is_a_typed_error() {
+    let cpu = Device::cpu();
+    let mut rng = Rng::new(3100);
+    let (rows, n) = (3, 4096);
+    let ln = LayerNorm::from_arrays(
+        &cpu,
+        random_vec::<f32>(&mut rng, n, 1.0, 0.5).view(),
+        random_vec::<f32>(&mut rng, n, 0.0, 0.5).view(),
+        1e-5,
+    )
+    .unwrap();
+    let x = cpu.upload(mixed_matrix::<f32>(&mut rng, rows, n).view()).unwrap();
+    let dy = cpu
+        .upload(random_matrix::<f32>(&mut rng, rows, n).view())
+        .unwrap();
+    let (_, ctx) = ln.forward(&x).unwrap();
+    let mut grads = Gradients {
+        dx: cpu.full(&[rows, n], 7.0f32).unwrap(),
+        dgamma: cpu.full(&[n], 7.0f32).unwrap(),
+        dbeta: cpu.full(&[n], 7.0f32).unwrap(),
+    };
+    // Every scratch vector holds n values of 4 bytes or more; the outputs exist already.
+    let r = refusing_allocations_from(4 * n, || ln.backward_into(&ctx, &dy, &mut grads));
+    assert!(
+        matches!(r, Err(Error::OutOfMemory { bytes, .. }) if bytes >= 4 * n),
+        "{r:?}"
+    );
+    for (name, t, len) in [
+        ("dx", &grads.dx, rows * n),
+        ("dgamma", &grads.dgamma, n),
+        ("dbeta", &grads.dbeta, n),
+    ] {
+        assert_eq!(
+            t.to_vec().unwrap(),
+            vec![7.0; len],
+            "the failed backward wrote {name}"
+        );
+    }
+
+    ln.backward_into(&ctx, &dy, &mut grads).unwrap();
+    let fresh = ln.backward(&ctx, &dy).unwrap();
+    for (name, t, want) in [
+        ("dx", &grads.dx, &fresh.dx),
+        ("dgamma", &grads.dgamma, &fresh.dgamma),
+        ("dbeta", &grads.dbeta, &fresh.dbeta),
+    ] {
+        assert_eq!(
+            t.to_vec().unwrap(),
+            want.to_vec().unwrap(),
+            "{name} after the failure"
+        );
+    }
     small_problem_works(&cpu);
 }
 

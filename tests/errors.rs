@@ -3,7 +3,7 @@
 mod common;
 
 use common::{Rng, gpu_or_skip, random_matrix, random_vec};
-use layernorm_cuda::{BackwardMode, Device, Error, LayerNorm, MAX_DIM};
+use layernorm_cuda::{BackwardMode, Device, Error, Gradients, LayerNorm, MAX_DIM};
 use ndarray::{Array1, Array2, Array3};
 
 fn op(device: &Device, n: usize) -> LayerNorm<f32> {
@@ -84,17 +84,45 @@ fn a_context_from_another_op_is_refused() {
     }
 }
 
+/// An output shared with another handle is refused whatever the shape, empty ones included,
+/// by the forward and the backward alike, and nothing is written through it.
 #[test]
 fn a_shared_output_is_refused() {
     for device in devices() {
-        let ln = op(&device, 8);
-        let x = device.upload(Array2::<f32>::ones((2, 8)).view()).unwrap();
-        let mut y = device.upload(Array2::<f32>::ones((2, 8)).view()).unwrap();
-        let _other_handle = y.clone();
-        assert!(matches!(
-            ln.forward_into(&x, &mut y),
-            Err(Error::SharedOutput { what: "y" })
-        ));
+        for (rows, n) in [(2, 8), (0, 8), (3, 0)] {
+            let ln = op(&device, n);
+            let x = device.upload(Array2::<f32>::ones((rows, n)).view()).unwrap();
+            let mut y = device.full::<f32>(&[rows, n], 7.0).unwrap();
+            let other_handle = y.clone();
+            let r = ln.forward_into(&x, &mut y);
+            assert!(
+                matches!(r, Err(Error::SharedOutput { what: "y" })),
+                "[{rows}, {n}]: {r:?}"
+            );
+            assert_eq!(other_handle.to_vec().unwrap(), vec![7.0; rows * n]);
+
+            let (_, ctx) = ln.forward(&x).unwrap();
+            let fresh = || Gradients {
+                dx: device.full(&[rows, n], 7.0).unwrap(),
+                dgamma: device.full(&[n], 7.0).unwrap(),
+                dbeta: device.full(&[n], 7.0).unwrap(),
+            };
+            let mut grads = fresh();
+            let other_handle = grads.dx.clone();
+            let r = ln.backward_into(&ctx, &x, &mut grads);
+            assert!(
+                matches!(r, Err(Error::SharedOutput { what: "dx" })),
+                "[{rows}, {n}]: {r:?}"
+            );
+            drop(other_handle);
+            let other_handle = grads.dgamma.clone();
+            let r = ln.backward_into(&ctx, &x, &mut grads);
+            assert!(
+                matches!(r, Err(Error::SharedOutput { what: "dgamma" })),
+                "[{rows}, {n}]: {r:?}"
+            );
+            assert_eq!(other_handle.to_vec().unwrap(), vec![7.0; n]);
+        }
     }
 }
 
@@ -139,6 +167,34 @@ fn empty_inputs_have_defined_results() {
         assert!(ctx.rstd().to_vec().unwrap().iter().all(|r| r.is_nan()));
         let g = ln.backward(&ctx, &x).unwrap();
         assert_eq!((g.dx.shape(), g.dgamma.shape()), (&[3, 0][..], &[0][..]));
+    }
+}
+
+/// A tensor with no elements may have other dimensions whose product passes `isize::MAX`;
+/// ndarray cannot hold that shape, so copying it into an array is `Shape`, not a panic. Its
+/// elements (none) still copy out as a vector.
+#[test]
+fn empty_tensors_that_ndarray_cannot_shape_are_refused_by_to_array() {
+    for device in devices() {
+        for shape in [&[0, usize::MAX][..], &[0, 1 << 40, 1 << 40]] {
+            let t = device.full::<f32>(shape, 0.0).unwrap();
+            assert_eq!(t.to_vec().unwrap(), Vec::<f32>::new());
+            let r = t.to_array();
+            assert!(
+                matches!(&r, Err(Error::Shape { what: "tensor", got, .. }) if got == shape),
+                "{shape:?}: {r:?}"
+            );
+        }
+        let t = device.full::<f32>(&[0, usize::MAX], 0.0).unwrap();
+        let r = t.to_array2();
+        assert!(
+            matches!(&r, Err(Error::Shape { what: "tensor", got, .. }) if got == &[0, usize::MAX]),
+            "{r:?}"
+        );
+        // Shapes ndarray can hold still copy out.
+        let t = device.full::<f32>(&[0, 1 << 40], 0.0).unwrap();
+        assert_eq!(t.to_array2().unwrap().dim(), (0, 1 << 40));
+        assert_eq!(t.to_array().unwrap().shape(), &[0, 1 << 40]);
     }
 }
 

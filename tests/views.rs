@@ -217,6 +217,68 @@ fn views_out_of_range_are_refused() {
     }
 }
 
+/// Empty outputs follow the same rule: a view as y or dx is refused where M = 0 or N = 0, by
+/// the forward as by the backward, before anything runs.
+#[test]
+fn empty_views_as_outputs_are_refused() {
+    for device in devices() {
+        for (rows, n) in [(0, 8), (3, 0)] {
+            let mut rng = Rng::new(2400);
+            let ln = LayerNorm::from_arrays(
+                &device,
+                random_vec::<f32>(&mut rng, n, 1.0, 0.5).view(),
+                random_vec::<f32>(&mut rng, n, 0.0, 0.5).view(),
+                1e-5,
+            )
+            .unwrap();
+            let x = device.full::<f32>(&[rows, n], 1.0).unwrap();
+            let storage = device.full::<f32>(&[5], 7.0).unwrap();
+            let mut y = storage.view(1, &[rows, n]).unwrap();
+            let r = ln.forward_into(&x, &mut y);
+            assert!(
+                matches!(r, Err(Error::ViewOutput { what: "y" })),
+                "[{rows}, {n}]: {r:?}"
+            );
+
+            let ctx = ln.forward(&x).unwrap().1;
+            let mut grads = Gradients {
+                dx: storage.view(2, &[rows, n]).unwrap(),
+                dgamma: device.full(&[n], 7.0).unwrap(),
+                dbeta: device.full(&[n], 7.0).unwrap(),
+            };
+            let r = ln.backward_into(&ctx, &x, &mut grads);
+            assert!(
+                matches!(r, Err(Error::ViewOutput { what: "dx" })),
+                "[{rows}, {n}]: {r:?}"
+            );
+            // For M = 0 a backward that ran would have zeroed dgamma and dbeta.
+            assert_eq!(grads.dgamma.to_vec().unwrap(), vec![7.0; n]);
+            assert_eq!(storage.to_vec().unwrap(), vec![7.0; 5]);
+        }
+    }
+}
+
+/// Rows of a tensor with no rows, whose other dimensions multiply past `usize::MAX`: the
+/// empty range is a view of the same shape, any other range `RowsOutOfRange`, never an
+/// overflow.
+#[test]
+fn rows_of_an_empty_tensor_with_huge_rows() {
+    for device in devices() {
+        let shape = [0, 1 << 40, 1 << 40];
+        let t = device.full::<f32>(&shape, 0.0).unwrap();
+        let rows = t.slice_rows(0..0).unwrap();
+        assert_eq!(rows.shape(), &shape);
+        assert!(rows.is_empty());
+        for (start, end) in [(0, 1), (1, 1), (1, 0)] {
+            let r = t.slice_rows(start..end);
+            assert!(
+                matches!(r, Err(Error::RowsOutOfRange { rows: 0, .. })),
+                "rows {start}..{end}: {r:?}"
+            );
+        }
+    }
+}
+
 /// Outputs must be whole tensors: a view is refused as y or dx (even where it is its storage's
 /// only handle), and nothing is written. A reshaped view of all of a storage is whole.
 #[test]
