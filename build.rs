@@ -63,11 +63,15 @@ const MODULES: &[Module] = &[
         target_cpu: "sm_80",
         flags: &[],
         // sm_80's ptxas needs more than the 128 registers of 512 threads to hold the held
-        // stage 1's two f16/bf16 rows without spilling, and the owned f32 block kernel more
-        // than 96 (it takes 111 at 512 threads).
+        // stage 1's two f16/bf16 rows without spilling, the owned f32 block kernel more
+        // than 96 (it takes 111), and the locked f16/bf16 warp kernels more than 96 (their
+        // group rows' Kahan sums). Between 512 and 640 threads nothing is gained: a quarter of
+        // the register file serves 5 of the block's warps, which caps them at 96.
         bounds: &[
             ("layer_norm_bwd_held_", ".maxntid 384, 1, 1"),
             ("layer_norm_bwd_owned_block_f32", ".maxntid 512, 1, 1"),
+            ("layer_norm_bwd_locked_warp_f16", ".maxntid 512, 1, 1"),
+            ("layer_norm_bwd_locked_warp_bf16", ".maxntid 512, 1, 1"),
         ],
     },
     // Hopper: clusters and distributed shared memory exist from sm_90 on.
@@ -83,7 +87,8 @@ const MODULES: &[Module] = &[
 /// threads ptxas keeps each thread within 64 registers, so a multiprocessor holds a full
 /// 2048 threads: rows in flight, not registers, then decide the memory traffic under way.
 /// The backward's stage 1 holds x and dy and adds partials a whole pack at a time, and
-/// spills at 64 registers: the locked mode fits 80 (768 threads), the owned mode, with its
+/// spills at 64 registers: the locked mode fits 80 (768 threads; f16/bf16, whose group rows'
+/// Kahan sums load a pack of four rows at once, 96 at 640), the owned mode, with its
 /// shared-memory rows and their final combine, 128 (512 threads), except where ptxas fits
 /// fewer without spilling: the f32 block kernel in 96 (640 threads), the f16/bf16 cluster
 /// kernels (a slice per block) in 96 (640 threads). The held stage 1 keeps two rows in
@@ -96,7 +101,9 @@ const LAUNCH_BOUNDS: &[(&str, &str)] = &[
     ("layer_norm_bwd_owned_", ".maxntid 512, 1, 1"),
     ("layer_norm_bwd_held_", ".maxntid 512, 1, 1"),
     ("layer_norm_bwd_cluster", ".maxntid 512, 1, 1"),
-    ("layer_norm_bwd_locked_", ".maxntid 768, 1, 1"),
+    ("layer_norm_bwd_locked_warp_f32", ".maxntid 768, 1, 1"),
+    ("layer_norm_bwd_locked_block_f32", ".maxntid 768, 1, 1"),
+    ("layer_norm_bwd_locked_", ".maxntid 640, 1, 1"),
     ("layer_norm_", ".maxntid 1024, 1, 1"),
 ];
 

@@ -341,19 +341,25 @@ impl PartialRow {
             (sum, err)
         };
         // SAFETY (all below): as above; vectors only where all four rows are 16-byte aligned.
-        // dgamma's sums and errors, then dbeta's: all four at once would spill the 80-register
-        // f16 kernels.
-        for (p, e, v) in [(g, eg, dgamma), (b, eb, dbeta)] {
-            let (s, err) = if self.accumulate {
-                unsafe { (self.load(p, len, vector), self.load(e, len, vector)) }
-            } else {
-                (zero, zero)
-            };
-            let (s, err) = kahan(&s, &err, v);
+        // All four loads first: the lock is held for one L2 round trip, not two.
+        let (sg, seg, sb, seb) = if self.accumulate {
             unsafe {
-                Self::store(p, len, vector, &s);
-                Self::store(e, len, vector, &err);
+                (
+                    self.load(g, len, vector),
+                    self.load(eg, len, vector),
+                    self.load(b, len, vector),
+                    self.load(eb, len, vector),
+                )
             }
+        } else {
+            (zero, zero, zero, zero)
+        };
+        let ((sg, seg), (sb, seb)) = (kahan(&sg, &seg, dgamma), kahan(&sb, &seb, dbeta));
+        unsafe {
+            Self::store(g, len, vector, &sg);
+            Self::store(eg, len, vector, &seg);
+            Self::store(b, len, vector, &sb);
+            Self::store(eb, len, vector, &seb);
         }
     }
 }
