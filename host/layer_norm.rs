@@ -257,7 +257,13 @@ impl<T: Element> LayerNorm<T> {
                     n: n as u32,
                     packed: packed_rows(n, [&ctx.x, dy, &self.gamma]),
                 };
-                gpu::backward(g, self.mode, a, cuda_mut(dgamma, s)?, cuda_mut(dbeta, s)?)?;
+                let reduction = match self.mode {
+                    BackwardMode::Deterministic => gpu::Reduction::Owned,
+                    BackwardMode::Locked { groups } => gpu::Reduction::Locked {
+                        groups: groups.unwrap_or_else(|| gpu::default_groups(n)),
+                    },
+                };
+                gpu::backward(g, reduction, a, cuda_mut(dgamma, s)?, cuda_mut(dbeta, s)?)?;
             }
         }
         Ok(())

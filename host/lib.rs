@@ -19,7 +19,8 @@
 //! # }
 //! ```
 //!
-//! Layout: `device` and `tensor` (where data lives), `layer_norm` (the op and its checks),
+//! Layout: `device` (where data lives), `tensor` on it (tensors, their storage and the
+//! `Device` methods that make them), `layer_norm` (the op and its checks),
 //! `cpu` (the ndarray path), `gpu` (CUDA: context, kernel launches, launch sizing).
 
 mod cpu;

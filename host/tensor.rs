@@ -1,13 +1,14 @@
-//! Row-major tensors on the CPU or a CUDA device, and views of them.
+//! Row-major tensors on the CPU or a CUDA device, views of them, and their storage, with the
+//! `Device` methods that allocate it (`upload`, `full`, `zeros`).
 
 use std::ops::Range;
 use std::sync::Arc;
 
-use ndarray::{Array1, Array2, ArrayD, IxDyn};
+use ndarray::{Array1, Array2, ArrayD, ArrayView, Dimension, IxDyn};
 
 use crate::device::{Device, Kind};
 use crate::element::Element;
-use crate::error::{DriverContext, Error, Result};
+use crate::error::{AllocContext, DriverContext, Error, Result};
 use crate::gpu::storage::CudaStorage;
 
 /// A dense row-major tensor: a whole allocation, or a view of a run of consecutive elements
@@ -40,7 +41,7 @@ impl<T> Data<T> {
 
 /// The number of elements of `shape`, or a shape error naming `what` where the product, in
 /// bytes of `T`, does not fit in `isize` (the most one allocation may hold).
-pub(crate) fn element_count<T: Element>(what: &'static str, shape: &[usize]) -> Result<usize> {
+fn element_count<T: Element>(what: &'static str, shape: &[usize]) -> Result<usize> {
     shape
         .iter()
         .try_fold(1usize, |count, &d| count.checked_mul(d))
@@ -69,7 +70,7 @@ pub(crate) fn host_vec<T>(len: usize, during: &'static str) -> Result<Vec<T>> {
 
 impl<T: Element> Tensor<T> {
     /// A whole tensor over `data`, which holds exactly the elements of `shape`.
-    pub(crate) fn new(device: Device, shape: Vec<usize>, data: Data<T>) -> Tensor<T> {
+    fn new(device: Device, shape: Vec<usize>, data: Data<T>) -> Tensor<T> {
         debug_assert_eq!(data.len(), shape.iter().product::<usize>());
         Tensor {
             device,
@@ -259,6 +260,117 @@ impl<T: Element> Tensor<T> {
         }
         Arc::get_mut(&mut self.data).ok_or(Error::SharedOutput { what })
     }
+}
+
+// `Device`'s methods that make tensors or take one live here, beside the storage they
+// fill, so that device.rs needs nothing of tensors: the device is the layer below,
+// tensors build on it, and the op on both.
+impl Device {
+    /// Copies an ndarray (any layout, 1-D or 2-D, or more) to this device. Row-major arrays
+    /// are copied straight from their memory; strided ones are gathered in row-major order
+    /// first.
+    pub fn upload<T: Element, D: Dimension>(&self, a: ArrayView<'_, T, D>) -> Result<Tensor<T>> {
+        let shape = a.shape().to_vec();
+        let data = match a.as_slice() {
+            Some(s) => self.copy_in(s)?,
+            None => {
+                let mut gathered = host_vec(a.len(), "gathering a strided array")?;
+                gathered.extend(a.iter().copied());
+                match self.kind {
+                    Kind::Cpu => Data::Host(gathered),
+                    Kind::Cuda(_) => self.copy_in(&gathered)?,
+                }
+            }
+        };
+        Ok(Tensor::new(self.clone(), shape, data))
+    }
+
+    /// A tensor of `shape` with every element `value` (NaN, say, to see unwritten outputs).
+    /// On a GPU the device memory is taken first, so a size that cannot fit there fails
+    /// with [`Error::OutOfMemory`] before the host copy of the values is made.
+    pub fn full<T: Element>(&self, shape: &[usize], value: T) -> Result<Tensor<T>> {
+        let len = element_count::<T>("tensor", shape)?;
+        let data = match &self.kind {
+            Kind::Cpu => Data::Host(host_filled(len, value)?),
+            Kind::Cuda(g) => {
+                // SAFETY: uninitialized memory, written in full by the copy below before
+                // anything can read it.
+                let mut s = unsafe { g.stream.alloc::<T>(len) }.allocating(len * size_of::<T>(), ALLOC)?;
+                g.stream
+                    .memcpy_htod(&host_filled(len, value)?, &mut s)
+                    .during("filling a tensor")?;
+                Data::Cuda(CudaStorage::new(s))
+            }
+        };
+        Ok(Tensor::new(self.clone(), shape.to_vec(), data))
+    }
+
+    /// A tensor of `shape` full of zeros (on a GPU set by the device, with no host copy).
+    pub fn zeros<T: Element>(&self, shape: &[usize]) -> Result<Tensor<T>> {
+        let len = element_count::<T>("tensor", shape)?;
+        let data = match &self.kind {
+            Kind::Cpu => Data::Host(host_filled(len, T::from_f32(0.0))?),
+            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(
+                g.stream
+                    .alloc_zeros::<T>(len)
+                    .allocating(len * size_of::<T>(), ALLOC)?,
+            )),
+        };
+        Ok(Tensor::new(self.clone(), shape.to_vec(), data))
+    }
+
+    /// A tensor of `shape` whose contents are unspecified (to be written by an op).
+    pub(crate) fn empty<T: Element>(&self, shape: &[usize]) -> Result<Tensor<T>> {
+        let len = element_count::<T>("tensor", shape)?;
+        let data = match &self.kind {
+            Kind::Cpu => Data::Host(host_filled(len, T::default())?),
+            // SAFETY: the memory is uninitialized; every caller hands it to an op that
+            // writes each element before anything reads it.
+            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(
+                unsafe { g.stream.alloc::<T>(len) }.allocating(len * size_of::<T>(), ALLOC)?,
+            )),
+        };
+        Ok(Tensor::new(self.clone(), shape.to_vec(), data))
+    }
+
+    /// Storage on this device holding a copy of `host`.
+    fn copy_in<T: Element>(&self, host: &[T]) -> Result<Data<T>> {
+        Ok(match &self.kind {
+            Kind::Cpu => {
+                let mut v = host_vec(host.len(), ALLOC)?;
+                v.extend_from_slice(host);
+                Data::Host(v)
+            }
+            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(
+                g.stream
+                    .clone_htod(host)
+                    .allocating(size_of_val(host), "copying to the device")?,
+            )),
+        })
+    }
+
+    /// Refuses a tensor from another device.
+    pub(crate) fn check<T: Element>(&self, what: &'static str, t: &Tensor<T>) -> Result<()> {
+        if self.same_as(t.device()) {
+            Ok(())
+        } else {
+            Err(Error::DeviceMismatch {
+                what,
+                got: t.device().name(),
+                expected: self.name(),
+            })
+        }
+    }
+}
+
+/// What `Error::OutOfMemory` says a tensor allocation was doing.
+const ALLOC: &str = "allocating a tensor";
+
+/// `len` copies of `value` in host memory, or [`Error::OutOfMemory`].
+fn host_filled<T: Element>(len: usize, value: T) -> Result<Vec<T>> {
+    let mut v = host_vec(len, ALLOC)?;
+    v.resize(len, value);
+    Ok(v)
 }
 
 impl<T: Element> std::fmt::Debug for Tensor<T> {

@@ -10,7 +10,6 @@ use super::Gpu;
 use super::kernels::{self, Backward, Forward, Kernel, Launch, SCRATCH_BYTES, Team};
 use crate::element::Element;
 use crate::error::{AllocContext, Result};
-use crate::layer_norm::BackwardMode;
 
 /// Rows of at most this many elements go one warp per row: a warp's 32 lanes hold a
 /// 1024-element row in 4 (f16) or 8 (f32) packs each, while a block would idle most threads.
@@ -122,10 +121,20 @@ pub(crate) fn default_groups(n: usize) -> u32 {
     }
 }
 
+/// How stage 1 sums dgamma and dbeta over rows. The op converts its `BackwardMode` to this,
+/// the group count resolved, so that this layer does not depend on the op.
+#[derive(Clone, Copy)]
+pub(crate) enum Reduction {
+    /// Each team owns a partial row; stage 2 adds the partials in a fixed order.
+    Owned,
+    /// Row i adds into group i mod `groups` (>= 1) under that group's spinlock.
+    Locked { groups: u32 },
+}
+
 /// Queues the backward of `[rows, n]` (rows, n >= 1): stage 1 then stage 2.
 pub(crate) fn backward<T: Element>(
     gpu: &Gpu,
-    mode: BackwardMode,
+    mode: Reduction,
     stage1: Backward<'_, T>,
     dgamma: &mut CudaSlice<T>,
     dbeta: &mut CudaSlice<T>,
@@ -134,15 +143,15 @@ pub(crate) fn backward<T: Element>(
     let k = gpu.kernels.of::<T>();
     let team = team_for(n);
     let cluster = match (mode, team) {
-        (BackwardMode::Deterministic, Team::Block) => cluster_for::<T>(gpu, n),
+        (Reduction::Owned, Team::Block) => cluster_for::<T>(gpu, n),
         _ => None,
     };
     let held = match (mode, cluster) {
-        (BackwardMode::Deterministic, None) => held(gpu, team, &stage1),
+        (Reduction::Owned, None) => held(gpu, team, &stage1),
         _ => None,
     };
     let (parts_dgamma, parts_dbeta, part_rows) = match (mode, cluster, held) {
-        (BackwardMode::Deterministic, Some(general), _) => {
+        (Reduction::Owned, Some(general), _) => {
             // Slices held in registers where every row is aligned packs, over the fewest
             // blocks whose slices fit: fewer blocks wait at each row's cluster barrier.
             let held_slices = k.bwd_cluster_held.iter().find_map(|(size, kernel)| {
@@ -178,7 +187,7 @@ pub(crate) fn backward<T: Element>(
             kernels::backward_cluster(gpu, held_slices.is_some(), size, launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, clusters)
         }
-        (BackwardMode::Deterministic, None, Some((kernel, threads, stacked))) => {
+        (Reduction::Owned, None, Some((kernel, threads, stacked))) => {
             let smem = kernels::held_smem::<T>(threads * stacked) as u32;
             let launch = balanced(
                 resident(gpu, kernel, rows, team, threads, stacked, smem)?,
@@ -190,7 +199,7 @@ pub(crate) fn backward<T: Element>(
             kernels::backward_held(gpu, team, launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, launch.blocks)
         }
-        (BackwardMode::Deterministic, None, None) => {
+        (Reduction::Owned, None, None) => {
             // Block teams: 4 packs per thread, all held (BWD_HELD in kernels-gpu/src/row.rs).
             // The fewest threads per row leave room for the most rows per multiprocessor at
             // the backward's 80 to 128 registers per thread.
@@ -214,10 +223,10 @@ pub(crate) fn backward<T: Element>(
             kernels::backward_owned(gpu, team, launch, stage1, &mut pg, &mut pb, local)?;
             (pg, pb, launch.blocks)
         }
-        (BackwardMode::Locked { groups }, _, _) => {
+        (Reduction::Locked { groups }, _, _) => {
             // Groups beyond `rows` would get no row (row i goes to group i mod G = i), so
             // clamping changes nothing but leaves no group unwritten.
-            let groups = groups.unwrap_or_else(|| default_groups(n as usize)).min(rows);
+            let groups = groups.min(rows);
             // Every group row (and its compensation row) is written by its first holder
             // (count word 0) before it is added to, and all `groups` groups get a row since
             // groups <= rows.
