@@ -29,6 +29,8 @@ use std::process::Command;
 use sha2::{Digest, Sha256};
 
 const KERNEL_DIR: &str = "kernels-gpu";
+/// The crate of numbers the kernels and the host share, inside the kernel folder.
+const LAYOUT_DIR: &str = "layout";
 const HASH_PREFIX: &str = "// layernorm-cuda kernel sources sha256: ";
 const INSTALL: &str = "Install a kernel toolchain (Debian: `apt-get install rustc-web cargo-web \
      rust-web-src`; rustup: `rustup toolchain install nightly --component rust-src`), or set \
@@ -111,6 +113,7 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed={KERNEL_DIR}/src");
     println!("cargo:rerun-if-changed={KERNEL_DIR}/Cargo.toml");
+    println!("cargo:rerun-if-changed={KERNEL_DIR}/{LAYOUT_DIR}");
     for m in MODULES {
         println!("cargo:rerun-if-changed={KERNEL_DIR}/{}", m.file);
     }
@@ -394,7 +397,8 @@ fn checked_in_ptx(path: &Path, hash: &str, why_not_built: &str) -> String {
 }
 
 /// SHA-256 over everything that shapes the PTX (relative path and contents of each file, in
-/// path order): the kernel crate's sources and manifest, and all of this file. This file
+/// path order): the kernel crate's sources and manifest, those of the layout crate it
+/// shares with the host (`kernels-gpu/layout`), and all of this file. This file
 /// holds the module list, target cpus and flags, the launch bounds, the cluster directive
 /// rule and the nested build's command line; hashing the whole of it, rather than a
 /// rendering of its tables, leaves out nothing that code here adds to the PTX now or later.
@@ -402,8 +406,14 @@ fn checked_in_ptx(path: &Path, hash: &str, why_not_built: &str) -> String {
 /// line refreshed (`LAYERNORM_KERNEL_PTX=update`).
 fn source_hash(root: &Path) -> String {
     let kernel_dir = root.join(KERNEL_DIR);
-    let mut files = vec![root.join("build.rs"), kernel_dir.join("Cargo.toml")];
+    let layout_dir = kernel_dir.join(LAYOUT_DIR);
+    let mut files = vec![
+        root.join("build.rs"),
+        kernel_dir.join("Cargo.toml"),
+        layout_dir.join("Cargo.toml"),
+    ];
     collect_rs(&kernel_dir.join("src"), &mut files);
+    collect_rs(&layout_dir.join("src"), &mut files);
     files.sort();
     let mut h = Sha256::new();
     for f in &files {

@@ -21,18 +21,11 @@ const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels
 /// The same kernels for sm_90 (Hopper) and later, plus the cluster kernels.
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels_sm90.ptx"));
 
-/// Blocks per cluster of the general `layer_norm_bwd_cluster8_<T>` kernels (the most a
-/// launch may have without opting in to non-portable sizes; `CLUSTER_SIZE` in kernels-gpu's
-/// backward.rs).
-pub(crate) const CLUSTER_SIZE: u32 = 8;
-
-/// Blocks per cluster of the held `layer_norm_bwd_cluster<C>_held_<T>` kernels, fewest
-/// first (`cluster_kernels!` in kernels-gpu/src/backward.rs).
-pub(crate) const HELD_CLUSTER_SIZES: [u32; 3] = [2, 4, 8];
-
-/// Dynamic shared memory every kernel needs at least: the block reductions' 32 slots of
-/// 16 bytes (`SCRATCH_BYTES` in kernels-gpu/src/team.rs).
-pub(crate) const SCRATCH_BYTES: u32 = 32 * 16;
+// What the kernels and the launches must agree on, from the one crate both compile.
+pub(crate) use layernorm_layout::{
+    BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, PART_HELD, PIPE_HELD, SCRATCH_BYTES,
+};
+use layernorm_layout::{STAGE2_SMEM, STAGE2_THREADS};
 
 /// Which threads share a row: one warp (short rows), or a whole block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -247,18 +240,6 @@ pub(crate) struct Forward<'a, T> {
     pub(crate) packed: bool,
 }
 
-/// Packs of x each rank of the pipelined forward holds per row (`PIPE_HELD` in
-/// kernels-gpu/src/forward.rs).
-pub(crate) const PIPE_HELD: u32 = 4;
-
-/// Packs of x each rank of the general forward holds of a row that fits (`FWD_HELD` in
-/// kernels-gpu/src/row.rs).
-pub(crate) const FWD_HELD: u32 = 8;
-
-/// Packs of x each rank of the general forward holds of a longer aligned row, staging the
-/// rest in shared memory (`PART_HELD` in kernels-gpu/src/forward.rs).
-pub(crate) const PART_HELD: u32 = 4;
-
 /// Shared memory of a general forward block of `threads` on rows of `n`: the scratch, and
 /// for rows too long to hold, room to stage their packs past `PART_HELD` a rank
 /// (`Staged` in kernels-gpu/src/row.rs), where the device has it; rows it cannot stage
@@ -279,7 +260,7 @@ pub(crate) fn forward_smem<T: Element>(gpu: &Gpu, team: Team, threads: u32, n: u
 /// packs a rank of a team in blocks of `threads`.
 pub(crate) fn fits_held<T: Element>(team: Team, threads: u32, cols: u32, held: u32) -> bool {
     let ranks = if team == Team::Warp { 32 } else { threads };
-    cols.div_ceil(pack_len::<T>()) <= ranks * held
+    layernorm_layout::fits(cols, pack_len::<T>(), ranks, held)
 }
 
 /// Queues the forward kernel `f`, which the caller picked for `a` and `launch` (a
@@ -456,23 +437,12 @@ pub(crate) fn backward_held<T: Element>(
     }
 }
 
-/// Packs of x and of dy each rank of the held stage 1 keeps in registers (`BWD_HELD` in
-/// kernels-gpu/src/row.rs).
-pub(crate) const BWD_HELD: u32 = 4;
-
-/// Shared memory of a held stage 1 block of `threads` (all its teams' ranks): the scratch, then per rank
-/// `BWD_HELD` packs of f32 dgamma and dbeta (`RankPartials` in kernels-gpu/src/backward.rs).
+/// Shared memory of a held stage 1 block of `threads` (all its teams' ranks).
 pub(crate) fn held_smem<T: Element>(threads: u32) -> usize {
-    SCRATCH_BYTES as usize + threads as usize * 2 * 4 * (BWD_HELD * pack_len::<T>()) as usize
+    layernorm_layout::held_smem(pack_len::<T>(), threads)
 }
 
-/// Shared memory of an owned-mode block whose `teams` sum partials locally: the scratch,
-/// then per team a dgamma and a dbeta row of `n` f32 padded by a word per 32, plus one
-/// (`padded_len` in kernels-gpu/src/backward.rs).
-pub(crate) fn owned_local_smem(teams: u32, n: u32) -> usize {
-    let words = (n + n / 32) as usize + 1;
-    SCRATCH_BYTES as usize + teams as usize * 2 * 4 * words
-}
+pub(crate) use layernorm_layout::owned_local_smem;
 
 /// Stage 1, owned mode over clusters of `size` blocks: `launch.blocks / size` partial
 /// rows, each block of a cluster summing one slice of the row in shared memory: held in
@@ -529,33 +499,24 @@ pub(crate) fn backward_cluster<T: Element>(
     }
 }
 
-/// Elements of `T` in one 16-byte pack, the kernels' unit of vector access (`Element::PACK`
-/// in kernels-gpu/src/element.rs).
+/// Elements of `T` in one 16-byte pack, the kernels' unit of vector access.
 pub(crate) fn pack_len<T: Element>() -> u32 {
-    (16 / size_of::<T>()) as u32
+    layernorm_layout::pack_len(size_of::<T>() as u32)
 }
 
-/// Columns of one block's slice when a cluster of `size` blocks shares a row of `n`: whole
-/// 16-byte packs (`slice_width` in kernels-gpu/src/cluster.rs).
+/// Columns of one block's slice when a cluster of `size` blocks shares a row of `n`.
 pub(crate) fn cluster_slice<T: Element>(n: u32, size: u32) -> u32 {
-    n.div_ceil(pack_len::<T>()).div_ceil(size) * pack_len::<T>()
+    layernorm_layout::slice_width(n, pack_len::<T>(), size)
 }
 
-/// Bytes a cluster block keeps after the block reductions' scratch for the row sums'
-/// exchange: two 8-byte slots and a round count, padded to 32 (`CLUSTER_SCRATCH_BYTES` in
-/// kernels-gpu/src/cluster.rs).
-const CLUSTER_EXCHANGE_BYTES: usize = 32;
-
-/// Shared memory of a cluster block: the scratch and the exchange
-/// (`CLUSTER_SCRATCH_BYTES`), then a padded dgamma and dbeta row of one slice.
+/// Shared memory of a general cluster block on rows of `n`.
 pub(crate) fn cluster_smem<T: Element>(n: u32) -> usize {
-    owned_local_smem(1, cluster_slice::<T>(n, CLUSTER_SIZE)) + CLUSTER_EXCHANGE_BYTES
+    layernorm_layout::cluster_smem(n, pack_len::<T>())
 }
 
-/// Shared memory of a held cluster block of `threads`: the cluster scratch (the block
-/// reductions' and the exchange, `CLUSTER_SCRATCH_BYTES`), then each rank's partials.
+/// Shared memory of a held cluster block of `threads`.
 pub(crate) fn cluster_held_smem<T: Element>(threads: u32) -> usize {
-    held_smem::<T>(threads) + CLUSTER_EXCHANGE_BYTES
+    layernorm_layout::cluster_held_smem(pack_len::<T>(), threads)
 }
 
 /// Stage 1, locked mode: `2 * groups` partial rows (each group's sums, then their Kahan
@@ -601,10 +562,6 @@ pub(crate) fn backward_locked<T: Element>(
     Ok(())
 }
 
-/// Stage 2's block: 8 groups of 4 columns times 128 slices of partial rows
-/// (`STAGE2_GROUPS`, `STAGE2_SLICES` in kernels-gpu/src/backward.rs).
-const STAGE2_THREADS: u32 = 8 * 128;
-
 /// Stage 2: column sums of `[rows, n]` partials into dgamma and dbeta.
 pub(crate) fn backward_reduce<T: Element>(
     gpu: &Gpu,
@@ -629,7 +586,7 @@ pub(crate) fn backward_reduce<T: Element>(
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(32).min(gpu.sm_count * 2).max(1), 1, 1),
         block_dim: (STAGE2_THREADS, 1, 1),
-        shared_mem_bytes: 2 * 16 * STAGE2_THREADS,
+        shared_mem_bytes: STAGE2_SMEM,
     };
     let mut b = gpu.stream.launch_builder(&gpu.kernels.of::<T>().bwd_reduce.func);
     b.arg(part_dgamma)

@@ -6,6 +6,8 @@
 
 use cudarc::driver::CudaSlice;
 
+use layernorm_layout::MAX_STACKED;
+
 use super::Gpu;
 use super::kernels::{self, Backward, Forward, Kernel, Launch, SCRATCH_BYTES, Team};
 use crate::element::Element;
@@ -36,10 +38,6 @@ fn block_threads<T: Element>(kernel: &Kernel, n: u32, packs_per_thread: u32) -> 
         .next_multiple_of(32)
         .clamp(64, kernel.max_threads)
 }
-
-/// Block teams a block may stack (`StackedBlock` in kernels-gpu/src/team.rs): team t
-/// synchronizes on barrier 1 + t of the 16 a block has.
-const MAX_STACKED: u32 = 15;
 
 /// A persistent grid of blocks of `threads` x `stacked` threads: as many blocks as the
 /// device runs at once, and no more than the rows need; teams loop over the rows.
@@ -200,7 +198,7 @@ pub(crate) fn backward<T: Element>(
             (pg, pb, launch.blocks)
         }
         (Reduction::Owned, None, None) => {
-            // Block teams: 4 packs per thread, all held (BWD_HELD in kernels-gpu/src/row.rs).
+            // Block teams: 4 packs per thread, all held (`BWD_HELD`).
             // The fewest threads per row leave room for the most rows per multiprocessor at
             // the backward's 80 to 128 registers per thread.
             let (kernel, threads) = match team {

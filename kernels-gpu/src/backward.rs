@@ -160,7 +160,7 @@ struct PartialRow {
 /// A pack never straddles a padding word (PACK divides 32), so its words stay contiguous.
 #[inline(always)]
 fn padded(j: u32) -> usize {
-    (j + j / 32) as usize
+    layernorm_layout::padded(j) as usize
 }
 
 /// Words of a padded shared-memory row of `n` columns.
@@ -711,13 +711,13 @@ impl RankPartials {
     /// 16-byte chunks per rank and sum: `BWD_HELD` packs of `T::PACK` f32.
     #[inline(always)]
     const fn chunks<T: Element>() -> u32 {
-        (BWD_HELD * T::PACK / 4) as u32
+        layernorm_layout::held_chunks(T::PACK as u32)
     }
 
     /// Shared bytes of one team of `size` ranks: dgamma and dbeta chunks of every rank.
     #[inline(always)]
     fn team_bytes<T: Element>(size: u32) -> u32 {
-        2 * Self::chunks::<T>() * size * 16
+        layernorm_layout::held_team_bytes(T::PACK as u32, size)
     }
 
     /// Rank `rank`'s partials in the team whose area starts at byte `base` of shared memory.
@@ -1066,11 +1066,9 @@ unsafe fn stage1_locked<T: Element, S: Team>(r: Rows<T>, lock: GroupLock) {
     }
 }
 
-/// Stage 2's tile: 32 columns, read as 8 groups of 4 (one 16-byte load per group and row).
-const STAGE2_GROUPS: u32 = 8;
-/// Slices of the partial rows a stage 2 block sums at once: with 8 groups, 1024 threads,
-/// so that the few rows of each slice (R / 128) all load at once.
-const STAGE2_SLICES: u32 = 128;
+/// Stage 2's tile of 32 columns as 8 groups of 4, and the slices of partial rows a block sums
+/// at once (128: with 8 groups, 1024 threads, so that each slice's few rows load at once).
+use layernorm_layout::{STAGE2_GROUPS, STAGE2_SLICES};
 
 /// Stage 2: dgamma_j and dbeta_j are the sums of column j over the `rows` partial rows.
 /// A block takes a tile of 32 columns; thread (slice s, group q) sums columns 4q..4q+4 of
@@ -1342,7 +1340,7 @@ backward_kernels!(
 /// against 2 and 4 (docs/PERF.md, v6): their smaller slices leave room for more blocks,
 /// hence more rows in flight, per multiprocessor, which outweighs the wider barrier.
 #[cfg(layernorm_sm90)]
-const CLUSTER_SIZE: u32 = 8;
+use layernorm_layout::CLUSTER_SIZE;
 
 /// Exports the cluster stage 1 kernels (sm_90 module only) of one storage type: the general
 /// one over 8 blocks, and the held one over 2, 4 and 8 (the host takes the fewest blocks

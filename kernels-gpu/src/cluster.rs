@@ -135,15 +135,8 @@ const ROUND_OFFSET: u32 = EXCHANGE_OFFSET + 16;
 
 /// Dynamic shared memory of a cluster kernel before its partial rows: the block
 /// reductions' scratch, the two exchange slots and the round count (32 bytes, keeping the
-/// rows 16-byte aligned).
-pub const CLUSTER_SCRATCH_BYTES: u32 = SCRATCH_BYTES + 32;
-
-/// Columns of each block's slice of an `n`-column row: whole packs of `pack` elements, so
-/// that every slice of an aligned row starts aligned.
-#[inline(always)]
-pub fn slice_width(n: u32, pack: u32, c: u32) -> u32 {
-    n.div_ceil(pack).div_ceil(c) * pack
-}
+/// rows 16-byte aligned). Columns of each block's slice: whole packs.
+pub use layernorm_layout::{CLUSTER_SCRATCH_BYTES, slice_width};
 
 impl<const C: u32> Team for Cluster<C> {
     const PREFETCH_NEXT_ROW: bool = true;

@@ -1,0 +1,131 @@
+//! What the kernels (`kernels-gpu/src`) and the host (`host/gpu`) must agree on, written once:
+//! how many 16-byte packs a thread holds in each kernel, how each kernel lays out its dynamic
+//! shared memory, the cluster sizes, and stage 2's block. Both crates compile this one, so a
+//! change here reaches the PTX and the launches together (and build.rs hashes it with the
+//! kernel sources).
+//!
+//! Everything is a `const` or a `const fn` of plain integers: the kernels use the values as
+//! const generics and in address arithmetic, the host to size launches and check buffers.
+#![no_std]
+
+/// Bytes of one pack, the kernels' unit of vector access (`ld.global.v4.u32`).
+pub const PACK_BYTES: u32 = 16;
+
+/// Elements of a `bytes`-byte type in one pack: 4 f32, 8 f16 or bf16.
+#[inline(always)]
+pub const fn pack_len(bytes: u32) -> u32 {
+    PACK_BYTES / bytes
+}
+
+/// Packs of x each rank of the general forward holds of a row that fits: 8 packs are 32
+/// registers of raw words.
+pub const FWD_HELD: u32 = 8;
+
+/// Packs of x each rank of the pipelined forward holds for each of its two rows in flight.
+pub const PIPE_HELD: u32 = 4;
+
+/// Packs of x each rank of the general forward holds of an aligned row too long to hold
+/// whole; the rest is staged in shared memory. (With 8, the f32 kernel spills at its 64
+/// registers.)
+pub const PART_HELD: u32 = 4;
+
+/// Packs of x and of dy each rank of the backward holds: 2 * 4 packs = 32 registers.
+pub const BWD_HELD: u32 = 4;
+
+/// Whether `cols` columns (a row, or a cluster's slice of one) of `pack`-element packs fit
+/// `held` packs a rank for `ranks` ranks.
+#[inline(always)]
+pub const fn fits(cols: u32, pack: u32, ranks: u32, held: u32) -> bool {
+    cols.div_ceil(pack) <= ranks * held
+}
+
+/// Dynamic shared memory every kernel gets at least: the block reductions' 16-byte slot per
+/// warp of a 1024-thread block.
+pub const SCRATCH_BYTES: u32 = 32 * 16;
+
+/// Bytes a cluster block keeps after [`SCRATCH_BYTES`] for the row sums' exchange: two 8-byte
+/// slots (alternating rows) and a round count, padded to 32.
+pub const CLUSTER_EXCHANGE_BYTES: u32 = 32;
+
+/// A cluster block's scratch: the block reductions' and the exchange.
+pub const CLUSTER_SCRATCH_BYTES: u32 = SCRATCH_BYTES + CLUSTER_EXCHANGE_BYTES;
+
+/// Block teams a block may stack along y: team t synchronizes on named barrier 1 + t of the
+/// 16 a block has, barrier 0 being the block's.
+pub const MAX_STACKED: u32 = 15;
+
+/// Blocks per cluster of the general cluster backward: the portable maximum.
+pub const CLUSTER_SIZE: u32 = 8;
+
+/// Blocks per cluster of the held cluster backward, fewest first (the host takes the fewest
+/// whose slices fit).
+pub const HELD_CLUSTER_SIZES: [u32; 3] = [2, 4, 8];
+
+/// Columns of each block's slice when a cluster of `c` blocks shares a row of `n`: whole
+/// packs of `pack` elements, so that every slice of an aligned row starts aligned.
+#[inline(always)]
+pub const fn slice_width(n: u32, pack: u32, c: u32) -> u32 {
+    n.div_ceil(pack).div_ceil(c) * pack
+}
+
+/// Word of column `j` in a shared-memory partial row: one padding word after every 32, so a
+/// warp's packs spread over all 32 banks (a pack never straddles a padding word, since the
+/// pack length divides 32).
+#[inline(always)]
+pub const fn padded(j: u32) -> u32 {
+    j + j / 32
+}
+
+/// Shared memory of an owned-mode block whose `teams` each sum their partials in shared
+/// memory: the scratch, then per team a dgamma and a dbeta row of `n` padded words, plus one.
+#[inline(always)]
+pub const fn owned_local_smem(teams: u32, n: u32) -> usize {
+    SCRATCH_BYTES as usize + teams as usize * 2 * 4 * (padded(n) as usize + 1)
+}
+
+/// 16-byte chunks of one rank's held partials (dgamma or dbeta) in the held backward:
+/// `BWD_HELD` packs of `pack` f32.
+#[inline(always)]
+pub const fn held_chunks(pack: u32) -> u32 {
+    BWD_HELD * pack / 4
+}
+
+/// Shared bytes of one held team of `ranks` ranks: every rank's dgamma and dbeta chunks.
+#[inline(always)]
+pub const fn held_team_bytes(pack: u32, ranks: u32) -> u32 {
+    2 * held_chunks(pack) * ranks * 16
+}
+
+/// Shared memory of a held backward block of `threads` (all its teams' ranks) for elements
+/// of `pack` per pack: the scratch, then every rank's partials.
+#[inline(always)]
+pub const fn held_smem(pack: u32, threads: u32) -> usize {
+    SCRATCH_BYTES as usize + held_team_bytes(pack, threads) as usize
+}
+
+/// Shared memory of a general cluster block for rows of `n` (`pack` elements per pack): the
+/// cluster scratch, then a padded dgamma and dbeta row of its slice.
+#[inline(always)]
+pub const fn cluster_smem(n: u32, pack: u32) -> usize {
+    owned_local_smem(1, slice_width(n, pack, CLUSTER_SIZE)) + CLUSTER_EXCHANGE_BYTES as usize
+}
+
+/// Shared memory of a held cluster block of `threads`: the cluster scratch, then each rank's
+/// partials.
+#[inline(always)]
+pub const fn cluster_held_smem(pack: u32, threads: u32) -> usize {
+    held_smem(pack, threads) + CLUSTER_EXCHANGE_BYTES as usize
+}
+
+/// Stage 2's tile: 32 columns, read as 8 groups of 4 (one 16-byte load per group and row).
+pub const STAGE2_GROUPS: u32 = 8;
+
+/// Slices of the partial rows a stage 2 block sums at once: with 8 groups, 1024 threads, so
+/// that the few rows of each slice all load at once.
+pub const STAGE2_SLICES: u32 = 128;
+
+/// Stage 2's block.
+pub const STAGE2_THREADS: u32 = STAGE2_GROUPS * STAGE2_SLICES;
+
+/// Stage 2's shared memory: a 16-byte slot for dgamma and one for dbeta per thread.
+pub const STAGE2_SMEM: u32 = 2 * 16 * STAGE2_THREADS;
