@@ -28,6 +28,13 @@ use std::process::Command;
 
 use sha2::{Digest, Sha256};
 
+// The kernel registry, the same file the host compiles (through the layout crate): the
+// launch bounds and cluster sizes written into the PTX here. The host uses the rest of it.
+#[allow(dead_code)]
+#[path = "kernels-gpu/layout/src/registry.rs"]
+mod registry;
+use registry::{Arch, DTYPES, Variant};
+
 const KERNEL_DIR: &str = "kernels-gpu";
 /// The crate of numbers the kernels and the host share, inside the kernel folder.
 const LAYOUT_DIR: &str = "layout";
@@ -49,13 +56,12 @@ enum Mode {
 }
 
 /// One PTX module: its file name (in `$OUT_DIR` and, checked in, in `kernels-gpu/`), the
-/// GPU it targets, the extra rustc flags of its build, and launch bounds of its own that
-/// come before [`LAUNCH_BOUNDS`].
+/// GPU it targets, the extra rustc flags of its build, and its column of the kernel registry.
 struct Module {
     file: &'static str,
     target_cpu: &'static str,
     flags: &'static [&'static str],
-    bounds: &'static [(&'static str, &'static str)],
+    arch: Arch,
 }
 
 const MODULES: &[Module] = &[
@@ -64,49 +70,15 @@ const MODULES: &[Module] = &[
         file: "layernorm_kernels.ptx",
         target_cpu: "sm_80",
         flags: &[],
-        // sm_80's ptxas needs more than the 128 registers of 512 threads to hold the held
-        // stage 1's two f16/bf16 rows without spilling, the owned f32 block kernel more
-        // than 96 (it takes 111), and the locked f16/bf16 warp kernels more than 96 (their
-        // group rows' Kahan sums). Between 512 and 640 threads nothing is gained: a quarter of
-        // the register file serves 5 of the block's warps, which caps them at 96.
-        bounds: &[
-            ("layer_norm_bwd_held_", ".maxntid 384, 1, 1"),
-            ("layer_norm_bwd_owned_block_f32", ".maxntid 512, 1, 1"),
-            ("layer_norm_bwd_locked_warp_f16", ".maxntid 512, 1, 1"),
-            ("layer_norm_bwd_locked_warp_bf16", ".maxntid 512, 1, 1"),
-        ],
+        arch: Arch::Sm80,
     },
     // Hopper: clusters and distributed shared memory exist from sm_90 on.
     Module {
         file: "layernorm_kernels_sm90.ptx",
         target_cpu: "sm_90",
         flags: &["--cfg", "layernorm_sm90"],
-        bounds: &[],
+        arch: Arch::Sm90,
     },
-];
-/// Launch bounds (`.maxntid`, the most threads a block of the kernel may have), by kernel
-/// name prefix; Rust has no attribute for them, so they are added to the PTX here. For 1024
-/// threads ptxas keeps each thread within 64 registers, so a multiprocessor holds a full
-/// 2048 threads: rows in flight, not registers, then decide the memory traffic under way.
-/// The backward's stage 1 holds x and dy and adds partials a whole pack at a time, and
-/// spills at 64 registers: the locked mode fits 80 (768 threads; f16/bf16, whose group rows'
-/// Kahan sums load a pack of four rows at once, 96 at 640), the owned mode, with its
-/// shared-memory rows and their final combine, 128 (512 threads), except where ptxas fits
-/// fewer without spilling: the f32 block kernel in 96 (640 threads), the f16/bf16 cluster
-/// kernels (a slice per block) in 96 (640 threads). The held stage 1 keeps two rows in
-/// registers (the current one and the next one's loads) in 128 (512 threads). Fewer
-/// registers, more blocks resident. The first matching prefix counts.
-const LAUNCH_BOUNDS: &[(&str, &str)] = &[
-    ("layer_norm_bwd_owned_block_f32", ".maxntid 640, 1, 1"),
-    ("layer_norm_bwd_cluster8_f16", ".maxntid 640, 1, 1"),
-    ("layer_norm_bwd_cluster8_bf16", ".maxntid 640, 1, 1"),
-    ("layer_norm_bwd_owned_", ".maxntid 512, 1, 1"),
-    ("layer_norm_bwd_held_", ".maxntid 512, 1, 1"),
-    ("layer_norm_bwd_cluster", ".maxntid 512, 1, 1"),
-    ("layer_norm_bwd_locked_warp_f32", ".maxntid 768, 1, 1"),
-    ("layer_norm_bwd_locked_block_f32", ".maxntid 768, 1, 1"),
-    ("layer_norm_bwd_locked_", ".maxntid 640, 1, 1"),
-    ("layer_norm_", ".maxntid 1024, 1, 1"),
 ];
 
 fn main() {
@@ -342,28 +314,38 @@ fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> 
             "the kernel PTX calls a function it does not contain ({line}); remove the code path that needs it"
         ));
     }
-    Ok(with_launch_bounds(&ptx, module.bounds))
+    Ok(with_launch_bounds(&ptx, module.arch))
 }
 
-/// Adds each kernel's [`LAUNCH_BOUNDS`] after its parameter list, where PTX wants them,
-/// and to each `layer_norm_bwd_cluster<C>_*` kernel its cluster size: with
-/// `.reqnctapercluster` a plain launch forms the clusters (no extended launch API needed).
-fn with_launch_bounds(ptx: &str, module_bounds: &[(&str, &str)]) -> String {
+/// Adds each kernel's launch bound, and to each cluster kernel its cluster size, after its
+/// parameter list, where PTX wants them, as the kernel registry gives them for `arch`'s
+/// module (with `.reqnctapercluster` a plain launch forms the clusters: no extended launch
+/// API needed). A kernel the registry does not know, or a registry kernel the module lacks,
+/// stops the build: the table is the one list of kernels.
+fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
+    let mut expected: Vec<(String, Variant, usize)> = Variant::ALL
+        .iter()
+        .filter(|v| v.in_module(arch))
+        .flat_map(|&v| {
+            (0..DTYPES.len()).map(move |d| (format!("layer_norm_{}_{}", v.stem(), DTYPES[d]), v, d))
+        })
+        .collect();
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut directives = Vec::new();
     for line in ptx.lines() {
         out.push_str(line);
         out.push('\n');
-        if let Some(name) = line.strip_prefix(".visible .entry ") {
+        if let Some(entry) = line.strip_prefix(".visible .entry ") {
+            let name = entry.split('(').next().unwrap_or(entry);
+            let at = expected
+                .iter()
+                .position(|(n, _, _)| n == name)
+                .unwrap_or_else(|| panic!("kernel {name} is not in kernels-gpu/layout/src/registry.rs"));
+            let (_, variant, dtype) = expected.swap_remove(at);
             directives.clear();
-            let mut bounds = module_bounds.iter().chain(LAUNCH_BOUNDS);
-            if let Some((_, b)) = bounds.find(|(prefix, _)| name.starts_with(prefix)) {
-                directives.push(b.to_string());
-            }
-            if let Some(rest) = name.strip_prefix("layer_norm_bwd_cluster") {
-                let size: String = rest.chars().take_while(char::is_ascii_digit).collect();
-                assert!(!size.is_empty(), "cluster kernel {name} has no size in its name");
-                directives.push(format!(".reqnctapercluster {size}, 1, 1"));
+            directives.push(format!(".maxntid {}, 1, 1", variant.max_threads(arch, dtype)));
+            if variant.cluster() > 1 {
+                directives.push(format!(".reqnctapercluster {}, 1, 1", variant.cluster()));
             }
         } else if line.trim() == ")" {
             for d in directives.drain(..) {
@@ -372,6 +354,11 @@ fn with_launch_bounds(ptx: &str, module_bounds: &[(&str, &str)]) -> String {
             }
         }
     }
+    let missing: Vec<&str> = expected.iter().map(|(n, _, _)| n.as_str()).collect();
+    assert!(
+        missing.is_empty(),
+        "the registry's kernels {missing:?} are not in the {arch:?} module"
+    );
     out
 }
 
@@ -398,10 +385,10 @@ fn checked_in_ptx(path: &Path, hash: &str, why_not_built: &str) -> String {
 
 /// SHA-256 over everything that shapes the PTX (relative path and contents of each file, in
 /// path order): the kernel crate's sources and manifest, those of the layout crate it
-/// shares with the host (`kernels-gpu/layout`), and all of this file. This file
-/// holds the module list, target cpus and flags, the launch bounds, the cluster directive
-/// rule and the nested build's command line; hashing the whole of it, rather than a
-/// rendering of its tables, leaves out nothing that code here adds to the PTX now or later.
+/// shares with the host (`kernels-gpu/layout`, whose registry holds the launch bounds and
+/// cluster sizes), and all of this file. This file holds the module list, target cpus and
+/// flags, how the registry's directives are written, and the nested build's command line;
+/// hashing the whole of it leaves out nothing that code here adds to the PTX now or later.
 /// The price: any edit of this file, a comment's included, needs the checked-in PTX's hash
 /// line refreshed (`LAYERNORM_KERNEL_PTX=update`).
 fn source_hash(root: &Path) -> String {

@@ -22,9 +22,8 @@ const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels_sm90.ptx"));
 
 // What the kernels and the launches must agree on, from the one crate both compile.
-pub(crate) use layernorm_layout::{
-    BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, PART_HELD, PIPE_HELD, SCRATCH_BYTES,
-};
+use layernorm_layout::registry::{Arch, DTYPES, Variant};
+pub(crate) use layernorm_layout::{BWD_HELD, CLUSTER_SIZE, FWD_HELD, PART_HELD, PIPE_HELD, SCRATCH_BYTES};
 use layernorm_layout::{STAGE2_SMEM, STAGE2_THREADS};
 
 /// Which threads share a row: one warp (short rows), or a whole block.
@@ -131,88 +130,74 @@ impl Kernel {
     }
 }
 
-/// One storage type's kernels.
-pub(crate) struct TypeKernels {
-    pub(crate) fwd_warp: Kernel,
-    pub(crate) fwd_block: Kernel,
-    /// The forward for launches whose rows are all whole aligned packs that fit 4 packs a
-    /// rank: two rows in flight per team (`forward_rows_pipelined` in
-    /// kernels-gpu/src/forward.rs).
-    pub(crate) fwd_pipelined_warp: Kernel,
-    pub(crate) fwd_pipelined_block: Kernel,
-    pub(crate) bwd_owned_warp: Kernel,
-    pub(crate) bwd_owned_block: Kernel,
-    /// Owned-mode stage 1 for launches whose rows are all whole aligned packs held in
-    /// registers (`stage1_held` in kernels-gpu/src/backward.rs).
-    pub(crate) bwd_held_warp: Kernel,
-    pub(crate) bwd_held_block: Kernel,
-    pub(crate) bwd_locked_warp: Kernel,
-    pub(crate) bwd_locked_block: Kernel,
-    bwd_reduce: Kernel,
-    /// Owned-mode stage 1 over clusters of [`CLUSTER_SIZE`] blocks; None before sm_90.
-    pub(crate) bwd_cluster: Option<Kernel>,
-    /// The same over rows that are all whole aligned packs, each block's slice held in
-    /// registers (`stage1_cluster_held` in kernels-gpu/src/backward.rs), one kernel per
-    /// [`HELD_CLUSTER_SIZES`]; empty before sm_90.
-    pub(crate) bwd_cluster_held: Vec<(u32, Kernel)>,
-}
-
-/// All kernels of the module, by storage type.
+/// Every kernel of the loaded module, as the registry (`layernorm_layout::registry`) lists
+/// them, by variant and storage type.
 pub(crate) struct KernelTable {
-    by_type: [TypeKernels; 3],
+    /// `kernels[variant][dtype]`, in `Variant::ALL` and `DTYPES` order; None where the
+    /// module lacks the kernel (the cluster kernels before sm_90).
+    kernels: Vec<[Option<Kernel>; 3]>,
     /// Dynamic shared memory a block may have on this device (the opt-in maximum).
     pub(crate) max_smem: u32,
 }
 
 impl KernelTable {
-    /// JIT-compiles the PTX for this device (once per device) and looks up every kernel:
-    /// the sm_90 module (with the cluster kernels) on compute capability 9.0 and later.
+    /// JIT-compiles the PTX for this device (once per device) and looks up every kernel the
+    /// registry lists for its module: the sm_90 module (with the cluster kernels) on compute
+    /// capability 9.0 and later.
     pub(crate) fn load(ctx: &Arc<CudaContext>, major: i32) -> Result<KernelTable> {
         let max_smem = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .during("reading the shared memory limit")? as u32;
-        let hopper = major >= 9;
-        let ptx = if hopper { PTX_SM90 } else { PTX_SM80 };
+        let arch = if major >= 9 { Arch::Sm90 } else { Arch::Sm80 };
+        let ptx = match arch {
+            Arch::Sm90 => PTX_SM90,
+            Arch::Sm80 => PTX_SM80,
+        };
         let module = ctx
             .load_module(Ptx::from_src(ptx))
             .during("loading the PTX module")?;
-        let load = |kind: &str, ty: &str| Kernel::load(&module, &format!("layer_norm_{kind}_{ty}"), max_smem);
-        let of = |ty: &str| -> Result<TypeKernels> {
-            Ok(TypeKernels {
-                fwd_warp: load("fwd_warp", ty)?,
-                fwd_block: load("fwd_block", ty)?,
-                fwd_pipelined_warp: load("fwd_pipelined_warp", ty)?,
-                fwd_pipelined_block: load("fwd_pipelined_block", ty)?,
-                bwd_owned_warp: load("bwd_owned_warp", ty)?,
-                bwd_owned_block: load("bwd_owned_block", ty)?,
-                bwd_held_warp: load("bwd_held_warp", ty)?,
-                bwd_held_block: load("bwd_held_block", ty)?,
-                bwd_locked_warp: load("bwd_locked_warp", ty)?,
-                bwd_locked_block: load("bwd_locked_block", ty)?,
-                bwd_reduce: load("bwd_reduce", ty)?,
-                bwd_cluster: if hopper {
-                    Some(load(&format!("bwd_cluster{CLUSTER_SIZE}"), ty)?)
-                } else {
-                    None
-                },
-                bwd_cluster_held: if hopper {
-                    HELD_CLUSTER_SIZES
-                        .iter()
-                        .map(|&c| Ok((c, load(&format!("bwd_cluster{c}_held"), ty)?)))
-                        .collect::<Result<_>>()?
-                } else {
-                    Vec::new()
-                },
+        let kernels = Variant::ALL
+            .iter()
+            .map(|v| {
+                let mut by_type = [None, None, None];
+                if v.in_module(arch) {
+                    for (slot, ty) in by_type.iter_mut().zip(DTYPES) {
+                        let name = format!("layer_norm_{}_{ty}", v.stem());
+                        *slot = Some(Kernel::load(&module, &name, max_smem)?);
+                    }
+                }
+                Ok(by_type)
             })
-        };
-        Ok(KernelTable {
-            by_type: [of(f32::NAME)?, of(half::f16::NAME)?, of(half::bf16::NAME)?],
-            max_smem,
-        })
+            .collect::<Result<_>>()?;
+        Ok(KernelTable { kernels, max_smem })
     }
 
-    pub(crate) fn of<T: Element>(&self) -> &TypeKernels {
-        &self.by_type[T::INDEX]
+    /// The kernels of storage type `T`.
+    pub(crate) fn of<T: Element>(&self) -> TypeKernels<'_> {
+        TypeKernels {
+            table: self,
+            dtype: T::INDEX,
+        }
+    }
+}
+
+/// One storage type's kernels.
+#[derive(Clone, Copy)]
+pub(crate) struct TypeKernels<'a> {
+    table: &'a KernelTable,
+    dtype: usize,
+}
+
+impl<'a> TypeKernels<'a> {
+    /// The kernel, where the loaded module has it.
+    pub(crate) fn get(self, v: Variant) -> Option<&'a Kernel> {
+        self.table.kernels[v as usize][self.dtype].as_ref()
+    }
+
+    /// A kernel every module has.
+    pub(crate) fn any(self, v: Variant) -> &'a Kernel {
+        self.get(v)
+            .unwrap_or_else(|| panic!("layernorm-cuda bug: {v:?} asked of a module that lacks it"))
     }
 }
 
@@ -374,11 +359,11 @@ pub(crate) fn backward_owned<T: Element>(
     );
     require(local || team == Team::Block, "warp teams sum in shared memory");
     let k = gpu.kernels.of::<T>();
-    let f = if team == Team::Warp {
-        &k.bwd_owned_warp
+    let f = k.any(if team == Team::Warp {
+        Variant::BwdOwnedWarp
     } else {
-        &k.bwd_owned_block
-    };
+        Variant::BwdOwnedBlock
+    });
     let local = local as u32;
     let (rows, n) = (a.rows, a.n);
     let mut b = a.launch_args(gpu, f);
@@ -417,11 +402,11 @@ pub(crate) fn backward_held<T: Element>(
         "held smem",
     );
     let k = gpu.kernels.of::<T>();
-    let f = if team == Team::Warp {
-        &k.bwd_held_warp
+    let f = k.any(if team == Team::Warp {
+        Variant::BwdHeldWarp
     } else {
-        &k.bwd_held_block
-    };
+        Variant::BwdHeldBlock
+    });
     // SAFETY: `backward_kernels!(@held ..)` in kernels-gpu/src/backward.rs takes these
     // arguments; every buffer (shared memory included) holds what the kernel indexes, and
     // every row is whole aligned packs that fit (checked above).
@@ -446,7 +431,7 @@ pub(crate) use layernorm_layout::owned_local_smem;
 
 /// Stage 1, owned mode over clusters of `size` blocks: `launch.blocks / size` partial
 /// rows, each block of a cluster summing one slice of the row in shared memory: held in
-/// registers (`held`, rows all aligned packs; sizes [`HELD_CLUSTER_SIZES`]) or not (size
+/// registers (`held`, rows all aligned packs; sizes `HELD_CLUSTER_SIZES`) or not (size
 /// [`CLUSTER_SIZE`]).
 pub(crate) fn backward_cluster<T: Element>(
     gpu: &Gpu,
@@ -469,15 +454,11 @@ pub(crate) fn backward_cluster<T: Element>(
         let slice = cluster_slice::<T>(a.n, size);
         let slice_fits = a.packed && fits_held::<T>(Team::Block, launch.threads, slice, BWD_HELD);
         require(slice_fits, "held cluster slices");
-        let kernel = k
-            .bwd_cluster_held
-            .iter()
-            .find(|(c, _)| *c == size)
-            .map(|(_, f)| f);
+        let kernel = Variant::cluster_held(size).and_then(|v| k.get(v));
         (kernel, cluster_held_smem::<T>(launch.threads))
     } else {
         require(size == CLUSTER_SIZE, "general cluster size");
-        (k.bwd_cluster.as_ref(), cluster_smem::<T>(a.n))
+        (k.get(Variant::BwdCluster8), cluster_smem::<T>(a.n))
     };
     require(launch.smem as usize >= smem, "cluster smem");
     let Some(f) = kernel else {
@@ -541,11 +522,11 @@ pub(crate) fn backward_locked<T: Element>(
     require(words.len() >= 2 * groups as usize, "lock words");
     require(launch.smem >= SCRATCH_BYTES, "scratch");
     let k = gpu.kernels.of::<T>();
-    let f = if team == Team::Warp {
-        &k.bwd_locked_warp
+    let f = k.any(if team == Team::Warp {
+        Variant::BwdLockedWarp
     } else {
-        &k.bwd_locked_block
-    };
+        Variant::BwdLockedBlock
+    });
     let (rows, n) = (a.rows, a.n);
     let mut b = a.launch_args(gpu, f);
     b.arg(group_dgamma)
@@ -588,7 +569,9 @@ pub(crate) fn backward_reduce<T: Element>(
         block_dim: (STAGE2_THREADS, 1, 1),
         shared_mem_bytes: STAGE2_SMEM,
     };
-    let mut b = gpu.stream.launch_builder(&gpu.kernels.of::<T>().bwd_reduce.func);
+    let mut b = gpu
+        .stream
+        .launch_builder(&gpu.kernels.of::<T>().any(Variant::BwdReduce).func);
     b.arg(part_dgamma)
         .arg(part_dbeta)
         .arg(&rows)

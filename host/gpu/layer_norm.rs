@@ -6,7 +6,8 @@
 
 use cudarc::driver::CudaSlice;
 
-use layernorm_layout::MAX_STACKED;
+use layernorm_layout::registry::Variant;
+use layernorm_layout::{HELD_CLUSTER_SIZES, MAX_STACKED};
 
 use super::Gpu;
 use super::kernels::{self, Backward, Forward, Kernel, Launch, SCRATCH_BYTES, Team};
@@ -87,16 +88,19 @@ pub(crate) fn forward<T: Element>(gpu: &Gpu, a: Forward<'_, T>) -> Result<()> {
     let k = gpu.kernels.of::<T>();
     let team = team_for(n);
     let (kernel, threads) = match team {
-        Team::Warp => (&k.fwd_warp, warp_threads(&k.fwd_warp)),
+        Team::Warp => (k.any(Variant::FwdWarp), warp_threads(k.any(Variant::FwdWarp))),
         // Four packs per thread, up to eight where the block is capped: rows to 8 packs per
         // thread stay in registers (kernels-gpu/src/row.rs).
-        Team::Block => (&k.fwd_block, block_threads::<T>(&k.fwd_block, n, 4)),
+        Team::Block => (
+            k.any(Variant::FwdBlock),
+            block_threads::<T>(k.any(Variant::FwdBlock), n, 4),
+        ),
     };
     // Rows that are all aligned whole packs, 4 a thread at most, take the pipelined kernel
     // (same launch bounds, so the same block).
     let pipelined = match team {
-        Team::Warp => &k.fwd_pipelined_warp,
-        Team::Block => &k.fwd_pipelined_block,
+        Team::Warp => k.any(Variant::FwdPipelinedWarp),
+        Team::Block => k.any(Variant::FwdPipelinedBlock),
     };
     let fits = kernels::fits_held::<T>(team, threads, n, kernels::PIPE_HELD);
     let (kernel, smem) = if a.packed && fits && threads <= pipelined.max_threads {
@@ -152,14 +156,17 @@ pub(crate) fn backward<T: Element>(
         (Reduction::Owned, Some(general), _) => {
             // Slices held in registers where every row is aligned packs, over the fewest
             // blocks whose slices fit: fewer blocks wait at each row's cluster barrier.
-            let held_slices = k.bwd_cluster_held.iter().find_map(|(size, kernel)| {
-                let slice = kernels::cluster_slice::<T>(n, *size);
+            let mut held_kernels = HELD_CLUSTER_SIZES
+                .iter()
+                .filter_map(|&size| Some((size, k.get(Variant::cluster_held(size)?)?)));
+            let held_slices = held_kernels.find_map(|(size, kernel)| {
+                let slice = kernels::cluster_slice::<T>(n, size);
                 let threads = block_threads::<T>(kernel, slice, 4);
                 let smem = kernels::cluster_held_smem::<T>(threads);
                 let fits = kernels::fits_held::<T>(Team::Block, threads, slice, kernels::BWD_HELD);
                 (stage1.packed && fits && smem <= gpu.kernels.max_smem as usize).then_some((
                     kernel,
-                    *size,
+                    size,
                     threads,
                     smem as u32,
                 ))
@@ -202,8 +209,14 @@ pub(crate) fn backward<T: Element>(
             // The fewest threads per row leave room for the most rows per multiprocessor at
             // the backward's 80 to 128 registers per thread.
             let (kernel, threads) = match team {
-                Team::Warp => (&k.bwd_owned_warp, warp_threads(&k.bwd_owned_warp)),
-                Team::Block => (&k.bwd_owned_block, block_threads::<T>(&k.bwd_owned_block, n, 4)),
+                Team::Warp => (
+                    k.any(Variant::BwdOwnedWarp),
+                    warp_threads(k.any(Variant::BwdOwnedWarp)),
+                ),
+                Team::Block => {
+                    let kernel = k.any(Variant::BwdOwnedBlock);
+                    (kernel, block_threads::<T>(kernel, n, 4))
+                }
             };
             // Each team sums its rows' partials in its own shared memory (about 8n bytes)
             // when they fit; warp teams must (8 warps * 8.3 KB at n = 1024: every sm_80 and
@@ -235,8 +248,14 @@ pub(crate) fn backward<T: Element>(
                 .alloc_zeros::<u32>(words_len)
                 .allocating(4 * words_len, "allocating locks")?;
             let (kernel, threads) = match team {
-                Team::Warp => (&k.bwd_locked_warp, warp_threads(&k.bwd_locked_warp)),
-                Team::Block => (&k.bwd_locked_block, block_threads::<T>(&k.bwd_locked_block, n, 4)),
+                Team::Warp => (
+                    k.any(Variant::BwdLockedWarp),
+                    warp_threads(k.any(Variant::BwdLockedWarp)),
+                ),
+                Team::Block => {
+                    let kernel = k.any(Variant::BwdLockedBlock);
+                    (kernel, block_threads::<T>(kernel, n, 4))
+                }
             };
             let launch = resident(gpu, kernel, rows, team, threads, 1, SCRATCH_BYTES)?;
             kernels::backward_locked(gpu, team, launch, stage1, &mut pg, &mut pb, &mut words, groups)?;
@@ -262,11 +281,14 @@ fn held<'k, T: Element>(
     let k = gpu.kernels.of::<T>();
     // A team's ranks, and the most teams the kernel's thread limit allows a block.
     let (kernel, ranks, most) = match team {
-        Team::Warp => (&k.bwd_held_warp, 32, k.bwd_held_warp.max_threads / 32),
+        Team::Warp => {
+            let kernel = k.any(Variant::BwdHeldWarp);
+            (kernel, 32, kernel.max_threads / 32)
+        }
         Team::Block => {
-            let ranks = block_threads::<T>(&k.bwd_held_block, a.n, 4);
-            let most = (k.bwd_held_block.max_threads / ranks).min(MAX_STACKED);
-            (&k.bwd_held_block, ranks, most)
+            let kernel = k.any(Variant::BwdHeldBlock);
+            let ranks = block_threads::<T>(kernel, a.n, 4);
+            (kernel, ranks, (kernel.max_threads / ranks).min(MAX_STACKED))
         }
     };
     // The most of those whose partials fit shared memory (each rank holds its own).
@@ -286,10 +308,11 @@ fn held<'k, T: Element>(
 /// thread) nor sum in shared memory (8n bytes), as long as an eighth of the row fits.
 fn cluster_for<T: Element>(gpu: &Gpu, n: u32) -> Option<&Kernel> {
     let k = gpu.kernels.of::<T>();
-    let kernel = k.bwd_cluster.as_ref()?;
+    let kernel = k.get(Variant::BwdCluster8)?;
     let max_smem = gpu.kernels.max_smem as usize;
     let packs = n.div_ceil(kernels::pack_len::<T>());
-    let one_block = kernels::owned_local_smem(1, n) <= max_smem && packs <= k.bwd_owned_block.max_threads * 4;
+    let one_block =
+        kernels::owned_local_smem(1, n) <= max_smem && packs <= k.any(Variant::BwdOwnedBlock).max_threads * 4;
     (!one_block && kernels::cluster_smem::<T>(n) <= max_smem).then_some(kernel)
 }
 

@@ -8,6 +8,8 @@
 //! const generics and in address arithmetic, the host to size launches and check buffers.
 #![no_std]
 
+pub mod registry;
+
 /// Bytes of one pack, the kernels' unit of vector access (`ld.global.v4.u32`).
 pub const PACK_BYTES: u32 = 16;
 

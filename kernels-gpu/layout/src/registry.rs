@@ -1,0 +1,155 @@
+//! Every kernel of the two PTX modules, once: its name, the storage types it comes in, its
+//! launch bound per module and type, its cluster size, and whether only the sm_90 module has
+//! it. build.rs writes the bounds and cluster sizes into the PTX from this table (it
+//! includes this file), the host loads the kernels by it, and a host test checks the
+//! checked-in PTX against it.
+//!
+//! Launch bounds (`.maxntid`, the most threads a block may have) decide each kernel's
+//! register budget: 1024 threads leave 64 registers a thread, 768 leave 80, 640 leave 96,
+//! 512 leave 128 (a quarter of the register file serves a quarter of the warps, so 576
+//! threads get no more than 640). Rust has no attribute for them; build.rs adds them.
+//! - The forward and stage 2 run at 1024 (64 registers): a multiprocessor then holds 2048
+//!   threads, and rows in flight, not registers, decide the memory traffic under way.
+//! - Stage 1 holds x and dy and adds partials a pack at a time, and spills at 64: the owned
+//!   mode, with its shared-memory rows and their final combine, needs 128 (512), except the
+//!   f32 block kernel on sm_90, which fits 96 (640); the held mode keeps two rows in
+//!   registers in 128 (512), and on sm_80, whose ptxas needs more for f16/bf16, in 168
+//!   (384); the locked mode fits 80 (768) in f32, and 96 (640) in f16/bf16, whose group
+//!   rows' Kahan sums load a pack of four rows at once (sm_80's ptxas: 128 for the warp
+//!   kernels); the cluster kernels (a slice per block) fit 96 (640) in f16/bf16 and need 128
+//!   (512) in f32 and when held.
+//!
+//! Fewer registers, more blocks resident; `.ci/run`'s ptxas check fails on any spill.
+
+/// Storage types, in kernel-name order: `layer_norm_<stem>_<dtype>`.
+pub const DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
+
+/// The two PTX modules: sm_80 (every GPU from the A100 on) and sm_90 (Hopper, with the
+/// cluster kernels).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    Sm80,
+    Sm90,
+}
+
+/// A kernel, whatever its storage type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Variant {
+    /// Forward, a warp per row (rows of up to 1024).
+    FwdWarp,
+    /// Forward, a block per row.
+    FwdBlock,
+    /// Forward for rows all of aligned packs that fit 4 a rank: two rows in flight a team.
+    FwdPipelinedWarp,
+    FwdPipelinedBlock,
+    /// Backward stage 1, owned (deterministic) mode, rows streamed or held.
+    BwdOwnedWarp,
+    BwdOwnedBlock,
+    /// Stage 1, owned mode, rows all of aligned packs held in registers.
+    BwdHeldWarp,
+    BwdHeldBlock,
+    /// Stage 1, locked mode (the Triton tutorial's spinlocks over G groups).
+    BwdLockedWarp,
+    BwdLockedBlock,
+    /// Stage 2: the partial rows' column sums.
+    BwdReduce,
+    /// Stage 1, owned mode, rows split over clusters of 8 blocks (sm_90).
+    BwdCluster8,
+    /// The same with each block's slice held, over 2, 4 or 8 blocks (sm_90).
+    BwdCluster2Held,
+    BwdCluster4Held,
+    BwdCluster8Held,
+}
+
+impl Variant {
+    /// Every kernel, in the order the host keeps them.
+    pub const ALL: [Variant; 15] = [
+        Variant::FwdWarp,
+        Variant::FwdBlock,
+        Variant::FwdPipelinedWarp,
+        Variant::FwdPipelinedBlock,
+        Variant::BwdOwnedWarp,
+        Variant::BwdOwnedBlock,
+        Variant::BwdHeldWarp,
+        Variant::BwdHeldBlock,
+        Variant::BwdLockedWarp,
+        Variant::BwdLockedBlock,
+        Variant::BwdReduce,
+        Variant::BwdCluster8,
+        Variant::BwdCluster2Held,
+        Variant::BwdCluster4Held,
+        Variant::BwdCluster8Held,
+    ];
+
+    /// The name between `layer_norm_` and the storage type.
+    pub const fn stem(self) -> &'static str {
+        match self {
+            Variant::FwdWarp => "fwd_warp",
+            Variant::FwdBlock => "fwd_block",
+            Variant::FwdPipelinedWarp => "fwd_pipelined_warp",
+            Variant::FwdPipelinedBlock => "fwd_pipelined_block",
+            Variant::BwdOwnedWarp => "bwd_owned_warp",
+            Variant::BwdOwnedBlock => "bwd_owned_block",
+            Variant::BwdHeldWarp => "bwd_held_warp",
+            Variant::BwdHeldBlock => "bwd_held_block",
+            Variant::BwdLockedWarp => "bwd_locked_warp",
+            Variant::BwdLockedBlock => "bwd_locked_block",
+            Variant::BwdReduce => "bwd_reduce",
+            Variant::BwdCluster8 => "bwd_cluster8",
+            Variant::BwdCluster2Held => "bwd_cluster2_held",
+            Variant::BwdCluster4Held => "bwd_cluster4_held",
+            Variant::BwdCluster8Held => "bwd_cluster8_held",
+        }
+    }
+
+    /// Blocks per cluster (`.reqnctapercluster`), 1 for kernels without clusters.
+    pub const fn cluster(self) -> u32 {
+        match self {
+            Variant::BwdCluster8 | Variant::BwdCluster8Held => 8,
+            Variant::BwdCluster4Held => 4,
+            Variant::BwdCluster2Held => 2,
+            _ => 1,
+        }
+    }
+
+    /// Whether only the sm_90 module has the kernel (clusters exist from sm_90 on).
+    pub const fn sm90_only(self) -> bool {
+        self.cluster() > 1
+    }
+
+    /// The launch bound of the kernel for storage type `DTYPES[dtype]` in `arch`'s module
+    /// (the module header explains each number).
+    pub const fn max_threads(self, arch: Arch, dtype: usize) -> u32 {
+        let f32 = dtype == 0;
+        match (self, arch) {
+            (Variant::FwdWarp | Variant::FwdBlock | Variant::BwdReduce, _) => 1024,
+            (Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock, _) => 1024,
+            (Variant::BwdOwnedWarp, _) => 512,
+            (Variant::BwdOwnedBlock, Arch::Sm90) if f32 => 640,
+            (Variant::BwdOwnedBlock, _) => 512,
+            (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm80) => 384,
+            (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm90) => 512,
+            (Variant::BwdLockedWarp | Variant::BwdLockedBlock, _) if f32 => 768,
+            (Variant::BwdLockedWarp, Arch::Sm80) => 512,
+            (Variant::BwdLockedWarp | Variant::BwdLockedBlock, _) => 640,
+            (Variant::BwdCluster8, _) if f32 => 512,
+            (Variant::BwdCluster8, _) => 640,
+            (Variant::BwdCluster2Held | Variant::BwdCluster4Held | Variant::BwdCluster8Held, _) => 512,
+        }
+    }
+
+    /// Whether `arch`'s module has the kernel.
+    pub const fn in_module(self, arch: Arch) -> bool {
+        !self.sm90_only() || matches!(arch, Arch::Sm90)
+    }
+
+    /// The held cluster kernel over `size` blocks (one of [`crate::HELD_CLUSTER_SIZES`]).
+    pub const fn cluster_held(size: u32) -> Option<Variant> {
+        match size {
+            2 => Some(Variant::BwdCluster2Held),
+            4 => Some(Variant::BwdCluster4Held),
+            8 => Some(Variant::BwdCluster8Held),
+            _ => None,
+        }
+    }
+}
