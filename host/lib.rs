@@ -21,7 +21,8 @@
 //!
 //! Layout: `device` (where data lives), `tensor` on it (tensors, their storage and the
 //! `Device` methods that make them), `layer_norm` (the op and its checks),
-//! `cpu` (the ndarray path), `gpu` (CUDA: context, kernel launches, launch sizing).
+//! `cpu` (the ndarray path), `plan` (which kernel and block a call takes, a pure function),
+//! `gpu` (CUDA: context, kernel launches, grid sizing).
 
 mod cpu;
 mod device;
@@ -29,6 +30,7 @@ mod element;
 mod error;
 mod gpu;
 mod layer_norm;
+pub mod plan;
 mod tensor;
 
 /// The CUDA driver bindings this crate uses (for [`Device::cuda_stream`]).

@@ -15,6 +15,7 @@ use cudarc::nvrtc::Ptx;
 use super::Gpu;
 use crate::element::Element;
 use crate::error::{DriverContext, Error, Result};
+use crate::plan::{Arch, DeviceLimits, Variant};
 
 /// The kernels for sm_80 and later, built from `kernels-gpu/` by build.rs.
 const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels.ptx"));
@@ -22,8 +23,8 @@ const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels_sm90.ptx"));
 
 // What the kernels and the launches must agree on, from the one crate both compile.
-use layernorm_layout::registry::{Arch, DTYPES, Variant};
-pub(crate) use layernorm_layout::{BWD_HELD, CLUSTER_SIZE, FWD_HELD, PART_HELD, PIPE_HELD, SCRATCH_BYTES};
+use layernorm_layout::registry::DTYPES;
+pub(crate) use layernorm_layout::{BWD_HELD, CLUSTER_SIZE, SCRATCH_BYTES};
 use layernorm_layout::{STAGE2_SMEM, STAGE2_THREADS};
 
 /// Which threads share a row: one warp (short rows), or a whole block.
@@ -68,7 +69,7 @@ impl Launch {
 
 /// Refuses `needed` bytes of shared memory per block beyond what the device allows.
 pub(crate) fn check_smem(gpu: &Gpu, needed: usize, what: &'static str) -> Result<()> {
-    let available = gpu.kernels.max_smem as usize;
+    let available = gpu.kernels.limits.max_smem as usize;
     if needed <= available {
         Ok(())
     } else {
@@ -80,11 +81,9 @@ pub(crate) fn check_smem(gpu: &Gpu, needed: usize, what: &'static str) -> Result
     }
 }
 
-/// A kernel and what the driver's JIT made of it.
+/// A kernel of the loaded module.
 pub(crate) struct Kernel {
     func: CudaFunction,
-    /// The most threads a block may have (fewer than 1024 where it needs many registers).
-    pub(crate) max_threads: u32,
 }
 
 impl Kernel {
@@ -96,13 +95,7 @@ impl Kernel {
             max_smem as i32,
         )
         .during("raising a kernel's shared memory limit")?;
-        let max_threads = func
-            .max_threads_per_block()
-            .during("reading a kernel's thread limit")? as u32;
-        Ok(Kernel {
-            func,
-            max_threads: max_threads / 32 * 32,
-        })
+        Ok(Kernel { func })
     }
 
     /// Clusters of the kernel's (compile-time) `size` blocks, `threads` and `smem` per
@@ -136,8 +129,9 @@ pub(crate) struct KernelTable {
     /// `kernels[variant][dtype]`, in `Variant::ALL` and `DTYPES` order; None where the
     /// module lacks the kernel (the cluster kernels before sm_90).
     kernels: Vec<[Option<Kernel>; 3]>,
-    /// Dynamic shared memory a block may have on this device (the opt-in maximum).
-    pub(crate) max_smem: u32,
+    /// What the planner needs of this device: its module, and the dynamic shared memory a
+    /// block may have (the opt-in maximum).
+    pub(crate) limits: DeviceLimits,
 }
 
 impl KernelTable {
@@ -169,7 +163,8 @@ impl KernelTable {
                 Ok(by_type)
             })
             .collect::<Result<_>>()?;
-        Ok(KernelTable { kernels, max_smem })
+        let limits = DeviceLimits { arch, max_smem };
+        Ok(KernelTable { kernels, limits })
     }
 
     /// The kernels of storage type `T`.
@@ -223,22 +218,6 @@ pub(crate) struct Forward<'a, T> {
     /// Every row of x and y, gamma and beta start 16-byte aligned (aligned views and n a
     /// whole number of packs).
     pub(crate) packed: bool,
-}
-
-/// Shared memory of a general forward block of `threads` on rows of `n`: the scratch, and
-/// for rows too long to hold, room to stage their packs past `PART_HELD` a rank
-/// (`Staged` in kernels-gpu/src/row.rs), where the device has it; rows it cannot stage
-/// whole stream, and get the scratch only.
-pub(crate) fn forward_smem<T: Element>(gpu: &Gpu, team: Team, threads: u32, n: u32) -> u32 {
-    if team == Team::Warp || fits_held::<T>(team, threads, n, FWD_HELD) {
-        return SCRATCH_BYTES;
-    }
-    let staged = SCRATCH_BYTES + (n / pack_len::<T>()).saturating_sub(PART_HELD * threads) * 16;
-    if staged <= gpu.kernels.max_smem {
-        staged
-    } else {
-        SCRATCH_BYTES
-    }
 }
 
 /// Whether `cols` columns of whole packs (a row, or a cluster's slice of one) fit `held`

@@ -138,6 +138,18 @@ impl Variant {
         }
     }
 
+    /// Whether the kernel runs one warp per row (else a block, or a cluster, per row).
+    pub const fn warp_team(self) -> bool {
+        matches!(
+            self,
+            Variant::FwdWarp
+                | Variant::FwdPipelinedWarp
+                | Variant::BwdOwnedWarp
+                | Variant::BwdHeldWarp
+                | Variant::BwdLockedWarp
+        )
+    }
+
     /// Whether `arch`'s module has the kernel.
     pub const fn in_module(self, arch: Arch) -> bool {
         !self.sm90_only() || matches!(arch, Arch::Sm90)

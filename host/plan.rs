@@ -1,0 +1,312 @@
+//! Which kernel runs a call, with which block: a pure function of the shape, the storage
+//! type, the pass and the device's limits, so that the choice can be read, printed and
+//! tested without a GPU (`tests/plan.rs` checks that the test shapes reach every kernel on
+//! sm_80 and sm_90 limits). The launch then sizes the grid from the device's occupancy.
+//!
+//! The rules, in order:
+//! - Rows of up to 1024 elements go one warp per row (8 warps a block); longer rows one block
+//!   per row, about 4 packs a thread.
+//! - Forward: rows all of aligned packs that fit 4 packs a thread take the pipelined kernel
+//!   (two rows in flight a team); the others the general one, which holds rows of up to 8
+//!   packs a thread and stages longer aligned rows in shared memory where it has room.
+//! - Backward, deterministic: on sm_90, block-team rows that one block cannot hold (4 packs
+//!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
+//!   of 2, 4 or 8 blocks whose slices fit, else the general cluster of 8; rows all of
+//!   aligned packs that fit take the held kernel (block teams stacked along y, as many as
+//!   the thread limit and shared memory allow); the rest the owned kernel, summing in shared
+//!   memory where it fits.
+//! - Backward, locked: the locked kernel of the team.
+
+pub use layernorm_layout::registry::{Arch, Variant};
+use layernorm_layout::{
+    BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PART_HELD, PIPE_HELD, SCRATCH_BYTES,
+};
+
+use crate::element::Element;
+use crate::error::{Error, Result};
+
+/// What the planner needs of a device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceLimits {
+    /// Which PTX module it runs (sm_90 has the cluster kernels).
+    pub arch: Arch,
+    /// Dynamic shared memory a block may have (the opt-in maximum).
+    pub max_smem: u32,
+}
+
+impl DeviceLimits {
+    /// An A100's: sm_80 module, 163 KB of shared memory a block.
+    pub const A100: DeviceLimits = DeviceLimits {
+        arch: Arch::Sm80,
+        max_smem: 166_912,
+    };
+    /// An H100's or H200's: sm_90 module, 227 KB of shared memory a block.
+    pub const H100: DeviceLimits = DeviceLimits {
+        arch: Arch::Sm90,
+        max_smem: 232_448,
+    };
+}
+
+/// What is being launched.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pass {
+    Forward,
+    /// Backward stage 1, each team owning its partial rows (bitwise reproducible).
+    BackwardDeterministic,
+    /// Backward stage 1, partials into spinlocked groups.
+    BackwardLocked,
+}
+
+/// One launch's kernel and block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub variant: Variant,
+    /// Threads along x: a block team's ranks, or a block of warps.
+    pub threads: u32,
+    /// Block teams stacked along y (the held backward's), else 1.
+    pub stacked: u32,
+    /// Dynamic shared memory per block.
+    pub smem: u32,
+    /// The owned backward sums its partials in shared memory (else straight into its global
+    /// partial row; warp teams always sum in shared memory).
+    pub local: bool,
+}
+
+/// Rows of at most this many elements go one warp per row: a warp's 32 lanes hold a
+/// 1024-element row in 4 (f16) or 8 (f32) packs each, while a block would idle most threads.
+const WARP_ROW_MAX: u32 = 1024;
+
+/// Warps per block for warp teams: 8 rows in flight per block.
+const WARPS_PER_BLOCK: u32 = 8;
+
+/// Elements of `T` in one 16-byte pack.
+fn pack_len<T: Element>() -> u32 {
+    layernorm_layout::pack_len(size_of::<T>() as u32)
+}
+
+/// Whether a row of `n` elements goes one warp per row.
+fn warp_rows(n: u32) -> bool {
+    n <= WARP_ROW_MAX
+}
+
+/// Which kernel runs `pass` over `rows` rows of `n` elements of `T` (rows, n >= 1), and with
+/// which block. `aligned`: every row of every tensor involved starts 16-byte aligned and `n`
+/// is a whole number of packs (whole tensors; views may not be). An error only where no
+/// kernel can take the shape: a warp-row backward whose partials do not fit the device's
+/// shared memory.
+pub fn plan<T: Element>(n: u32, pass: Pass, aligned: bool, limits: DeviceLimits) -> Result<Plan> {
+    let planner = Planner::<T> {
+        n,
+        aligned,
+        limits,
+        ty: std::marker::PhantomData,
+    };
+    match pass {
+        Pass::Forward => Ok(planner.forward()),
+        Pass::BackwardDeterministic => planner.deterministic(),
+        Pass::BackwardLocked => Ok(planner.locked()),
+    }
+}
+
+struct Planner<T> {
+    n: u32,
+    aligned: bool,
+    limits: DeviceLimits,
+    ty: std::marker::PhantomData<T>,
+}
+
+impl<T: Element> Planner<T> {
+    /// The registry's thread limit of `v` for `T` on this device.
+    fn max_threads(&self, v: Variant) -> u32 {
+        v.max_threads(self.limits.arch, T::INDEX)
+    }
+
+    /// Threads of a block team on `cols` columns: about `packs_per_thread` packs each, at
+    /// least two warps, at most what `v` allows (its registers decide).
+    fn block_threads(&self, v: Variant, cols: u32, packs_per_thread: u32) -> u32 {
+        cols.div_ceil(pack_len::<T>())
+            .div_ceil(packs_per_thread)
+            .next_multiple_of(32)
+            .clamp(64, self.max_threads(v))
+    }
+
+    /// A warp team's block: 8 warps, or fewer where `v`'s registers allow fewer.
+    fn warp_threads(&self, v: Variant) -> u32 {
+        (WARPS_PER_BLOCK * 32).min(self.max_threads(v))
+    }
+
+    /// Whether `cols` columns fit `held` packs a rank of a team of `ranks`.
+    fn fits(&self, cols: u32, ranks: u32, held: u32) -> bool {
+        layernorm_layout::fits(cols, pack_len::<T>(), ranks, held)
+    }
+
+    fn smem_fits(&self, bytes: usize) -> bool {
+        bytes <= self.limits.max_smem as usize
+    }
+
+    /// `v` with the team's block (warps of 8, or a block team of about 4 packs a thread).
+    fn team_plan(&self, warp: Variant, block: Variant) -> Plan {
+        let (variant, threads) = if warp_rows(self.n) {
+            (warp, self.warp_threads(warp))
+        } else {
+            (block, self.block_threads(block, self.n, 4))
+        };
+        Plan {
+            variant,
+            threads,
+            stacked: 1,
+            smem: SCRATCH_BYTES,
+            local: false,
+        }
+    }
+
+    fn forward(&self) -> Plan {
+        // Four packs per thread, up to eight where the block is capped: rows to 8 packs per
+        // thread stay in registers.
+        let general = self.team_plan(Variant::FwdWarp, Variant::FwdBlock);
+        let ranks = if warp_rows(self.n) { 32 } else { general.threads };
+        let pipelined = if warp_rows(self.n) {
+            Variant::FwdPipelinedWarp
+        } else {
+            Variant::FwdPipelinedBlock
+        };
+        // Rows that are all aligned whole packs, 4 a thread at most, take the pipelined kernel.
+        if self.aligned
+            && self.fits(self.n, ranks, PIPE_HELD)
+            && general.threads <= self.max_threads(pipelined)
+        {
+            return Plan {
+                variant: pipelined,
+                ..general
+            };
+        }
+        // Rows too long to hold: room to stage their packs past `PART_HELD` a rank, where the
+        // device has it; rows it cannot stage whole stream, with the scratch only.
+        let staged =
+            SCRATCH_BYTES + (self.n / pack_len::<T>()).saturating_sub(PART_HELD * general.threads) * 16;
+        let holds = warp_rows(self.n) || self.fits(self.n, ranks, FWD_HELD);
+        Plan {
+            smem: if !holds && staged <= self.limits.max_smem {
+                staged
+            } else {
+                SCRATCH_BYTES
+            },
+            ..general
+        }
+    }
+
+    fn locked(&self) -> Plan {
+        self.team_plan(Variant::BwdLockedWarp, Variant::BwdLockedBlock)
+    }
+
+    fn deterministic(&self) -> Result<Plan> {
+        if let Some(plan) = self.cluster() {
+            return Ok(plan);
+        }
+        if let Some(plan) = self.held() {
+            return Ok(plan);
+        }
+        // Each team sums its rows' partials in its own shared memory (about 8n bytes) when
+        // they fit; warp teams must (8 warps * 8.3 KB at n = 1024: every sm_80 and later
+        // device has room, but one without gets an error, not a launch failure).
+        let owned = self.team_plan(Variant::BwdOwnedWarp, Variant::BwdOwnedBlock);
+        let per_block = if warp_rows(self.n) { owned.threads / 32 } else { 1 };
+        let local_smem = layernorm_layout::owned_local_smem(per_block, self.n);
+        let local = self.smem_fits(local_smem);
+        if warp_rows(self.n) && !local {
+            return Err(Error::SharedMemory {
+                what: "backward stage 1 (owned, warp per row)",
+                needed: local_smem,
+                available: self.limits.max_smem as usize,
+            });
+        }
+        Ok(Plan {
+            smem: if local { local_smem as u32 } else { SCRATCH_BYTES },
+            local,
+            ..owned
+        })
+    }
+
+    /// The cluster kernels, where they should run: on sm_90, for block-team rows that one
+    /// block cannot hold in registers (4 packs a thread) or cannot sum in shared memory (8n
+    /// bytes), as long as an eighth of the row fits. Slices held in registers where every row
+    /// is aligned packs, over the fewest blocks whose slices fit: fewer blocks wait at each
+    /// row's cluster barrier.
+    fn cluster(&self) -> Option<Plan> {
+        let n = self.n;
+        if self.limits.arch != Arch::Sm90 || warp_rows(n) {
+            return None;
+        }
+        let packs = n.div_ceil(pack_len::<T>());
+        let one_block = self.smem_fits(layernorm_layout::owned_local_smem(1, n))
+            && packs <= self.max_threads(Variant::BwdOwnedBlock) * BWD_HELD;
+        let general_smem = layernorm_layout::cluster_smem(n, pack_len::<T>());
+        if one_block || !self.smem_fits(general_smem) {
+            return None;
+        }
+        let held = HELD_CLUSTER_SIZES.iter().find_map(|&size| {
+            let variant = Variant::cluster_held(size)?;
+            let slice = layernorm_layout::slice_width(n, pack_len::<T>(), size);
+            let threads = self.block_threads(variant, slice, 4);
+            let smem = layernorm_layout::cluster_held_smem(pack_len::<T>(), threads);
+            (self.aligned && self.fits(slice, threads, BWD_HELD) && self.smem_fits(smem)).then_some(Plan {
+                variant,
+                threads,
+                stacked: 1,
+                smem: smem as u32,
+                local: true,
+            })
+        });
+        held.or_else(|| {
+            let slice = layernorm_layout::slice_width(n, pack_len::<T>(), CLUSTER_SIZE);
+            Some(Plan {
+                variant: Variant::BwdCluster8,
+                threads: self.block_threads(Variant::BwdCluster8, slice, 4),
+                stacked: 1,
+                smem: general_smem as u32,
+                local: true,
+            })
+        })
+    }
+
+    /// The held stage 1, where it can run: every row whole aligned packs, held in registers
+    /// at 4 packs a thread, with room in shared memory for each rank's partials. A block takes
+    /// as many teams as the kernel's thread limit and shared memory allow (for block teams,
+    /// stacked along y): the same teams per multiprocessor as one-team blocks, since the
+    /// limit is the registers', but each block's teams add into one partial row, so there are
+    /// fewer partial rows to write and for stage 2 to read (f16 N = 4096: 128 rows of 16 KB,
+    /// not 512).
+    fn held(&self) -> Option<Plan> {
+        let warp = warp_rows(self.n);
+        let variant = if warp {
+            Variant::BwdHeldWarp
+        } else {
+            Variant::BwdHeldBlock
+        };
+        // A team's ranks, and the most teams the kernel's thread limit allows a block.
+        let ranks = if warp {
+            32
+        } else {
+            self.block_threads(variant, self.n, 4)
+        };
+        let most = if warp {
+            self.max_threads(variant) / 32
+        } else {
+            (self.max_threads(variant) / ranks).min(MAX_STACKED)
+        };
+        // The most of those whose partials fit shared memory (each rank holds its own).
+        let held_smem = |threads| layernorm_layout::held_smem(pack_len::<T>(), threads);
+        let teams = (1..=most).rev().find(|&t| self.smem_fits(held_smem(ranks * t)))?;
+        if !(self.aligned && self.fits(self.n, ranks, BWD_HELD)) {
+            return None;
+        }
+        let (threads, stacked) = if warp { (32 * teams, 1) } else { (ranks, teams) };
+        Some(Plan {
+            variant,
+            threads,
+            stacked,
+            smem: held_smem(threads * stacked) as u32,
+            local: true,
+        })
+    }
+}

@@ -1,0 +1,97 @@
+//! The planner (`layernorm_cuda::plan`) against the kernel registry: the shapes the GPU tests
+//! run reach every kernel of both modules, on an A100's limits (sm_80) and an H100's or H200's
+//! (sm_90), so that no kernel goes untested on the GPU. Pure: no device needed.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use layernorm_cuda::plan::{Arch, DeviceLimits, Pass, Plan, Variant, plan};
+use layernorm_cuda::{Element, bf16, f16};
+
+/// (dtype, pass, n) the GPU tests run on whole tensors (aligned where n is whole packs):
+/// every shape of `common::SHAPES` in every type, pass and mode, and the long rows of
+/// tests/forward.rs and tests/backward.rs in the types they use.
+fn test_cases() -> Vec<(usize, Pass, u32)> {
+    let passes = [Pass::Forward, Pass::BackwardDeterministic, Pass::BackwardLocked];
+    let mut cases = Vec::new();
+    for &(_, n) in common::SHAPES {
+        for dtype in 0..3 {
+            for pass in passes {
+                cases.push((dtype, pass, n as u32));
+            }
+        }
+    }
+    let (f32, f16, bf16) = (0, 1, 2);
+    for n in [32768, 65536, 40000] {
+        cases.push((f16, Pass::BackwardDeterministic, n));
+    }
+    for n in [15872, 32768, 65536] {
+        cases.push((f32, Pass::BackwardDeterministic, n));
+    }
+    cases.push((bf16, Pass::BackwardDeterministic, 100001));
+    for n in [65536, 40000, 100000] {
+        cases.push((f32, Pass::Forward, n));
+    }
+    cases.push((f16, Pass::Forward, 131072));
+    cases.push((f16, Pass::Forward, 262144));
+    cases.push((bf16, Pass::Forward, 98304));
+    cases
+}
+
+fn plan_of<T: Element>(n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
+    let pack = (16 / size_of::<T>()) as u32;
+    plan::<T>(n, pass, n % pack == 0, limits).unwrap()
+}
+
+fn reached(limits: DeviceLimits) -> BTreeSet<String> {
+    test_cases()
+        .into_iter()
+        .map(|(dtype, pass, n)| {
+            let p = match dtype {
+                0 => plan_of::<f32>(n, pass, limits),
+                1 => plan_of::<f16>(n, pass, limits),
+                _ => plan_of::<bf16>(n, pass, limits),
+            };
+            format!("{:?}", p.variant)
+        })
+        .collect()
+}
+
+#[test]
+fn test_shapes_reach_every_kernel() {
+    for limits in [DeviceLimits::A100, DeviceLimits::H100] {
+        let mut all: BTreeSet<String> = Variant::ALL
+            .iter()
+            .filter(|v| v.in_module(limits.arch) && **v != Variant::BwdReduce)
+            .map(|v| format!("{v:?}"))
+            .collect();
+        let reached = reached(limits);
+        all.retain(|v| !reached.contains(v));
+        assert!(all.is_empty(), "{:?}: no test shape reaches {all:?}", limits.arch);
+    }
+}
+
+/// A few choices spelled out, as a reader would check them against the rules in plan.rs.
+#[test]
+fn known_choices() {
+    let h = DeviceLimits::H100;
+    let p = plan::<f16>(1024, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedWarp, 256));
+    let p = plan::<f16>(4096, Pass::BackwardDeterministic, true, h).unwrap();
+    // 512 packs at 4 a thread: 128 ranks, and the 512-thread bound stacks 4 teams.
+    assert_eq!((p.variant, p.threads, p.stacked), (Variant::BwdHeldBlock, 128, 4));
+    let p = plan::<f16>(4097, Pass::BackwardDeterministic, false, h).unwrap();
+    assert_eq!(p.variant, Variant::BwdOwnedBlock);
+    let p = plan::<f32>(65536, Pass::BackwardDeterministic, true, h).unwrap();
+    assert_eq!(p.variant, Variant::BwdCluster8Held);
+    let p = plan::<f32>(65536, Pass::BackwardDeterministic, true, DeviceLimits::A100).unwrap();
+    assert_eq!(p.variant, Variant::BwdOwnedBlock);
+    assert!(
+        !p.local,
+        "f32 rows of 65536 do not fit an A100 block's shared memory"
+    );
+    let p = plan::<f32>(1024, Pass::BackwardLocked, true, h).unwrap();
+    assert_eq!(p.variant, Variant::BwdLockedWarp);
+    assert_eq!(DeviceLimits::H100.arch, Arch::Sm90);
+}
