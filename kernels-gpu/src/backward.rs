@@ -297,13 +297,14 @@ impl PartialRow {
     unsafe fn add<T: Element>(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
         let (g, b, vector) = self.chunk::<T>(start, len);
         let zero = [0.0; MAX_PACK];
-        // SAFETY (all below): as above; vectors only where both rows are 16-byte aligned.
         let (old_g, old_b) = if self.accumulate {
+            // SAFETY: as above; vectors only where both rows are 16-byte aligned.
             unsafe { (self.load(g, len, vector), self.load(b, len, vector)) }
         } else {
             (zero, zero)
         };
         let sum = |old: &Pack, add: &Pack| core::array::from_fn::<f32, MAX_PACK, _>(|k| old[k] + add[k]);
+        // SAFETY: as for the loads; this thread alone writes the chunk.
         unsafe {
             Self::store(g, len, vector, &sum(&old_g, dgamma));
             Self::store(b, len, vector, &sum(&old_b, dbeta));
@@ -340,16 +341,17 @@ impl PartialRow {
             }
             (sum, err)
         };
-        // SAFETY (all below): as above; vectors only where all four rows are 16-byte aligned.
         // dgamma's sums and errors, then dbeta's: all four at once would spill the 80-register
         // f16 kernels.
         for (p, e, v) in [(g, eg, dgamma), (b, eb, dbeta)] {
             let (s, err) = if self.accumulate {
+                // SAFETY: as above; vectors only where all four rows are 16-byte aligned.
                 unsafe { (self.load(p, len, vector), self.load(e, len, vector)) }
             } else {
                 (zero, zero)
             };
             let (s, err) = kahan(&s, &err, v);
+            // SAFETY: as for the loads; this thread alone writes the chunk.
             unsafe {
                 Self::store(p, len, vector, &s);
                 Self::store(e, len, vector, &err);
@@ -464,10 +466,10 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
         }
         (dgamma, dyv)
     };
-    // SAFETY (both arms): as above; the row is this team's alone (owned, or locked by it).
     match sink {
         Sink::Owned(part) => for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
             let (dgamma, dbeta) = partials(j, len, slot);
+            // SAFETY: as above; the row is this team's alone.
             unsafe { part.add::<T>(j, len, &dgamma, &dbeta) };
         }),
         Sink::Locked(lock) => {
@@ -475,6 +477,7 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
             let part = unsafe { lock.acquire::<T, S>(row) };
             for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
                 let (dgamma, dbeta) = partials(j, len, slot);
+                // SAFETY: as above; the group's row is this team's while it holds the lock.
                 unsafe { part.add_compensated::<T>(j, len, &dgamma, &dbeta) };
             });
             // SAFETY: this team holds the lock it releases.
@@ -907,11 +910,12 @@ unsafe fn stage1_held<T: Element, S: Team>(
     // SAFETY: the launch sized shared memory for every team of the block.
     unsafe { mine.zero::<T>() };
     let mut row = S::id();
-    // SAFETY (both): the launch's rows are held packs (the caller's guarantee); row < rows
-    // in the loop.
+    // SAFETY: the launch's rows are held packs (the caller's guarantee); past the last row
+    // nothing is loaded.
     let mut held = unsafe { load_held_row::<T, S>(&r, row) };
     while row < r.rows {
         let next = row + S::count();
+        // SAFETY: as above, and row < rows.
         held = unsafe { backward_row_held::<T, S>(&r, row, held, next, mine) };
         row = next;
     }
@@ -1105,9 +1109,9 @@ unsafe fn stage2<T: Element>(
                 // start 16-byte aligned.
                 unsafe { device::load_16(part.add(at) as *const u32).map(f32::from_bits) }
             } else {
-                // SAFETY: r < rows, and only columns below n are read.
                 [0, 1, 2, 3].map(|k| {
                     if j + k < n {
+                        // SAFETY: r < rows, and only columns below n are read.
                         unsafe { *part.add(at + k as usize) }
                     } else {
                         0.0

@@ -276,11 +276,14 @@ unsafe fn forward_row_staged<T: Element, S: StatsTeam>(
         staged.fill::<T, S>(x, n);
         held
     };
-    // SAFETY (all below): as above; this rank filled the staging with this row.
+    // SAFETY: as above; this rank filled the staging with this row.
     let mut sum = unsafe { rank_sum::<T, S, true, PART_HELD>(&held, x, n) };
+    // SAFETY: the staging holds this row's packs past the held ones, filled by this rank.
     unsafe { staged.for_each::<T, S>(n, |_, v| sum += v[..T::PACK].iter().sum::<f32>()) };
     let mean = S::sum2(sum, 0.0).0 / n as f32;
+    // SAFETY: as for the sum: `held` and x are this row's.
     let mut m2 = unsafe { rank_m2::<T, S, true, PART_HELD>(&held, x, n, mean) };
+    // SAFETY: as for the sum: the staging is this rank's copy of this row.
     unsafe {
         staged.for_each::<T, S>(n, |_, v| {
             for &v in &v[..T::PACK] {
@@ -289,6 +292,8 @@ unsafe fn forward_row_staged<T: Element, S: StatsTeam>(
         })
     };
     let norm = RowNorm::of(mean, S::sum2(m2, 0.0).0, n, eps)?;
+    // SAFETY: y holds the row and gamma, beta its n columns (the caller's guarantee), all
+    // 16-byte aligned; `held` and the staging hold this row's x.
     unsafe {
         write_y::<T, S, true, PART_HELD>(&held, x, gamma, beta, y, n, norm);
         staged.for_each::<T, S>(n, |j, v| write_y_chunk(gamma, beta, y, j, T::PACK, v, norm));
@@ -421,11 +426,12 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(
     while row < rows {
         let next = row + S::count();
         let x_row = row_of(row);
-        // SAFETY (all below): the row is aligned whole packs that fit, held in `held`.
+        // SAFETY: the row is aligned whole packs that fit, held in `held`.
         let sum = unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) };
         let upcoming = load(next);
         let m = S::sum2(sum, 0.0).0 / n as f32;
         let m2 = S::sum2(
+            // SAFETY: as for the sum: `held` holds this row.
             unsafe { rank_m2::<T, S, true, PIPE_HELD>(&held, x_row, n, m) },
             0.0,
         )
