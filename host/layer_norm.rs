@@ -351,7 +351,10 @@ fn host2_mut<T: Element>(d: &mut Data<T>, rows: usize, n: usize) -> ArrayViewMut
 /// of 16-byte packs, and each input's offset in bytes a multiple of 16 (its storage starts
 /// aligned: device allocations are aligned for any type, 256 bytes or more).
 fn packed_rows<T: Element>(n: usize, inputs: [&Tensor<T>; 3]) -> bool {
-    n * size_of::<T>() % 16 == 0 && inputs.iter().all(|t| t.range().start * size_of::<T>() % 16 == 0)
+    (n * size_of::<T>()).is_multiple_of(16)
+        && inputs
+            .iter()
+            .all(|t| (t.range().start * size_of::<T>()).is_multiple_of(16))
 }
 
 fn cuda<'t, T: Element>(t: &'t Tensor<T>, stream: &Arc<CudaStream>) -> Result<CudaView<'t, T>> {

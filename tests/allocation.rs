@@ -7,10 +7,9 @@ mod common;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
-use common::{
-    Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec, reference, rel_err, to_f64, tolerance,
-};
+use common::{Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec, rel_err, to_f64, tolerance};
 use layernorm_cuda::{Device, Error, Gradients, LayerNorm, f16};
+use layernorm_reference as reference;
 
 /// The system allocator, except that on a thread inside [`refusing_allocations_from`] it
 /// refuses every allocation of at least that many bytes, as a host out of memory would. Per

@@ -4,10 +4,10 @@
 mod common;
 
 use common::{
-    Rng, SHAPES, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, reference, rel_err, to_f64,
-    tolerance,
+    Rng, SHAPES, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, rel_err, to_f64, tolerance,
 };
 use layernorm_cuda::{BackwardMode, Device, Element, Gradients, LayerNorm, bf16, f16};
+use layernorm_reference as reference;
 use ndarray::{Array1, Array2};
 
 const LOCKED: BackwardMode = BackwardMode::Locked { groups: None };

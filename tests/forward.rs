@@ -2,10 +2,9 @@
 
 mod common;
 
-use common::{
-    Rng, SHAPES, gpu_or_skip, mixed_matrix, poisoned, random_vec, reference, rel_err, to_f64, tolerance,
-};
+use common::{Rng, SHAPES, gpu_or_skip, mixed_matrix, poisoned, random_vec, rel_err, to_f64, tolerance};
 use layernorm_cuda::{Device, Element, LayerNorm, bf16, f16};
+use layernorm_reference as reference;
 
 /// Runs one forward on `device`, with y and the statistics compared to the reference.
 fn check_forward<T: Element>(device: &Device, rows: usize, n: usize, seed: u64) {

@@ -41,7 +41,7 @@ fn test_cases() -> Vec<(usize, Pass, u32)> {
 
 fn plan_of<T: Element>(n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
     let pack = (16 / size_of::<T>()) as u32;
-    plan::<T>(n, pass, n % pack == 0, limits).unwrap()
+    plan::<T>(n, pass, n.is_multiple_of(pack), limits).unwrap()
 }
 
 fn reached(limits: DeviceLimits) -> BTreeSet<String> {

@@ -13,10 +13,10 @@
 mod common;
 
 use common::{
-    Rng, gpu_or_skip, poisoned, random_matrix, random_vec, reference, rel_err, rel_err_at_least, to_f64,
-    tolerance,
+    Rng, gpu_or_skip, poisoned, random_matrix, random_vec, rel_err, rel_err_at_least, to_f64, tolerance,
 };
 use layernorm_cuda::{BackwardMode, Device, Element, Gradients, LayerNorm, bf16, f16};
+use layernorm_reference as reference;
 use ndarray::{Array, Array2, Axis, Dimension};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};

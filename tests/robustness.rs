@@ -3,10 +3,9 @@
 
 mod common;
 
-use common::{
-    Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec, reference, rel_err, to_f64, tolerance,
-};
+use common::{Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec, rel_err, to_f64, tolerance};
 use layernorm_cuda::{BackwardMode, Device, Element, LayerNorm, Tensor, bf16, f16};
+use layernorm_reference as reference;
 use ndarray::{Array1, Array2, s};
 
 fn devices() -> Vec<Device> {

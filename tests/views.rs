@@ -6,10 +6,10 @@
 mod common;
 
 use common::{
-    Rng, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, reference, rel_err, to_f64,
-    tolerance,
+    Rng, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, rel_err, to_f64, tolerance,
 };
 use layernorm_cuda::{BackwardMode, Device, Element, Error, Gradients, LayerNorm, Tensor, bf16, f16};
+use layernorm_reference as reference;
 use ndarray::{Array1, Array2, ArrayView, ArrayView1, Dimension};
 
 /// Element offsets of (x, gamma, beta, dy) in their buffers: each of 1, 2, 3 and 5 for every

@@ -1,9 +1,11 @@
-//! The check every configuration passes before it is timed: its outputs against a float64
-//! computation from the same inputs, by ||out - ref|| / ||ref||. y and dx are compared on
-//! a sample of rows spread over M (every element is still scanned for NaN, the poison the
-//! outputs start with); dgamma and dbeta, which sum over every row, in full.
+//! The check every configuration passes before it is timed: its outputs against the float64
+//! reference (`layernorm-reference`, the tests' too) from the same inputs, by
+//! ||out - ref|| / ||ref||. y and dx are compared on a sample of rows spread over M (every
+//! element is still scanned for NaN, the poison the outputs start with); dgamma and dbeta,
+//! which sum over every row, in full.
 
 use layernorm_cuda::Element;
+use layernorm_reference::Row;
 use ndarray::{Array1, Array2, ArrayView1, Axis};
 
 use crate::inputs::Inputs;
@@ -51,23 +53,11 @@ impl Reference {
                 sampled: Vec::new(),
             };
             for r in block {
-                let x = f64s(inputs.x.row(r));
                 let dy = f64s(inputs.dy.row(r));
-                let mean = x.iter().sum::<f64>() / n as f64;
-                let var = x.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / n as f64;
-                let rstd = 1.0 / (var + eps).sqrt();
-                let xhat: Vec<f64> = x.iter().map(|v| (v - mean) * rstd).collect();
-                for j in 0..n {
-                    part.dgamma[j] += dy[j] * xhat[j];
-                    part.dbeta[j] += dy[j];
-                }
+                let row = Row::new(&f64s(inputs.x.row(r)), eps);
+                row.add_param_grads(&dy, &mut part.dgamma, &mut part.dbeta);
                 if sample.binary_search(&r).is_ok() {
-                    let y = (0..n).map(|j| xhat[j] * gamma[j] + beta[j]).collect();
-                    let wdy: Vec<f64> = (0..n).map(|j| gamma[j] * dy[j]).collect();
-                    let c1 = (0..n).map(|j| xhat[j] * wdy[j]).sum::<f64>() / n as f64;
-                    let c2 = wdy.iter().sum::<f64>() / n as f64;
-                    let dx = (0..n).map(|j| rstd * (wdy[j] - (xhat[j] * c1 + c2))).collect();
-                    part.sampled.push((y, dx));
+                    part.sampled.push((row.y(&gamma, &beta), row.dx(&dy, &gamma)));
                 }
             }
             part

@@ -422,7 +422,7 @@ pub(crate) fn backward_cluster<T: Element>(
     part_dbeta: &mut CudaSlice<f32>,
 ) -> Result<()> {
     a.check();
-    require(launch.blocks % size == 0, "whole clusters");
+    require(launch.blocks.is_multiple_of(size), "whole clusters");
     let parts = (launch.blocks / size) as usize * a.n as usize;
     require(
         part_dgamma.len() >= parts && part_dbeta.len() >= parts,

@@ -12,8 +12,9 @@
 //! Partials are f32 whatever the storage type, so long columns do not round in f16.
 //!
 //! Two ways to fill the partial buffer:
-//! - owned (deterministic): team u handles rows u, u + U, ... and alone owns partial row u;
-//!   no locks, and every sum runs in a fixed order, so results are bitwise reproducible.
+//! - owned (deterministic): each block, or cluster, alone owns one partial row, which its
+//!   teams' rows add into; no locks, and every sum runs in a fixed order, so results are
+//!   bitwise reproducible.
 //! - locked (the Triton tutorial's scheme): row i adds into group i mod G under that group's
 //!   spinlock (an atomic compare-and-swap on a lock word); a count word says whether the
 //!   group was written yet (first writer stores, later ones add), so the G rows need no
@@ -21,33 +22,39 @@
 //!   beside it (Kahan summation), so that a group that takes many rows in turn does not
 //!   lose a rounding per row; stage 2 sums the 2G rows.
 //!
-//! Versions (docs/PERF.md has the measurements):
-//!   v1  three passes over the row: sums, dx (+ partials when owned), and in locked mode a
-//!       third pass under the lock, so that the lock is held only while adding partials.
-//!   v2  rows of up to 4 packs per rank keep x and dy in registers across the passes (one
-//!       read from memory); in owned mode each team adds its partials into its own row of
-//!       shared memory, and the block writes one combined row at the end, so partial sums
-//!       stop costing a read-modify-write through L2 per row; partials in a pass of their
-//!       own in both modes, all loads of a chunk before its stores; stage 2 sums each
-//!       column in 8 slices of rows, 4 rows in flight per thread.
-//!   v4  shared-memory partial rows padded by a word per 32 (no bank conflicts); global
-//!       partial rows read and written in 16-byte vectors.
-//!   v9  c1's products and dx's xhat * c1 + c2 each one `fma`; f16/bf16 dx narrowed two
-//!       values per instruction.
-//!   v10 launches whose rows are all whole aligned packs that fit in registers take
-//!       `stage1_held`: partials in the same pass as dx, into each rank's own shared memory
-//!       (16-byte accesses, no barrier between rows), dx as two fma, and the team's next
-//!       row loaded during this one's reduction (two rows in flight per block). Stage 2
-//!       reads partial rows 16 bytes at a time, 128 slices of rows per block.
-//!   v11 the held stage 1 loads each row's mean and rstd with its x and dy (they were the
-//!       first thing each row waited on, a DRAM round trip of their own).
-//!   v12 clusters hold their slices too (`stage1_cluster_held`: the held stage 1 over a
-//!       slice of each row, with the cluster's row sums).
-//!   v13 the held stage 1's block teams stack along y and share one partial row per block
-//!       (a quarter of the partial rows at f16 N = 4096, whose writes nothing overlapped);
-//!       cluster row sums alternate between two slots: one cluster barrier per row.
-//!   v14 held clusters of 2, 4 or 8 blocks, the fewest whose slices fit: fewer blocks wait
-//!       at each row's barrier.
+//! The kernels, for T = f32, f16, bf16, as the host (host/gpu/layer_norm.rs) picks them;
+//! teams are a warp per row for n <= 1024, a block per row beyond:
+//! - owned mode, the first that applies:
+//!   - `layer_norm_bwd_cluster<C>_held_<T>`, `layer_norm_bwd_cluster8_<T>` (sm_90 module,
+//!     block teams): rows too long for one block to hold in registers (4 packs a thread)
+//!     or to sum in shared memory (8n bytes), where an eighth of a row's partials fits. A
+//!     cluster of C blocks shares each row, block q taking its q-th slice; the row sums
+//!     come from all slices through distributed shared memory, one cluster barrier per row
+//!     (the sums alternate between two slots). Where every row is whole aligned packs,
+//!     `cluster<C>_held` (`stage1_cluster_held`): C = 2, 4 or 8, the fewest blocks whose
+//!     slices fit 4 packs a rank (fewer blocks wait at each barrier), each slice as in
+//!     [`stage1_held`]; else `cluster8` (`stage1_cluster`): each slice as in the general
+//!     owned kernel, its partials in shared memory.
+//!   - `layer_norm_bwd_held_{warp,block}_<T>` ([`stage1_held`]): every row whole aligned
+//!     packs that fit 4 a rank, with room in shared memory for each rank's partials. x and
+//!     dy held in registers; dx and the partials in the same pass, into each rank's own
+//!     shared memory (16-byte accesses, no barrier between rows); each row's x, dy, mean and
+//!     rstd loaded during the previous row's reduction (two rows in flight per team). Block
+//!     teams stack along y, and all teams of a block add into one partial row.
+//!   - `layer_norm_bwd_owned_{warp,block}_<T>` ([`stage1_owned`]): all other rows. Each
+//!     team sums its rows' partials in its own shared-memory row (padded by a word per 32:
+//!     no bank conflicts), and the block writes their sum, in team order, as its partial
+//!     row; block-team rows whose partials do not fit in shared memory add straight into
+//!     the block's partial row in global memory (sm_80, or past what clusters take).
+//! - locked mode: `layer_norm_bwd_locked_{warp,block}_<T>` ([`stage1_locked`]), with G
+//!   groups (by default 256 for n <= 1024, 128 to 4096, 96 to 8192, 64 beyond).
+//! - stage 2, both modes: `layer_norm_bwd_reduce_<T>` ([`stage2`]).
+//!
+//! The general kernels (owned, `cluster8`, locked) take each row as its pointers and length
+//! allow ([`backward_row_any`]): x and dy held in registers where the row is aligned and
+//! fits 4 packs a rank, else read in 16-byte packs where aligned, else element by element;
+//! three passes (sums, dx, partials), each chunk's loads before its stores.
+//! docs/PERF.md has each version's changes and measurements.
 
 use core::sync::atomic::{AtomicU32, Ordering, fence};
 
@@ -297,13 +304,14 @@ impl PartialRow {
     unsafe fn add<T: Element>(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
         let (g, b, vector) = self.chunk::<T>(start, len);
         let zero = [0.0; MAX_PACK];
-        // SAFETY (all below): as above; vectors only where both rows are 16-byte aligned.
         let (old_g, old_b) = if self.accumulate {
+            // SAFETY: as above; vectors only where both rows are 16-byte aligned.
             unsafe { (self.load(g, len, vector), self.load(b, len, vector)) }
         } else {
             (zero, zero)
         };
         let sum = |old: &Pack, add: &Pack| core::array::from_fn::<f32, MAX_PACK, _>(|k| old[k] + add[k]);
+        // SAFETY: as for the loads; this thread alone writes the chunk.
         unsafe {
             Self::store(g, len, vector, &sum(&old_g, dgamma));
             Self::store(b, len, vector, &sum(&old_b, dbeta));
@@ -340,9 +348,9 @@ impl PartialRow {
             }
             (sum, err)
         };
-        // SAFETY (all below): as above; vectors only where all four rows are 16-byte aligned.
         // All four loads first: the lock is held for one L2 round trip, not two.
         let (sg, seg, sb, seb) = if self.accumulate {
+            // SAFETY: as above; vectors only where all four rows are 16-byte aligned.
             unsafe {
                 (
                     self.load(g, len, vector),
@@ -355,6 +363,7 @@ impl PartialRow {
             (zero, zero, zero, zero)
         };
         let ((sg, seg), (sb, seb)) = (kahan(&sg, &seg, dgamma), kahan(&sb, &seb, dbeta));
+        // SAFETY: as for the loads; this thread alone writes the chunk.
         unsafe {
             Self::store(g, len, vector, &sg);
             Self::store(eg, len, vector, &seg);
@@ -470,10 +479,10 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
         }
         (dgamma, dyv)
     };
-    // SAFETY (both arms): as above; the row is this team's alone (owned, or locked by it).
     match sink {
         Sink::Owned(part) => for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
             let (dgamma, dbeta) = partials(j, len, slot);
+            // SAFETY: as above; the row is this team's alone.
             unsafe { part.add::<T>(j, len, &dgamma, &dbeta) };
         }),
         Sink::Locked(lock) => {
@@ -481,6 +490,7 @@ unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usiz
             let part = unsafe { lock.acquire::<T, S>(row) };
             for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
                 let (dgamma, dbeta) = partials(j, len, slot);
+                // SAFETY: as above; the group's row is this team's while it holds the lock.
                 unsafe { part.add_compensated::<T>(j, len, &dgamma, &dbeta) };
             });
             // SAFETY: this team holds the lock it releases.
@@ -913,11 +923,12 @@ unsafe fn stage1_held<T: Element, S: Team>(
     // SAFETY: the launch sized shared memory for every team of the block.
     unsafe { mine.zero::<T>() };
     let mut row = S::id();
-    // SAFETY (both): the launch's rows are held packs (the caller's guarantee); row < rows
-    // in the loop.
+    // SAFETY: the launch's rows are held packs (the caller's guarantee); past the last row
+    // nothing is loaded.
     let mut held = unsafe { load_held_row::<T, S>(&r, row) };
     while row < r.rows {
         let next = row + S::count();
+        // SAFETY: as above, and row < rows.
         held = unsafe { backward_row_held::<T, S>(&r, row, held, next, mine) };
         row = next;
     }
@@ -1109,9 +1120,9 @@ unsafe fn stage2<T: Element>(
                 // start 16-byte aligned.
                 unsafe { device::load_16(part.add(at) as *const u32).map(f32::from_bits) }
             } else {
-                // SAFETY: r < rows, and only columns below n are read.
                 [0, 1, 2, 3].map(|k| {
                     if j + k < n {
+                        // SAFETY: r < rows, and only columns below n are read.
                         unsafe { *part.add(at + k as usize) }
                     } else {
                         0.0

@@ -12,25 +12,33 @@
 //! [`RowNorm`]); y is computed in halves so that x_j - mean cannot overflow. Where M2 is
 //! finite, the results are the plain formulas' to the bit.
 //!
-//! Versions (docs/PERF.md has the measurements):
-//!   v1  one pass for the statistics (per-pack exact stats, Chan merges across packs, lanes
-//!       and warps), a second pass that re-reads x (from L2 for rows that fit there) to
-//!       normalize; 16-byte packs when every pointer of the row allows, else element-wise.
-//!   v2  rows of up to 8 packs per rank are held in registers between the passes: x is read
-//!       from memory once, all 8 loads in flight together; longer rows stream as in v1.
-//!   v5  held rows take their statistics in two exact passes over registers with plain
-//!       sums: no division per pack nor in the reduction tree, and two cheap reductions.
-//!   v9  M2 summed by `fma`, f16/bf16 narrowed two at a time (`cvt.rn.f16x2.f32`): fewer
-//!       instructions per element. (y itself stays a multiply and an add: as one fma, with
-//!       gamma and beta live at once, the f32 held kernels spill at 64 registers.)
-//!   v11 launches whose rows are all whole aligned packs that fit 4 a rank take
-//!       `forward_rows_pipelined`: the team's next row is loaded right after this row's
-//!       first sum, so each team has two rows in flight (ncu showed the held rows' warps
-//!       waiting on their own loads more than on anything else).
-//!   v13 aligned rows too long to hold whole keep 4 packs a rank in registers and copy the
-//!       rest into shared memory (`cp.async`, every copy in flight at once), where the
-//!       room allows (f32 to about 74000): read from DRAM once, where the streamed rows'
-//!       second read missed L2 half the time.
+//! The kernels, `layer_norm_fwd_<kind>_<T>` for T = f32, f16, bf16. Each team (a warp, or a
+//! block) normalizes one row at a time, rows `id, id + teams, ...`; the host
+//! (host/gpu/layer_norm.rs) picks per launch:
+//! - the team: a warp per row for n <= 1024, a block per row beyond (about 4 packs a
+//!   thread);
+//! - `pipelined_warp`, `pipelined_block` ([`forward_rows_pipelined`]) where every row is
+//!   whole aligned 16-byte packs that fit 4 a rank: x held in registers, and the team's next
+//!   row loaded right after this row's first sum, so that each team has two rows in flight;
+//! - `warp`, `block` ([`forward_rows`]) for all other launches, which take each row as
+//!   its pointers and length allow:
+//!   - held: all four row pointers 16-byte aligned and the row fits 8 packs a rank
+//!     (`FWD_HELD`): x read from memory once into registers, mean and M2 in two exact
+//!     passes over them with plain sums;
+//!   - staged (block teams only): aligned rows too long to hold, where the host gave the
+//!     launch shared memory for the rest (f32 rows to about 74000 on 1024 threads): 4 packs
+//!     a rank in registers, the rest copied into shared memory (`cp.async`, every copy in
+//!     flight at once), then the held rows' arithmetic over both;
+//!   - streamed: other aligned rows, in 16-byte packs: one pass for the statistics (each
+//!     pack's exact mean and M2, Chan merges across packs, lanes and warps), and y's pass
+//!     reading x again (from L2 while the rows in flight fit there);
+//!   - element by element: rows with a pointer not 16-byte aligned, as streamed.
+//!
+//! Any kernel takes a row whose f32 statistics overflowed through [`forward_row_huge`].
+//! M2 is summed with `fma`, and f16/bf16 y narrowed two values at a time; y itself stays a
+//! multiply and an add, since as one fma (gamma and beta live at once) the f32 held
+//! kernels spill at their 64 registers. docs/PERF.md has each version's changes and
+//! measurements.
 
 use crate::device::{fma, sqrt_rn};
 use crate::element::{Element, Pack, is_pack_aligned, read, read_cached, write};
@@ -275,11 +283,14 @@ unsafe fn forward_row_staged<T: Element, S: StatsTeam>(
         staged.fill::<T, S>(x, n);
         held
     };
-    // SAFETY (all below): as above; this rank filled the staging with this row.
+    // SAFETY: as above; this rank filled the staging with this row.
     let mut sum = unsafe { rank_sum::<T, S, true, PART_HELD>(&held, x, n) };
+    // SAFETY: the staging holds this row's packs past the held ones, filled by this rank.
     unsafe { staged.for_each::<T, S>(n, |_, v| sum += v[..T::PACK].iter().sum::<f32>()) };
     let mean = S::sum2(sum, 0.0).0 / n as f32;
+    // SAFETY: as for the sum: `held` and x are this row's.
     let mut m2 = unsafe { rank_m2::<T, S, true, PART_HELD>(&held, x, n, mean) };
+    // SAFETY: as for the sum: the staging is this rank's copy of this row.
     unsafe {
         staged.for_each::<T, S>(n, |_, v| {
             for &v in &v[..T::PACK] {
@@ -288,6 +299,8 @@ unsafe fn forward_row_staged<T: Element, S: StatsTeam>(
         })
     };
     let norm = RowNorm::of(mean, S::sum2(m2, 0.0).0, n, eps)?;
+    // SAFETY: y holds the row and gamma, beta its n columns (the caller's guarantee), all
+    // 16-byte aligned; `held` and the staging hold this row's x.
     unsafe {
         write_y::<T, S, true, PART_HELD>(&held, x, gamma, beta, y, n, norm);
         staged.for_each::<T, S>(n, |j, v| write_y_chunk(gamma, beta, y, j, T::PACK, v, norm));
@@ -420,11 +433,12 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(
     while row < rows {
         let next = row + S::count();
         let x_row = row_of(row);
-        // SAFETY (all below): the row is aligned whole packs that fit, held in `held`.
+        // SAFETY: the row is aligned whole packs that fit, held in `held`.
         let sum = unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) };
         let upcoming = load(next);
         let m = S::sum2(sum, 0.0).0 / n as f32;
         let m2 = S::sum2(
+            // SAFETY: as for the sum: `held` holds this row.
             unsafe { rank_m2::<T, S, true, PIPE_HELD>(&held, x_row, n, m) },
             0.0,
         )

@@ -1,8 +1,7 @@
-//! Shared by the integration tests: the float64 reference, seeded random inputs, error
-//! measures, tolerances, and the GPU-or-skip rule.
+//! Shared by the integration tests: seeded random inputs, error measures, tolerances, and
+//! the GPU-or-skip rule. The float64 reference is the `layernorm-reference` crate
+//! (reference/), which ln-bench's check uses too.
 #![allow(dead_code)] // each test binary uses its own subset
-
-pub mod reference;
 
 use layernorm_cuda::{Device, Element, Error, Tensor};
 use ndarray::{Array, Array1, Array2, ArrayView, Dimension};
