@@ -74,6 +74,15 @@ impl Device {
         }
     }
 
+    /// What [`crate::plan::plan`] needs of the CUDA device, to see which kernel a call would
+    /// take on it (None on the CPU).
+    pub fn plan_limits(&self) -> Option<crate::plan::DeviceLimits> {
+        match &self.kind {
+            Kind::Cpu => None,
+            Kind::Cuda(g) => Some(g.kernels.limits),
+        }
+    }
+
     /// The CUDA stream this handle queues its work on (None on the CPU): for timing with
     /// events, or ordering other CUDA work around this crate's. cudarc's event tracking is
     /// off in its context (this crate orders its tensors across streams itself): slices you

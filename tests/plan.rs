@@ -61,15 +61,32 @@ fn reached(limits: DeviceLimits) -> BTreeSet<String> {
 #[test]
 fn test_shapes_reach_every_kernel() {
     for limits in [DeviceLimits::A100, DeviceLimits::H100] {
-        let mut all: BTreeSet<String> = Variant::ALL
-            .iter()
-            .filter(|v| v.in_module(limits.arch) && **v != Variant::BwdReduce)
-            .map(|v| format!("{v:?}"))
-            .collect();
-        let reached = reached(limits);
-        all.retain(|v| !reached.contains(v));
-        assert!(all.is_empty(), "{:?}: no test shape reaches {all:?}", limits.arch);
+        check_coverage(limits);
     }
+}
+
+/// The same on the GPU the tests run on, with the limits it reports: its module and its
+/// shared memory. (This also gives the binary a CUDA call, which the GPU machine's
+/// compute-sanitizer runs need.)
+#[test]
+fn gpu_test_shapes_reach_every_kernel_of_this_device() {
+    let Some(gpu) = common::gpu_or_skip() else { return };
+    let limits = gpu.plan_limits().expect("a CUDA device has plan limits");
+    println!("{}: {limits:?}", gpu.name());
+    check_coverage(limits);
+}
+
+/// Every stage 1 and forward kernel of `limits`' module is some test case's plan (stage 2
+/// runs after every backward).
+fn check_coverage(limits: DeviceLimits) {
+    let mut all: BTreeSet<String> = Variant::ALL
+        .iter()
+        .filter(|v| v.in_module(limits.arch) && **v != Variant::BwdReduce)
+        .map(|v| format!("{v:?}"))
+        .collect();
+    let reached = reached(limits);
+    all.retain(|v| !reached.contains(v));
+    assert!(all.is_empty(), "{:?}: no test shape reaches {all:?}", limits.arch);
 }
 
 /// A few choices spelled out, as a reader would check them against the rules in plan.rs.
