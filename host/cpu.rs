@@ -40,7 +40,7 @@ pub(crate) fn forward<T: Element>(
         });
 }
 
-/// dx per row, dgamma and dbeta summed over rows (see `kernels-gpu/src/backward.rs` for the
+/// dx per row, dgamma and dbeta summed over rows (see `kernels-gpu/src/backward/mod.rs` for the
 /// formulas). Column sums run in f64 in row order. The row scratch is taken before anything
 /// is written, so where host memory cannot hold it the outputs are left as they were.
 #[allow(clippy::too_many_arguments)]

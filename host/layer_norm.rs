@@ -13,7 +13,7 @@ use crate::cpu;
 use crate::device::{Device, Kind};
 use crate::element::Element;
 use crate::error::{DriverContext, Error, Result};
-use crate::gpu::kernels::{Backward, Forward};
+use crate::gpu::launch::{Backward, Forward};
 use crate::gpu::layer_norm as gpu;
 use crate::tensor::{Data, Tensor};
 

@@ -178,7 +178,7 @@ fn gpu_backward_many_rows() {
 }
 
 /// Rows too long for one block to hold in registers or to sum in shared memory (8n
-/// bytes): on Hopper, clusters of 8 blocks split each row (kernels-gpu/src/cluster.rs),
+/// bytes): on Hopper, clusters of 8 blocks split each row (kernels-gpu/src/cluster/),
 /// elsewhere partials go through global memory. Many rows per cluster, fewer rows than clusters,
 /// odd n (misaligned rows, a ragged last slice), each storage type.
 #[test]

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaStream, sys};
 
-use super::kernels::KernelTable;
+use super::module::KernelTable;
 use crate::error::{DriverContext, Error, Result};
 
 /// One device's context, the stream every operation of a `Device` handle runs on, and the

@@ -8,7 +8,8 @@
 use cudarc::driver::CudaSlice;
 
 use super::Gpu;
-use super::kernels::{self, Backward, Forward, Kernel, Launch, Team};
+use super::launch::{self, Backward, Forward, Launch, Team};
+use super::module::Kernel;
 use crate::element::Element;
 use crate::error::{AllocContext, Result};
 use crate::plan::{Pass, Plan, Variant, plan};
@@ -61,7 +62,7 @@ pub(crate) fn forward<T: Element>(gpu: &Gpu, a: Forward<'_, T>) -> Result<()> {
     let plan = plan::<T>(a.n, Pass::Forward, a.packed, gpu.kernels.limits)?;
     let kernel = gpu.kernels.of::<T>().any(plan.variant);
     let launch = resident(gpu, kernel, a.rows, &plan)?;
-    kernels::forward(gpu, kernel, launch, a)
+    launch::forward(gpu, kernel, launch, a)
 }
 
 /// The tutorial's group count for the locked mode: more groups for short rows, where many
@@ -111,7 +112,7 @@ pub(crate) fn backward<T: Element>(
         ) => {
             let size = plan.variant.cluster();
             let clusters = kernel
-                .active_clusters(gpu, size, plan.threads, plan.smem)?
+                .active_clusters(&gpu.stream, size, plan.threads, plan.smem)?
                 .min(rows);
             let launch = Launch {
                 blocks: clusters * size,
@@ -120,21 +121,21 @@ pub(crate) fn backward<T: Element>(
             // Each cluster writes every column of its partial row (each block its slice).
             let (mut pg, mut pb) = alloc_partials(gpu, clusters as usize * n as usize)?;
             let held = plan.variant != Variant::BwdCluster8;
-            kernels::backward_cluster(gpu, held, size, launch, stage1, &mut pg, &mut pb)?;
+            launch::backward_cluster(gpu, held, size, launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, clusters)
         }
         (Reduction::Owned, Variant::BwdHeldWarp | Variant::BwdHeldBlock) => {
             let launch = balanced(resident(gpu, kernel, rows, &plan)?, rows, team);
             // The held kernel writes every element of every block's partial row.
             let (mut pg, mut pb) = alloc_partials(gpu, launch.blocks as usize * n as usize)?;
-            kernels::backward_held(gpu, team, launch, stage1, &mut pg, &mut pb)?;
+            launch::backward_held(gpu, team, launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, launch.blocks)
         }
         (Reduction::Owned, _) => {
             let launch = resident(gpu, kernel, rows, &plan)?;
             // The owned-mode kernel writes every element of every block's partial row.
             let (mut pg, mut pb) = alloc_partials(gpu, launch.blocks as usize * n as usize)?;
-            kernels::backward_owned(gpu, team, launch, stage1, &mut pg, &mut pb, plan.local)?;
+            launch::backward_owned(gpu, team, launch, stage1, &mut pg, &mut pb, plan.local)?;
             (pg, pb, launch.blocks)
         }
         (Reduction::Locked { groups }, _) => {
@@ -151,12 +152,12 @@ pub(crate) fn backward<T: Element>(
                 .alloc_zeros::<u32>(words_len)
                 .allocating(4 * words_len, "allocating locks")?;
             let launch = resident(gpu, kernel, rows, &plan)?;
-            kernels::backward_locked(gpu, team, launch, stage1, &mut pg, &mut pb, &mut words, groups)?;
+            launch::backward_locked(gpu, team, launch, stage1, &mut pg, &mut pb, &mut words, groups)?;
             // Stage 2 sums the compensation rows with the sums.
             (pg, pb, 2 * groups)
         }
     };
-    kernels::backward_reduce(gpu, &parts_dgamma, &parts_dbeta, part_rows, n, dgamma, dbeta)
+    launch::backward_reduce(gpu, &parts_dgamma, &parts_dbeta, part_rows, n, dgamma, dbeta)
 }
 
 /// Two f32 partial buffers of `len`, uninitialized: stage 1 writes every element before

@@ -1,11 +1,12 @@
-//! The CUDA side, in layers: `context` opens a device and loads the PTX (the only place the
-//! driver is set up), `storage` holds tensors' device memory and orders its uses across
-//! streams, `kernels` names the kernels and launches them (the only `unsafe` launches),
-//! `layer_norm` sizes the launches for the op.
+//! The CUDA side, in layers: `module` loads the PTX and looks up the registry's kernels,
+//! `context` opens a device (the only place the driver is set up) with them, `storage` holds
+//! tensors' device memory and orders its uses across streams, `launch` queues the kernels
+//! (the only `unsafe` launches), `layer_norm` takes the plan and sizes the grids for the op.
 
 pub(crate) mod context;
-pub(crate) mod kernels;
+pub(crate) mod launch;
 pub(crate) mod layer_norm;
+pub(crate) mod module;
 pub(crate) mod storage;
 
 pub(crate) use context::Gpu;

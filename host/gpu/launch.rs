@@ -1,29 +1,18 @@
-//! The embedded PTX, its kernels by name, and the launches: the one place where the
-//! kernels' argument lists (the contract with `kernels-gpu/`) are written down.
+//! The launches: the one place where the kernels' argument lists (the contract with
+//! `kernels-gpu/`) are written down.
 //!
 //! Each launch checks the buffer lengths the kernel relies on before it launches, so the
 //! `unsafe` here rests on checks made next to it, not on callers far away.
 
-use std::sync::Arc;
-
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg,
-};
-use cudarc::nvrtc::Ptx;
+use cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
 
 use super::Gpu;
+use super::module::Kernel;
 use crate::element::Element;
 use crate::error::{DriverContext, Error, Result};
-use crate::plan::{Arch, DeviceLimits, Variant};
-
-/// The kernels for sm_80 and later, built from `kernels-gpu/` by build.rs.
-const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels.ptx"));
-/// The same kernels for sm_90 (Hopper) and later, plus the cluster kernels.
-const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels_sm90.ptx"));
+use crate::plan::Variant;
 
 // What the kernels and the launches must agree on, from the one crate both compile.
-use layernorm_layout::registry::DTYPES;
 pub(crate) use layernorm_layout::{BWD_HELD, CLUSTER_SIZE, SCRATCH_BYTES};
 use layernorm_layout::{STAGE2_SMEM, STAGE2_THREADS};
 
@@ -81,121 +70,6 @@ pub(crate) fn check_smem(gpu: &Gpu, needed: usize, what: &'static str) -> Result
     }
 }
 
-/// A kernel of the loaded module.
-pub(crate) struct Kernel {
-    func: CudaFunction,
-}
-
-impl Kernel {
-    fn load(module: &Arc<CudaModule>, name: &str, max_smem: u32) -> Result<Kernel> {
-        let func = module.load_function(name).during("looking up a kernel")?;
-        // Blocks may take more than the default 48 KB of shared memory (owned-mode partials).
-        func.set_attribute(
-            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            max_smem as i32,
-        )
-        .during("raising a kernel's shared memory limit")?;
-        Ok(Kernel { func })
-    }
-
-    /// Clusters of the kernel's (compile-time) `size` blocks, `threads` and `smem` per
-    /// block, that the device runs at once (>= 1).
-    pub(crate) fn active_clusters(&self, gpu: &Gpu, size: u32, threads: u32, smem: u32) -> Result<u32> {
-        let config = LaunchConfig {
-            grid_dim: (size, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        let n = self
-            .func
-            .occupancy_max_active_clusters(config, &gpu.stream)
-            .during("querying cluster occupancy")?;
-        Ok(n.max(1))
-    }
-
-    /// Blocks of `threads` threads and `smem` bytes one multiprocessor runs at once (>= 1).
-    pub(crate) fn blocks_per_sm(&self, threads: u32, smem: u32) -> Result<u32> {
-        let n = self
-            .func
-            .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-            .during("querying occupancy")?;
-        Ok(n.max(1))
-    }
-}
-
-/// Every kernel of the loaded module, as the registry (`layernorm_layout::registry`) lists
-/// them, by variant and storage type.
-pub(crate) struct KernelTable {
-    /// `kernels[variant][dtype]`, in `Variant::ALL` and `DTYPES` order; None where the
-    /// module lacks the kernel (the cluster kernels before sm_90).
-    kernels: Vec<[Option<Kernel>; 3]>,
-    /// What the planner needs of this device: its module, and the dynamic shared memory a
-    /// block may have (the opt-in maximum).
-    pub(crate) limits: DeviceLimits,
-}
-
-impl KernelTable {
-    /// JIT-compiles the PTX for this device (once per device) and looks up every kernel the
-    /// registry lists for its module: the sm_90 module (with the cluster kernels) on compute
-    /// capability 9.0 and later.
-    pub(crate) fn load(ctx: &Arc<CudaContext>, major: i32) -> Result<KernelTable> {
-        let max_smem = ctx
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .during("reading the shared memory limit")? as u32;
-        let arch = if major >= 9 { Arch::Sm90 } else { Arch::Sm80 };
-        let ptx = match arch {
-            Arch::Sm90 => PTX_SM90,
-            Arch::Sm80 => PTX_SM80,
-        };
-        let module = ctx
-            .load_module(Ptx::from_src(ptx))
-            .during("loading the PTX module")?;
-        let kernels = Variant::ALL
-            .iter()
-            .map(|v| {
-                let mut by_type = [None, None, None];
-                if v.in_module(arch) {
-                    for (slot, ty) in by_type.iter_mut().zip(DTYPES) {
-                        let name = format!("layer_norm_{}_{ty}", v.stem());
-                        *slot = Some(Kernel::load(&module, &name, max_smem)?);
-                    }
-                }
-                Ok(by_type)
-            })
-            .collect::<Result<_>>()?;
-        let limits = DeviceLimits { arch, max_smem };
-        Ok(KernelTable { kernels, limits })
-    }
-
-    /// The kernels of storage type `T`.
-    pub(crate) fn of<T: Element>(&self) -> TypeKernels<'_> {
-        TypeKernels {
-            table: self,
-            dtype: T::INDEX,
-        }
-    }
-}
-
-/// One storage type's kernels.
-#[derive(Clone, Copy)]
-pub(crate) struct TypeKernels<'a> {
-    table: &'a KernelTable,
-    dtype: usize,
-}
-
-impl<'a> TypeKernels<'a> {
-    /// The kernel, where the loaded module has it.
-    pub(crate) fn get(self, v: Variant) -> Option<&'a Kernel> {
-        self.table.kernels[v as usize][self.dtype].as_ref()
-    }
-
-    /// A kernel every module has.
-    pub(crate) fn any(self, v: Variant) -> &'a Kernel {
-        self.get(v)
-            .unwrap_or_else(|| panic!("layernorm-cuda bug: {v:?} asked of a module that lacks it"))
-    }
-}
-
 /// Panics unless `cond`: a launch's buffer lengths are this crate's own invariant (the op
 /// checked the user's shapes already), so a failure here is a bug in this crate, and
 /// stopping beats letting a kernel run past a buffer.
@@ -235,7 +109,7 @@ pub(crate) fn forward<T: Element>(gpu: &Gpu, f: &Kernel, launch: Launch, a: Forw
     require(a.gamma.len() >= n && a.beta.len() >= n, "gamma/beta");
     require(a.mean.len() >= rows && a.rstd.len() >= rows, "mean/rstd");
     require(launch.smem >= SCRATCH_BYTES, "scratch");
-    let mut b = gpu.stream.launch_builder(&f.func);
+    let mut b = gpu.stream.launch_builder(f.func());
     b.arg(&a.x)
         .arg(&a.gamma)
         .arg(&a.beta)
@@ -269,7 +143,7 @@ impl<T> Backward<'_, T> {
     /// A launch of `f` with the arguments every stage 1 kernel starts with: (x, dy, gamma,
     /// mean, rstd, dx).
     fn launch_args<'s>(&'s mut self, gpu: &'s Gpu, f: &'s Kernel) -> LaunchArgs<'s> {
-        let mut b = gpu.stream.launch_builder(&f.func);
+        let mut b = gpu.stream.launch_builder(f.func());
         b.arg(&self.x)
             .arg(&self.dy)
             .arg(&self.gamma)
@@ -349,7 +223,7 @@ pub(crate) fn backward_owned<T: Element>(
     b.arg(part_dgamma).arg(part_dbeta).arg(&rows).arg(&n).arg(&local);
     let config = launch.config(gpu, "backward stage 1 (owned)")?;
     // SAFETY: the argument list matches `backward_kernels!(@owned ..)` in
-    // kernels-gpu/src/backward.rs, and every buffer (shared memory included) holds what the
+    // kernels-gpu/src/backward/mod.rs, and every buffer (shared memory included) holds what the
     // kernel indexes (checked above).
     unsafe { b.launch(config) }.during("launching backward stage 1 (owned)")?;
     Ok(())
@@ -386,7 +260,7 @@ pub(crate) fn backward_held<T: Element>(
     } else {
         Variant::BwdHeldBlock
     });
-    // SAFETY: `backward_kernels!(@held ..)` in kernels-gpu/src/backward.rs takes these
+    // SAFETY: `backward_kernels!(@held ..)` in kernels-gpu/src/backward/mod.rs takes these
     // arguments; every buffer (shared memory included) holds what the kernel indexes, and
     // every row is whole aligned packs that fit (checked above).
     unsafe {
@@ -443,7 +317,7 @@ pub(crate) fn backward_cluster<T: Element>(
     let Some(f) = kernel else {
         panic!("layernorm-cuda bug: a cluster launch on a device without cluster kernels");
     };
-    // SAFETY: `cluster_kernels!` in kernels-gpu/src/backward.rs takes these arguments for
+    // SAFETY: `cluster_kernels!` in kernels-gpu/src/cluster/backward.rs takes these arguments for
     // every cluster kernel, every buffer (shared memory included) holds what the kernel
     // indexes (checked above, with the held kernel's rows and slices), and the grid is
     // whole clusters of the size the kernel declares.
@@ -516,7 +390,7 @@ pub(crate) fn backward_locked<T: Element>(
         .arg(&n);
     let config = launch.config(gpu, "backward stage 1 (locked)")?;
     // SAFETY: the argument list matches `backward_kernels!(@locked ..)` in
-    // kernels-gpu/src/backward.rs, every buffer holds what the kernel indexes, and the
+    // kernels-gpu/src/backward/mod.rs, every buffer holds what the kernel indexes, and the
     // caller zeroed the lock and count words (the kernel's only precondition on them).
     unsafe { b.launch(config) }.during("launching backward stage 1 (locked)")?;
     Ok(())
@@ -550,7 +424,7 @@ pub(crate) fn backward_reduce<T: Element>(
     };
     let mut b = gpu
         .stream
-        .launch_builder(&gpu.kernels.of::<T>().any(Variant::BwdReduce).func);
+        .launch_builder(gpu.kernels.of::<T>().any(Variant::BwdReduce).func());
     b.arg(part_dgamma)
         .arg(part_dbeta)
         .arg(&rows)
@@ -558,7 +432,7 @@ pub(crate) fn backward_reduce<T: Element>(
         .arg(dgamma)
         .arg(dbeta);
     // SAFETY: the argument list matches `layer_norm_bwd_reduce_<T>` in
-    // kernels-gpu/src/backward.rs, and every buffer holds what the kernel indexes.
+    // kernels-gpu/src/backward/mod.rs, and every buffer holds what the kernel indexes.
     unsafe { b.launch(cfg) }.during("launching backward stage 2")?;
     Ok(())
 }

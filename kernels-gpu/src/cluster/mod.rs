@@ -8,6 +8,8 @@
 //!
 //! Only in the sm_90 module (`cfg(layernorm_sm90)`): these instructions do not exist before.
 
+mod backward;
+
 use core::arch::asm;
 
 use crate::device::{self, shared_ptr};

@@ -1,0 +1,145 @@
+//! The embedded PTX and its kernels: the module for the device's compute capability, loaded
+//! once, and every kernel the registry (`layernorm_layout::registry`) lists, by variant and
+//! storage type, with their occupancy queries.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
+use cudarc::nvrtc::Ptx;
+use layernorm_layout::registry::DTYPES;
+
+use crate::element::Element;
+use crate::error::{DriverContext, Result};
+use crate::plan::{Arch, DeviceLimits, Variant};
+
+/// The kernels for sm_80 and later, built from `kernels-gpu/` by build.rs.
+const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels.ptx"));
+/// The same kernels for sm_90 (Hopper) and later, plus the cluster kernels.
+const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels_sm90.ptx"));
+
+/// A kernel of the loaded module.
+pub(crate) struct Kernel {
+    func: CudaFunction,
+}
+
+impl Kernel {
+    /// The function, for a launch.
+    pub(crate) fn func(&self) -> &CudaFunction {
+        &self.func
+    }
+
+    fn load(module: &Arc<CudaModule>, name: &str, max_smem: u32) -> Result<Kernel> {
+        let func = module.load_function(name).during("looking up a kernel")?;
+        // Blocks may take more than the default 48 KB of shared memory (owned-mode partials).
+        func.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            max_smem as i32,
+        )
+        .during("raising a kernel's shared memory limit")?;
+        Ok(Kernel { func })
+    }
+
+    /// Clusters of the kernel's (compile-time) `size` blocks, `threads` and `smem` per
+    /// block, that the device runs at once (>= 1).
+    pub(crate) fn active_clusters(
+        &self,
+        stream: &Arc<CudaStream>,
+        size: u32,
+        threads: u32,
+        smem: u32,
+    ) -> Result<u32> {
+        let config = LaunchConfig {
+            grid_dim: (size, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: smem,
+        };
+        let n = self
+            .func
+            .occupancy_max_active_clusters(config, stream)
+            .during("querying cluster occupancy")?;
+        Ok(n.max(1))
+    }
+
+    /// Blocks of `threads` threads and `smem` bytes one multiprocessor runs at once (>= 1).
+    pub(crate) fn blocks_per_sm(&self, threads: u32, smem: u32) -> Result<u32> {
+        let n = self
+            .func
+            .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+            .during("querying occupancy")?;
+        Ok(n.max(1))
+    }
+}
+
+/// Every kernel of the loaded module, as the registry (`layernorm_layout::registry`) lists
+/// them, by variant and storage type.
+pub(crate) struct KernelTable {
+    /// `kernels[variant][dtype]`, in `Variant::ALL` and `DTYPES` order; None where the
+    /// module lacks the kernel (the cluster kernels before sm_90).
+    kernels: Vec<[Option<Kernel>; 3]>,
+    /// What the planner needs of this device: its module, and the dynamic shared memory a
+    /// block may have (the opt-in maximum).
+    pub(crate) limits: DeviceLimits,
+}
+
+impl KernelTable {
+    /// JIT-compiles the PTX for this device (once per device) and looks up every kernel the
+    /// registry lists for its module: the sm_90 module (with the cluster kernels) on compute
+    /// capability 9.0 and later.
+    pub(crate) fn load(ctx: &Arc<CudaContext>, major: i32) -> Result<KernelTable> {
+        let max_smem = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .during("reading the shared memory limit")? as u32;
+        let arch = if major >= 9 { Arch::Sm90 } else { Arch::Sm80 };
+        let ptx = match arch {
+            Arch::Sm90 => PTX_SM90,
+            Arch::Sm80 => PTX_SM80,
+        };
+        let module = ctx
+            .load_module(Ptx::from_src(ptx))
+            .during("loading the PTX module")?;
+        let kernels = Variant::ALL
+            .iter()
+            .map(|v| {
+                let mut by_type = [None, None, None];
+                if v.in_module(arch) {
+                    for (slot, ty) in by_type.iter_mut().zip(DTYPES) {
+                        let name = format!("layer_norm_{}_{ty}", v.stem());
+                        *slot = Some(Kernel::load(&module, &name, max_smem)?);
+                    }
+                }
+                Ok(by_type)
+            })
+            .collect::<Result<_>>()?;
+        let limits = DeviceLimits { arch, max_smem };
+        Ok(KernelTable { kernels, limits })
+    }
+
+    /// The kernels of storage type `T`.
+    pub(crate) fn of<T: Element>(&self) -> TypeKernels<'_> {
+        TypeKernels {
+            table: self,
+            dtype: T::INDEX,
+        }
+    }
+}
+
+/// One storage type's kernels.
+#[derive(Clone, Copy)]
+pub(crate) struct TypeKernels<'a> {
+    table: &'a KernelTable,
+    dtype: usize,
+}
+
+impl<'a> TypeKernels<'a> {
+    /// The kernel, where the loaded module has it.
+    pub(crate) fn get(self, v: Variant) -> Option<&'a Kernel> {
+        self.table.kernels[v as usize][self.dtype].as_ref()
+    }
+
+    /// A kernel every module has.
+    pub(crate) fn any(self, v: Variant) -> &'a Kernel {
+        self.get(v)
+            .unwrap_or_else(|| panic!("layernorm-cuda bug: {v:?} asked of a module that lacks it"))
+    }
+}

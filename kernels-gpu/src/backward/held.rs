@@ -1,0 +1,282 @@
+//! Stage 1 for launches whose rows are all whole aligned packs held in registers: partials
+//! kept per rank in shared memory, no barrier between rows, two rows in flight per team.
+
+use super::{Centering, DxCoefficients, Rows, add_row_sums};
+use crate::device::{self, fma};
+use crate::element::{Element, MAX_PACK, Pack, read_cached, write};
+use crate::row::{BWD_HELD, Held, for_each_chunk};
+use crate::team::Team;
+
+/// One rank's partial dgamma and dbeta over the rows its team handled, for the columns of
+/// its held packs, in shared memory laid out by rank: the rank's `chunks` 16-byte chunks
+/// (4 columns each; chunk q covers elements 4 * (q % (PACK / 4)).. of its slot q / (PACK /
+/// 4)) sit `size * 16` bytes apart, so the 32 lanes of a warp touch 512 contiguous bytes in
+/// each access: one 16-byte access per 4 columns and no bank conflicts, where the
+/// column-ordered rows of the general path take one access per column. dbeta's chunks
+/// follow all of dgamma's.
+#[derive(Clone, Copy)]
+pub(crate) struct RankPartials {
+    /// Shared address of chunk 0 of this rank's dgamma.
+    dgamma: u32,
+    /// Shared address of chunk 0 of this rank's dbeta.
+    dbeta: u32,
+    /// Bytes from one chunk of a rank to its next (`size * 16`).
+    stride: u32,
+}
+
+impl RankPartials {
+    /// 16-byte chunks per rank and sum: `BWD_HELD` packs of `T::PACK` f32.
+    #[inline(always)]
+    pub(crate) const fn chunks<T: Element>() -> u32 {
+        layernorm_layout::held_chunks(T::PACK as u32)
+    }
+
+    /// Shared bytes of one team of `size` ranks: dgamma and dbeta chunks of every rank.
+    #[inline(always)]
+    pub(crate) fn team_bytes<T: Element>(size: u32) -> u32 {
+        layernorm_layout::held_team_bytes(T::PACK as u32, size)
+    }
+
+    /// Rank `rank`'s partials in the team whose area starts at byte `base` of shared memory.
+    #[inline(always)]
+    pub(crate) fn of<T: Element>(base: u32, size: u32, rank: u32) -> Self {
+        let dgamma = device::shared_addr(base + rank * 16);
+        RankPartials {
+            dgamma,
+            dbeta: dgamma + Self::chunks::<T>() * size * 16,
+            stride: size * 16,
+        }
+    }
+
+    /// Sets every chunk to zero.
+    ///
+    /// # Safety
+    /// The launch gave the team's area (see [`stage1_held`]).
+    #[inline(always)]
+    pub(crate) unsafe fn zero<T: Element>(self) {
+        for q in 0..Self::chunks::<T>() {
+            // SAFETY: chunk q of this rank lies inside the team's area.
+            unsafe {
+                device::store_shared_16(self.dgamma + q * self.stride, [0; 4]);
+                device::store_shared_16(self.dbeta + q * self.stride, [0; 4]);
+            }
+        }
+    }
+
+    /// dgamma += xhat * dy and dbeta += dy for the columns of held slot `c`.
+    ///
+    /// # Safety
+    /// As for [`RankPartials::zero`]; `c < BWD_HELD`.
+    #[inline(always)]
+    pub(crate) unsafe fn add<T: Element>(self, c: usize, xhat: &Pack, dy: &Pack) {
+        for h in 0..T::PACK / 4 {
+            let at = (c * T::PACK / 4 + h) as u32 * self.stride;
+            // SAFETY: chunk c * PACK / 4 + h < chunks, inside this rank's area.
+            let (g, b) = unsafe {
+                (
+                    device::load_shared_16(self.dgamma + at),
+                    device::load_shared_16(self.dbeta + at),
+                )
+            };
+            let k = 4 * h;
+            let g = [0, 1, 2, 3].map(|i| fma(xhat[k + i], dy[k + i], f32::from_bits(g[i])).to_bits());
+            let b = [0, 1, 2, 3].map(|i| (f32::from_bits(b[i]) + dy[k + i]).to_bits());
+            // SAFETY: as above.
+            unsafe {
+                device::store_shared_16(self.dgamma + at, g);
+                device::store_shared_16(self.dbeta + at, b);
+            }
+        }
+    }
+
+    /// Chunk `q`'s dgamma and dbeta.
+    ///
+    /// # Safety
+    /// As for [`RankPartials::zero`]; `q < chunks`.
+    #[inline(always)]
+    pub(crate) unsafe fn chunk(self, q: u32) -> ([u32; 4], [u32; 4]) {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            (
+                device::load_shared_16(self.dgamma + q * self.stride),
+                device::load_shared_16(self.dbeta + q * self.stride),
+            )
+        }
+    }
+}
+
+/// A row's x and dy, `BWD_HELD` packs of each per rank, in registers, and its mean and
+/// rstd.
+pub(crate) struct HeldRow {
+    xs: Held<BWD_HELD>,
+    dys: Held<BWD_HELD>,
+    mean: f32,
+    rstd: f32,
+}
+
+/// Issues the loads of row `row`'s x, dy, mean and rstd (none where `row` is past the last
+/// row, the pipeline's end: the values then stay zero and are never used). mean and rstd
+/// travel with the row: loaded when the row is used, each would cost its own DRAM round
+/// trip before the row's first sum.
+///
+/// # Safety
+/// Every row pointer 16-byte aligned, `r.n` and `r.cols` whole numbers of packs, `r.cols`
+/// packs that [`fits`].
+#[inline(always)]
+pub(crate) unsafe fn load_held_row<T: Element, S: Team>(r: &Rows<T>, row: u32) -> HeldRow {
+    let offset = row as usize * r.n as usize;
+    let inside = row < r.rows;
+    let packs = if inside { r.cols / T::PACK as u32 } else { 0 };
+    // SAFETY: with row < rows the row lies inside x and dy, aligned whole packs that fit
+    // (the caller's guarantee), and inside mean and rstd; past the last row nothing is read.
+    unsafe {
+        HeldRow {
+            xs: Held::load::<T, S>(r.x.wrapping_add(offset), packs),
+            dys: Held::load::<T, S>(r.dy.wrapping_add(offset), packs),
+            mean: if inside { *r.mean.add(row as usize) } else { 0.0 },
+            rstd: if inside { *r.rstd.add(row as usize) } else { 0.0 },
+        }
+    }
+}
+
+/// dx for one row of a launch whose rows are all whole packs held in registers, and the
+/// row's partials into the rank's own [`RankPartials`]. Two passes over registers:
+///   pass 1:  s1 = sum_j xhat_j * wdy_j,  s2 = sum_j wdy_j   (c1 = s1 / n, c2 = s2 / n)
+///   pass 2:  dx_j = rstd * wdy_j + (xhat_j * a + b),  a = -rstd * c1,  b = -rstd * c2,
+///            dgamma_j += xhat_j * dy_j,  dbeta_j += dy_j
+/// Between them, before the row's reduction, the loads of the team's next row go out
+/// (`next`): they arrive while this row is reduced, written and summed, so each block keeps
+/// two rows in flight and DRAM does not idle while the block works on registers. Returns
+/// the next row's registers.
+///
+/// # Safety
+/// `row` < `r.rows`; every row pointer and gamma 16-byte aligned, `r.n` and `r.cols` whole
+/// numbers of packs, `r.cols` packs that [`fits`] `BWD_HELD` per rank; the [`HeldRow`] is
+/// row `row`'s; `acc` as [`RankPartials::zero`] requires.
+#[inline(always)]
+pub(crate) unsafe fn backward_row_held<T: Element, S: Team>(
+    r: &Rows<T>,
+    row: u32,
+    HeldRow { xs, dys, mean, rstd }: HeldRow,
+    next: u32,
+    acc: RankPartials,
+) -> HeldRow {
+    let offset = row as usize * r.n as usize;
+    // SAFETY: row < rows, so this row lies inside dx.
+    let dx = unsafe { r.dx.add(offset) };
+    // The held slot's (x, dy, gamma); rows of whole packs have no element-wise tail, so every
+    // chunk for_each_chunk yields is a held slot.
+    let held = |j: u32, slot: Option<usize>| {
+        let c = slot.unwrap_or(0);
+        // SAFETY: j is a pack of the row, aligned (the caller's guarantee).
+        let g = unsafe { read_cached(r.gamma, j, T::PACK) };
+        (c, xs.pack::<T>(c), dys.pack::<T>(c), g)
+    };
+
+    let centering = Centering::new(mean, rstd);
+
+    // Pass 1.
+    let (mut s1, mut s2) = (0.0f32, 0.0f32);
+    for_each_chunk::<T, S, true, BWD_HELD>(r.cols, |j, _, slot| {
+        let (_, xv, dyv, g) = held(j, slot);
+        for k in 0..T::PACK {
+            (s1, s2) = add_row_sums(s1, s2, centering.xhat(xv[k]), g[k] * dyv[k]);
+        }
+    });
+    // SAFETY: as this function requires of every row.
+    let upcoming = unsafe { load_held_row::<T, S>(r, next) };
+    let (s1, s2) = S::sum2(s1, s2);
+    let coefficients = DxCoefficients::new(s1, s2, r.n);
+
+    // Pass 2.
+    for_each_chunk::<T, S, true, BWD_HELD>(r.cols, |j, _, slot| {
+        let (c, xv, dyv, g) = held(j, slot);
+        let (mut xhat, mut out) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
+        for k in 0..T::PACK {
+            xhat[k] = centering.xhat(xv[k]);
+            out[k] = centering.dx(g[k] * dyv[k], xhat[k], coefficients);
+        }
+        // SAFETY: as above; the rank's partials are its own.
+        unsafe {
+            write(dx, j, T::PACK, &out);
+            acc.add::<T>(c, &xhat, &dyv);
+        }
+    });
+    upcoming
+}
+
+/// Stage 1, owned mode, for launches whose rows are all whole aligned packs that fit in
+/// registers (the host checks): team u handles rows u, u + U, ... and each rank adds its
+/// columns' partials into its own [`RankPartials`]; at the end the block sums its teams' (in
+/// team order) into its `r.cols` columns of partial row `out_row`. No barrier between rows:
+/// a rank's partials are its own.
+///
+/// # Safety
+/// As [`backward_row_held`] requires of every row; `part_*` point at this block's first
+/// column of `[_, n]` f32 buffers that hold row `out_row`; the launch gave each block
+/// `scratch + teams_per_block * 8 * BWD_HELD * PACK * size` bytes of shared memory (`size`
+/// ranks per team), the first `scratch` for the team's reductions.
+#[inline(always)]
+pub(crate) unsafe fn stage1_held<T: Element, S: Team>(
+    r: Rows<T>,
+    part_dgamma: *mut f32,
+    part_dbeta: *mut f32,
+    out_row: u32,
+    scratch: u32,
+) {
+    let team_bytes = RankPartials::team_bytes::<T>(S::size());
+    let team = |t: u32, rank: u32| RankPartials::of::<T>(scratch + t * team_bytes, S::size(), rank);
+    let mine = team(S::index_in_block(), S::rank());
+    // SAFETY: the launch sized shared memory for every team of the block.
+    unsafe { mine.zero::<T>() };
+    let mut row = S::id();
+    // SAFETY: the launch's rows are held packs (the caller's guarantee); past the last row
+    // nothing is loaded.
+    let mut held = unsafe { load_held_row::<T, S>(&r, row) };
+    while row < r.rows {
+        let next = row + S::count();
+        // SAFETY: as above, and row < rows.
+        held = unsafe { backward_row_held::<T, S>(&r, row, held, next, mine) };
+        row = next;
+    }
+    // Each stacked team passes its own barrier before the block's. The block barrier alone
+    // orders every rank's partials before the reads below, but compute-sanitizer's racecheck
+    // loses that ordering for a team whose last barrier was its named one while another
+    // team (one with no rows left, say) already waited at the block barrier, and reports
+    // the reads below as races; a barrier per block, not per row, keeps its verdict clean.
+    if S::per_block() > 1 {
+        S::sync();
+    }
+    device::sync_block();
+    // Chunk q of rank k (in every team): the teams' sums in team order, into the columns of
+    // the pack it covers.
+    let (packs, per_pack) = (r.cols / T::PACK as u32, T::PACK as u32 / 4);
+    let (size, row_at) = (S::size(), out_row as usize * r.n as usize);
+    // Every thread of the block takes chunks, whichever team it belongs to (block teams
+    // stack along y).
+    let threads = device::block_dim() * device::block_dim_y();
+    let mut i = device::thread_idx_y() * device::block_dim() + device::thread_idx();
+    while i < RankPartials::chunks::<T>() * size {
+        let (rank, q) = (i % size, i / size);
+        let p = rank + q / per_pack * size;
+        if p < packs {
+            let (mut g, mut b) = ([0.0f32; 4], [0.0f32; 4]);
+            for t in 0..S::per_block() {
+                // SAFETY: q < chunks, inside team t's area, written before the barrier.
+                let (tg, tb) = unsafe { team(t, rank).chunk(q) };
+                for k in 0..4 {
+                    g[k] += f32::from_bits(tg[k]);
+                    b[k] += f32::from_bits(tb[k]);
+                }
+            }
+            let col = row_at + (p * T::PACK as u32 + 4 * (q % per_pack)) as usize;
+            // SAFETY: col + 4 <= cols inside partial row out_row (p < packs); n and the
+            // slice start are whole numbers of packs, so the column is 16-byte aligned.
+            unsafe {
+                device::store_16(part_dgamma.add(col) as *mut u32, g.map(f32::to_bits));
+                device::store_16(part_dbeta.add(col) as *mut u32, b.map(f32::to_bits));
+            }
+        }
+        i += threads;
+    }
+}

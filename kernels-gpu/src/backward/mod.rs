@@ -1,0 +1,299 @@
+//! LayerNorm backward, in two stages.
+//!
+//! Per row i, with xhat_j = (x_j - mean_i) * rstd_i and wdy_j = gamma_j * dy_j:
+//!   c1   = sum_j xhat_j * wdy_j / n
+//!   c2   = sum_j wdy_j / n
+//!   dx_j = rstd_i * ((wdy_j - c2) - xhat_j * c1)   (computed in halves, see `Centering`)
+//! and over all rows:
+//!   dgamma_j = sum_i dy_ij * xhat_ij        dbeta_j = sum_i dy_ij
+//!
+//! Stage 1 writes dx and adds each row's (dy * xhat, dy) into one row of an f32 partial
+//! buffer `[R, n]`. Stage 2 sums the R partial rows per column into dgamma and dbeta.
+//! Partials are f32 whatever the storage type, so long columns do not round in f16.
+//!
+//! Two ways to fill the partial buffer:
+//! - owned (deterministic): each block, or cluster, alone owns one partial row, which its
+//!   teams' rows add into; no locks, and every sum runs in a fixed order, so results are
+//!   bitwise reproducible.
+//! - locked (the Triton tutorial's scheme): row i adds into group i mod G under that group's
+//!   spinlock (an atomic compare-and-swap on a lock word); a count word says whether the
+//!   group was written yet (first writer stores, later ones add), so the G rows need no
+//!   clearing, only the 2*G lock and count words. Each group row keeps a compensation row
+//!   beside it (Kahan summation), so that a group that takes many rows in turn does not
+//!   lose a rounding per row; stage 2 sums the 2G rows.
+//!
+//! The kernels, for T = f32, f16, bf16, as the host's planner (host/plan.rs) picks them;
+//! teams are a warp per row for n <= 1024, a block per row beyond:
+//! - owned mode, the first that applies:
+//!   - `layer_norm_bwd_cluster<C>_held_<T>`, `layer_norm_bwd_cluster8_<T>` (sm_90 module,
+//!     block teams): rows too long for one block to hold in registers (4 packs a thread)
+//!     or to sum in shared memory (8n bytes), where an eighth of a row's partials fits. A
+//!     cluster of C blocks shares each row, block q taking its q-th slice; the row sums
+//!     come from all slices through distributed shared memory, one cluster barrier per row
+//!     (the sums alternate between two slots). Where every row is whole aligned packs,
+//!     `cluster<C>_held` (`stage1_cluster_held` in crate::cluster::backward): C = 2, 4 or 8, the fewest blocks whose
+//!     slices fit 4 packs a rank (fewer blocks wait at each barrier), each slice as in
+//!     [`stage1_held`]; else `cluster8` (`stage1_cluster`): each slice as in the general
+//!     owned kernel, its partials in shared memory.
+//!   - `layer_norm_bwd_held_{warp,block}_<T>` ([`stage1_held`]): every row whole aligned
+//!     packs that fit 4 a rank, with room in shared memory for each rank's partials. x and
+//!     dy held in registers; dx and the partials in the same pass, into each rank's own
+//!     shared memory (16-byte accesses, no barrier between rows); each row's x, dy, mean and
+//!     rstd loaded during the previous row's reduction (two rows in flight per team). Block
+//!     teams stack along y, and all teams of a block add into one partial row.
+//!   - `layer_norm_bwd_owned_{warp,block}_<T>` ([`stage1_owned`]): all other rows. Each
+//!     team sums its rows' partials in its own shared-memory row (padded by a word per 32:
+//!     no bank conflicts), and the block writes their sum, in team order, as its partial
+//!     row; block-team rows whose partials do not fit in shared memory add straight into
+//!     the block's partial row in global memory (sm_80, or past what clusters take).
+//! - locked mode: `layer_norm_bwd_locked_{warp,block}_<T>` ([`stage1_locked`]), with G
+//!   groups (by default 256 for n <= 1024, 128 to 4096, 96 to 8192, 64 beyond).
+//! - stage 2, both modes: `layer_norm_bwd_reduce_<T>` ([`stage2`]).
+//!
+//! The general kernels (owned, `cluster8`, locked) take each row as its pointers and length
+//! allow (`streamed::backward_row_any`): x and dy held in registers where the row is aligned and
+//! fits 4 packs a rank, else read in 16-byte packs where aligned, else element by element;
+//! three passes (sums, dx, partials), each chunk's loads before its stores.
+//! docs/PERF.md has each version's changes and measurements.
+//!
+//! Files: this one, the math every stage 1 shares (xhat, dx, the row sums) and the kernel
+//! exports; `partials` (the partial rows, the locked groups); `streamed` (the general stage
+//! 1: rows of any length and alignment, owned and locked); `held` (the held stage 1);
+//! `stage2`. The cluster stage 1 is `crate::cluster::backward`, compiled into the sm_90
+//! module only.
+
+// The cluster stage 1 (`crate::cluster::backward`, sm_90 only) shares these.
+pub(crate) mod held;
+pub(crate) mod partials;
+mod stage2;
+pub(crate) mod streamed;
+
+use crate::device::{self, fma};
+use crate::team::{Block, SCRATCH_BYTES, StackedBlock, Warp};
+use held::stage1_held;
+use partials::GroupLock;
+use stage2::stage2;
+use streamed::{stage1_locked, stage1_owned};
+
+/// The inputs of one backward launch, as the host passes them. A team walks `cols` columns
+/// from the row pointers: all `n` of them, or (clusters) a slice, with `x`, `dy`, `gamma`
+/// and `dx` then pointing at the slice's first column.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows<T> {
+    pub(crate) x: *const T,
+    pub(crate) dy: *const T,
+    pub(crate) gamma: *const T,
+    pub(crate) mean: *const f32,
+    pub(crate) rstd: *const f32,
+    pub(crate) dx: *mut T,
+    pub(crate) rows: u32,
+    /// Row length: the stride between rows, and the n of c1 and c2.
+    pub(crate) n: u32,
+    /// Columns this team walks.
+    pub(crate) cols: u32,
+}
+
+/// One element's terms added to the row sums s1 = sum_j xhat_j * wdy_j and s2 = sum_j wdy_j.
+#[inline(always)]
+pub(crate) fn add_row_sums(s1: f32, s2: f32, xhat: f32, wdy: f32) -> (f32, f32) {
+    (fma(xhat, wdy, s1), s2 + wdy)
+}
+
+/// A row's xhat and dx, from its mean and rstd, computed in halves:
+///   xhat_j = (x_j - mean) * rstd            as  fma(x_j, 1/2, -mean/2) * (2 rstd)
+///   dx_j   = rstd * ((wdy_j - c2) - xhat_j * c1)
+///                                           as  (2 rstd) * fma(-xhat_j, c1/2, fma(wdy_j, 1/2, -c2/2))
+/// Halving is exact, so wherever x_j - mean and wdy_j - c2 are normal f32 numbers these are
+/// the bits of the plain forms; but x_j - mean itself overflows where x_j and mean have
+/// opposite signs near f32's limit (rows the forward normalized with scaled statistics),
+/// and its half cannot. wdy_j - c2 comes first, exactly where the two are close, so dx is
+/// exactly 0 wherever it should be (n = 1: xhat = 0 and c2 = wdy); the earlier two-fma form
+/// rstd * wdy_j + (xhat_j * (-rstd c1) - rstd c2) left the rounding of rstd * c2 behind
+/// (1e-5 at rstd = 316). Four values a row, as that form had.
+#[derive(Clone, Copy)]
+pub(crate) struct Centering {
+    pub(crate) neg_half_mean: f32,
+    pub(crate) twice_rstd: f32,
+}
+
+impl Centering {
+    #[inline(always)]
+    pub(crate) fn new(mean: f32, rstd: f32) -> Self {
+        Centering {
+            neg_half_mean: -0.5 * mean,
+            twice_rstd: 2.0 * rstd,
+        }
+    }
+
+    #[inline(always)]
+    pub(crate) fn xhat(self, x: f32) -> f32 {
+        fma(x, 0.5, self.neg_half_mean) * self.twice_rstd
+    }
+
+    /// dx_j from the row's [`DxCoefficients`].
+    #[inline(always)]
+    pub(crate) fn dx(self, wdy: f32, xhat: f32, c: DxCoefficients) -> f32 {
+        self.twice_rstd * fma(-xhat, c.half_c1, fma(wdy, 0.5, c.neg_half_c2))
+    }
+}
+
+/// c1 / 2 and -c2 / 2 of a row (c1 = s1 / n, c2 = s2 / n), as [`Centering::dx`] takes them.
+#[derive(Clone, Copy)]
+pub(crate) struct DxCoefficients {
+    pub(crate) half_c1: f32,
+    pub(crate) neg_half_c2: f32,
+}
+
+impl DxCoefficients {
+    /// From the row's sums s1 = sum_j xhat_j * wdy_j and s2 = sum_j wdy_j.
+    #[inline(always)]
+    pub(crate) fn new(s1: f32, s2: f32, n: u32) -> Self {
+        DxCoefficients {
+            half_c1: 0.5 * (s1 / n as f32),
+            neg_half_c2: -0.5 * (s2 / n as f32),
+        }
+    }
+}
+
+/// Exports the backward kernels of one storage type: stage 1 owned and locked, each for
+/// warp- and block-per-row, and stage 2.
+macro_rules! backward_kernels {
+    ($t:ty, $owned_warp:ident, $owned_block:ident, $held_warp:ident, $held_block:ident, $locked_warp:ident,
+     $locked_block:ident, $reduce:ident) => {
+        backward_kernels!(@owned $t, $owned_warp, Warp);
+        backward_kernels!(@owned $t, $owned_block, Block);
+        backward_kernels!(@held $t, $held_warp, Warp);
+        backward_kernels!(@held $t, $held_block, StackedBlock);
+        backward_kernels!(@locked $t, $locked_warp, Warp);
+        backward_kernels!(@locked $t, $locked_block, Block);
+
+        /// Stage 2: sums `[rows, n]` f32 partials per column into dgamma and dbeta.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $reduce(
+            part_dgamma: *const f32,
+            part_dbeta: *const f32,
+            rows: u32,
+            n: u32,
+            dgamma: *mut $t,
+            dbeta: *mut $t,
+        ) {
+            // SAFETY: the host sizes every buffer as `stage2` requires.
+            unsafe { stage2::<$t>(part_dgamma, part_dbeta, rows, n, dgamma, dbeta) }
+        }
+    };
+    (@owned $t:ty, $name:ident, $team:ty) => {
+        /// Stage 1, owned (deterministic) mode: args (x, dy, gamma, mean, rstd, dx,
+        /// part_dgamma, part_dbeta, rows, n, local); the partial buffers hold one row per
+        /// block; `local` != 0 sums in shared memory first (required for warp teams).
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            x: *const $t,
+            dy: *const $t,
+            gamma: *const $t,
+            mean: *const f32,
+            rstd: *const f32,
+            dx: *mut $t,
+            part_dgamma: *mut f32,
+            part_dbeta: *mut f32,
+            rows: u32,
+            n: u32,
+            local: u32,
+        ) {
+            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
+            // SAFETY: the host sizes every buffer as `stage1_owned` requires.
+            unsafe { stage1_owned::<$t, $team>(r, part_dgamma, part_dbeta, local != 0) }
+        }
+    };
+    (@held $t:ty, $name:ident, $team:ty) => {
+        /// Stage 1, owned mode, rows all whole aligned packs held in registers: args (x, dy,
+        /// gamma, mean, rstd, dx, part_dgamma, part_dbeta, rows, n); one partial row per
+        /// block, whose teams (warps, or block teams stacked along y) all add into it.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes, on rows that hold.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            x: *const $t,
+            dy: *const $t,
+            gamma: *const $t,
+            mean: *const f32,
+            rstd: *const f32,
+            dx: *mut $t,
+            part_dgamma: *mut f32,
+            part_dbeta: *mut f32,
+            rows: u32,
+            n: u32,
+        ) {
+            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
+            let block = device::block_idx();
+            // SAFETY: the host launches this kernel only as `stage1_held` requires; block b
+            // writes partial row b.
+            unsafe { stage1_held::<$t, $team>(r, part_dgamma, part_dbeta, block, SCRATCH_BYTES) }
+        }
+    };
+    (@locked $t:ty, $name:ident, $team:ty) => {
+        /// Stage 1, locked mode: args (x, dy, gamma, mean, rstd, dx, group_dgamma,
+        /// group_dbeta, words, groups, rows, n); the group buffers are `[2 * groups, n]`
+        /// (sums, then their compensations); `words` is 2 * groups zeroed u32.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            x: *const $t,
+            dy: *const $t,
+            gamma: *const $t,
+            mean: *const f32,
+            rstd: *const f32,
+            dx: *mut $t,
+            group_dgamma: *mut f32,
+            group_dbeta: *mut f32,
+            words: *mut u32,
+            groups: u32,
+            rows: u32,
+            n: u32,
+        ) {
+            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
+            let lock = GroupLock { dgamma: group_dgamma, dbeta: group_dbeta, words, groups, n };
+            // SAFETY: the host sizes every buffer as `stage1_locked` requires.
+            unsafe { stage1_locked::<$t, $team>(r, lock) }
+        }
+    };
+}
+
+backward_kernels!(
+    f32,
+    layer_norm_bwd_owned_warp_f32,
+    layer_norm_bwd_owned_block_f32,
+    layer_norm_bwd_held_warp_f32,
+    layer_norm_bwd_held_block_f32,
+    layer_norm_bwd_locked_warp_f32,
+    layer_norm_bwd_locked_block_f32,
+    layer_norm_bwd_reduce_f32
+);
+backward_kernels!(
+    crate::element::F16,
+    layer_norm_bwd_owned_warp_f16,
+    layer_norm_bwd_owned_block_f16,
+    layer_norm_bwd_held_warp_f16,
+    layer_norm_bwd_held_block_f16,
+    layer_norm_bwd_locked_warp_f16,
+    layer_norm_bwd_locked_block_f16,
+    layer_norm_bwd_reduce_f16
+);
+backward_kernels!(
+    crate::element::Bf16,
+    layer_norm_bwd_owned_warp_bf16,
+    layer_norm_bwd_owned_block_bf16,
+    layer_norm_bwd_held_warp_bf16,
+    layer_norm_bwd_held_block_bf16,
+    layer_norm_bwd_locked_warp_bf16,
+    layer_norm_bwd_locked_block_bf16,
+    layer_norm_bwd_reduce_bf16
+);

@@ -1,0 +1,166 @@
+//! Backward stage 1 over clusters of `C` blocks: each block takes a slice of every row of its
+//! cluster, the row sums come from all `C` slices, and each cluster writes one partial row.
+
+use super::{CLUSTER_SCRATCH_BYTES, Cluster, slice_width};
+use crate::backward::Rows;
+use crate::backward::held::stage1_held;
+use crate::backward::partials::PartialRow;
+use crate::backward::streamed::owned_in_shared;
+use crate::element::Element;
+use crate::team::Team;
+
+/// Stage 1, owned mode over clusters of `C` blocks (sm_90): cluster u handles rows u,
+/// u + U, ... (U = clusters); block q of the cluster takes the q-th slice of each row
+/// ([`slice_width`] columns), keeps that slice's partials in its shared memory, and writes
+/// them into columns of partial row u at the end. The row sums c1 and c2 come from all C
+/// slices ([`Cluster`]'s `sum2`).
+///
+/// # Safety
+/// `r`'s buffers sized as documented (`r.cols` = `r.n`); `part_*` hold `[clusters, n]` f32;
+/// the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * (padded_len(W) + 1)` bytes of
+/// shared memory (W = `slice_width(n, PACK, C)`), in clusters of `C` blocks.
+#[inline(always)]
+unsafe fn stage1_cluster<T: Element, const C: u32>(r: Rows<T>, part_dgamma: *mut f32, part_dbeta: *mut f32) {
+    let width = slice_width(r.n, T::PACK as u32, C);
+    let start = (Cluster::<C>::block_rank() * width).min(r.n);
+    let cols = width.min(r.n - start);
+    let at = start as usize;
+    // The slice's first column. A cluster's last slices may be empty (start == n); their
+    // pointers are then never read.
+    let slice = Rows {
+        x: r.x.wrapping_add(at),
+        dy: r.dy.wrapping_add(at),
+        gamma: r.gamma.wrapping_add(at),
+        dx: r.dx.wrapping_add(at),
+        cols,
+        ..r
+    };
+    Cluster::<C>::begin();
+    // SAFETY: the cluster's partial row exists (cluster id < clusters) and only this block
+    // writes its slice's columns of it; the launch sized shared memory for one slice.
+    unsafe {
+        let out = PartialRow::global(
+            part_dgamma.wrapping_add(at),
+            part_dbeta.wrapping_add(at),
+            Cluster::<C>::id(),
+            r.n,
+            false,
+            0,
+        );
+        owned_in_shared::<T, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out);
+    }
+    Cluster::<C>::end();
+}
+
+/// Stage 1, owned mode over clusters of `C` blocks for rows that are all whole aligned
+/// packs: as [`stage1_cluster`] (block q takes the q-th slice of each row, the row sums come
+/// from all C slices), with each slice held in registers, two rows in flight and the
+/// partials kept by rank, as [`stage1_held`].
+///
+/// # Safety
+/// `r`'s buffers sized as documented (`r.cols` = `r.n`), every row 16-byte aligned and `n`
+/// a whole number of packs; a slice's packs [`fits`] `BWD_HELD` per rank; `part_*` hold
+/// `[clusters, n]` f32; the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * BWD_HELD *
+/// PACK * blockDim` bytes of shared memory, in clusters of `C` blocks.
+#[inline(always)]
+unsafe fn stage1_cluster_held<T: Element, const C: u32>(
+    r: Rows<T>,
+    part_dgamma: *mut f32,
+    part_dbeta: *mut f32,
+) {
+    let width = slice_width(r.n, T::PACK as u32, C);
+    let start = (Cluster::<C>::block_rank() * width).min(r.n);
+    let at = start as usize;
+    // The slice's first column. A cluster's last slices may be empty (start == n); their
+    // pointers are then never read.
+    let slice = Rows {
+        x: r.x.wrapping_add(at),
+        dy: r.dy.wrapping_add(at),
+        gamma: r.gamma.wrapping_add(at),
+        dx: r.dx.wrapping_add(at),
+        cols: width.min(r.n - start),
+        ..r
+    };
+    Cluster::<C>::begin();
+    // SAFETY: the cluster's partial row exists (cluster id < clusters), only this block
+    // writes its slice's columns of it, and the launch sized shared memory for its ranks.
+    unsafe {
+        stage1_held::<T, Cluster<C>>(
+            slice,
+            part_dgamma.wrapping_add(at),
+            part_dbeta.wrapping_add(at),
+            Cluster::<C>::id(),
+            CLUSTER_SCRATCH_BYTES,
+        )
+    };
+    Cluster::<C>::end();
+}
+
+/// Blocks per cluster of the general cluster kernels: the portable maximum. Measured
+/// against 2 and 4 (docs/PERF.md, v6): their smaller slices leave room for more blocks,
+/// hence more rows in flight, per multiprocessor, which outweighs the wider barrier.
+use layernorm_layout::CLUSTER_SIZE;
+
+/// Exports the cluster stage 1 kernels (sm_90 module only) of one storage type: the general
+/// one over 8 blocks, and the held one over 2, 4 and 8 (the host takes the fewest blocks
+/// whose slices fit 4 packs a rank: fewer blocks wait at each row's cluster barrier).
+/// build.rs gives each `.reqnctapercluster C` from its name.
+macro_rules! cluster_kernels {
+    ($t:ty, $name:ident, $held2:ident, $held4:ident, $held8:ident) => {
+        cluster_kernels!(@one $t, $held2, stage1_cluster_held, 2,
+            "Stage 1, owned mode over a cluster of 2 blocks, slices held (rows of aligned packs).");
+        cluster_kernels!(@one $t, $held4, stage1_cluster_held, 4,
+            "Stage 1, owned mode over a cluster of 4 blocks, slices held (rows of aligned packs).");
+        cluster_kernels!(@one $t, $held8, stage1_cluster_held, 8,
+            "Stage 1, owned mode over a cluster of 8 blocks, slices held (rows of aligned packs).");
+        cluster_kernels!(@one $t, $name, stage1_cluster, CLUSTER_SIZE, "Stage 1, owned mode over a cluster of 8 blocks.");
+    };
+    (@one $t:ty, $name:ident, $stage:ident, $c:expr, $doc:literal) => {
+        #[doc = $doc]
+        /// Args (x, dy, gamma, mean, rstd, dx, part_dgamma, part_dbeta, rows, n); the
+        /// partial buffers hold one row per cluster.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes, on rows the kernel
+        /// takes (`$stage`'s safety section).
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $name(
+            x: *const $t,
+            dy: *const $t,
+            gamma: *const $t,
+            mean: *const f32,
+            rstd: *const f32,
+            dx: *mut $t,
+            part_dgamma: *mut f32,
+            part_dbeta: *mut f32,
+            rows: u32,
+            n: u32,
+        ) {
+            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
+            // SAFETY: the host launches this kernel only as `$stage` requires.
+            unsafe { $stage::<$t, { $c }>(r, part_dgamma, part_dbeta) }
+        }
+    };
+}
+
+cluster_kernels!(
+    f32,
+    layer_norm_bwd_cluster8_f32,
+    layer_norm_bwd_cluster2_held_f32,
+    layer_norm_bwd_cluster4_held_f32,
+    layer_norm_bwd_cluster8_held_f32
+);
+cluster_kernels!(
+    crate::element::F16,
+    layer_norm_bwd_cluster8_f16,
+    layer_norm_bwd_cluster2_held_f16,
+    layer_norm_bwd_cluster4_held_f16,
+    layer_norm_bwd_cluster8_held_f16
+);
+cluster_kernels!(
+    crate::element::Bf16,
+    layer_norm_bwd_cluster8_bf16,
+    layer_norm_bwd_cluster2_held_bf16,
+    layer_norm_bwd_cluster4_held_bf16,
+    layer_norm_bwd_cluster8_held_bf16
+);
