@@ -175,7 +175,7 @@ unsafe fn forward_rows<T: Element, S: StatsTeam>(
 /// then takes [`forward_row_huge`], once per kernel rather than once per path).
 ///
 /// # Safety
-/// As for [`forward_rows`], for one row (`stats` its entries of mean and rstd); with
+/// As for [`forward_rows`], for one row; with
 /// `PACKED`, all four pointers 16-byte aligned; with `HELD` > 0, the row [`fits`].
 #[inline(always)]
 unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
