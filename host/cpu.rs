@@ -1,14 +1,23 @@
 //! LayerNorm on the CPU with ndarray: the same math as the kernels, in f32 values with f64
 //! sums, so code written against this crate runs (and agrees) where no GPU is.
 
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Zip};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Axis, Zip};
 
 use crate::element::Element;
 use crate::error::Result;
 use crate::tensor::host_vec;
 
+/// Elements a thread of the CPU forward takes at the least: below that, starting a thread
+/// costs more than the rows it would take.
+const FORWARD_ELEMENTS_PER_THREAD: usize = 1 << 16;
+
 /// Per row: y = (x - mean) * rstd * gamma + beta, with mean and rstd = 1/sqrt(var + eps)
-/// (var biased) written out. Two passes over the row: mean, then squared deviations.
+/// (var biased) written out. Two passes over the row for the statistics (mean, then squared
+/// deviations), sums in f64, then y. Rows are split over the machine's threads, each row is
+/// widened to f32 in one go (vector conversions for f16 and bf16), and the sums keep
+/// [`LANES`] partial sums, so that the loops vectorize. Its scratch (gamma, beta and two row
+/// buffers a thread) is taken before anything is written, so where host memory cannot hold
+/// it the outputs are left as they were.
 pub(crate) fn forward<T: Element>(
     x: ArrayView2<'_, T>,
     gamma: ArrayView1<'_, T>,
@@ -17,27 +26,104 @@ pub(crate) fn forward<T: Element>(
     mut y: ArrayViewMut2<'_, T>,
     mut mean: ArrayViewMut1<'_, f32>,
     mut rstd: ArrayViewMut1<'_, f32>,
+) -> Result<()> {
+    let (rows, n) = x.dim();
+    let during = "allocating the CPU forward's scratch";
+    let widened = |v: ArrayView1<'_, T>| -> Result<Vec<f32>> {
+        let mut out = host_vec(n, during)?;
+        out.extend(v.iter().map(|e| e.to_f32()));
+        Ok(out)
+    };
+    let (gamma, beta) = (widened(gamma)?, widened(beta)?);
+    let available = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let threads = available
+        .min(rows)
+        .min((rows * n / FORWARD_ELEMENTS_PER_THREAD).max(1));
+    let chunk = rows.div_ceil(threads.max(1)).max(1);
+    let mut scratch = Vec::new();
+    for _ in 0..threads {
+        scratch.push((zeroed_with::<f32>(n, during)?, zeroed_with::<f32>(n, during)?));
+    }
+    let parts = x
+        .axis_chunks_iter(Axis(0), chunk)
+        .zip(y.axis_chunks_iter_mut(Axis(0), chunk))
+        .zip(mean.axis_chunks_iter_mut(Axis(0), chunk))
+        .zip(rstd.axis_chunks_iter_mut(Axis(0), chunk))
+        .zip(scratch.iter_mut());
+    std::thread::scope(|s| {
+        for ((((x, y), mean), rstd), (xs, ys)) in parts {
+            let (gamma, beta) = (&gamma, &beta);
+            s.spawn(move || forward_rows(x, y, mean, rstd, gamma, beta, eps, xs, ys));
+        }
+    });
+    Ok(())
+}
+
+/// [`forward`] over a run of rows, in `xs` and `ys` (a row each) of scratch.
+#[allow(clippy::too_many_arguments)]
+fn forward_rows<T: Element>(
+    x: ArrayView2<'_, T>,
+    mut y: ArrayViewMut2<'_, T>,
+    mut mean: ArrayViewMut1<'_, f32>,
+    mut rstd: ArrayViewMut1<'_, f32>,
+    gamma: &[f32],
+    beta: &[f32],
+    eps: f32,
+    xs: &mut [f32],
+    ys: &mut [f32],
 ) {
-    let n = x.ncols() as f64;
+    let n = xs.len() as f64;
     Zip::from(x.rows())
         .and(y.rows_mut())
         .and(&mut mean)
         .and(&mut rstd)
         .for_each(|x, mut y, m, r| {
-            let mu = x.iter().map(|v| v.to_f32() as f64).sum::<f64>() / n;
-            let var = x.iter().map(|v| (v.to_f32() as f64 - mu).powi(2)).sum::<f64>() / n;
+            match x.as_slice() {
+                Some(row) => T::widen(row, xs),
+                None => xs.iter_mut().zip(&x).for_each(|(d, v)| *d = v.to_f32()),
+            }
+            let mu = sum_f64(xs, |v| v as f64) / n;
+            let var = sum_f64(xs, |v| (v as f64 - mu) * (v as f64 - mu)) / n;
             let rs = 1.0 / (var + eps as f64).sqrt();
-            // xhat in f64: x - mean overflows f32 for rows that span its range.
-            Zip::from(&mut y)
-                .and(&x)
-                .and(&gamma)
-                .and(&beta)
-                .for_each(|y, &x, &g, &b| {
-                    let xhat = ((x.to_f32() as f64 - mu) * rs) as f32;
-                    *y = T::from_f32(xhat * g.to_f32() + b.to_f32());
-                });
+            // Every |x - mean| is at most sqrt(n var): where that fits f32, xhat in f32 (half
+            // the work of f64, the GPU's arithmetic); else in f64, for rows that span f32's
+            // range, where x - mean itself would overflow.
+            if var * n < f32::MAX as f64 {
+                let (mu, rs) = (mu as f32, rs as f32);
+                for (((o, &v), &g), &b) in ys.iter_mut().zip(xs.iter()).zip(gamma).zip(beta) {
+                    *o = (v - mu) * rs * g + b;
+                }
+            } else {
+                for (((o, &v), &g), &b) in ys.iter_mut().zip(xs.iter()).zip(gamma).zip(beta) {
+                    *o = ((v as f64 - mu) * rs) as f32 * g + b;
+                }
+            }
+            match y.as_slice_mut() {
+                Some(row) => T::narrow(ys, row),
+                None => y
+                    .iter_mut()
+                    .zip(ys.iter())
+                    .for_each(|(d, &v)| *d = T::from_f32(v)),
+            }
             (*m, *r) = (mu as f32, rs as f32);
         });
+}
+
+/// Partial sums the CPU path keeps apart: independent additions, which the compiler turns into
+/// vector instructions (a single running sum would be one long dependency chain).
+const LANES: usize = 8;
+
+/// The sum in f64 of `f` over `v`, in [`LANES`] partial sums.
+fn sum_f64(v: &[f32], f: impl Fn(f32) -> f64) -> f64 {
+    let mut lanes = [0.0f64; LANES];
+    let chunks = v.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for k in 0..LANES {
+            lanes[k] += f(c[k]);
+        }
+    }
+    lanes.iter().sum::<f64>() + tail.iter().map(|&x| f(x)).sum::<f64>()
 }
 
 /// dx per row, dgamma and dbeta summed over rows (see `kernels-gpu/src/backward/mod.rs` for the
@@ -89,7 +175,12 @@ pub(crate) fn backward<T: Element>(
 
 /// `n` zeros of backward scratch, or [`crate::Error::OutOfMemory`].
 fn zeroed<F: Copy + Default>(n: usize) -> Result<Vec<F>> {
-    let mut v = host_vec(n, "allocating the CPU backward's scratch")?;
+    zeroed_with(n, "allocating the CPU backward's scratch")
+}
+
+/// `n` zeros, or [`crate::Error::OutOfMemory`] naming `during`.
+fn zeroed_with<F: Copy + Default>(n: usize, during: &'static str) -> Result<Vec<F>> {
+    let mut v = host_vec(n, during)?;
     v.resize(n, F::default());
     Ok(v)
 }

@@ -162,7 +162,7 @@ impl<T: Element> LayerNorm<T> {
                     host2_mut(y, rows, n),
                     host1_mut(mean_d),
                     host1_mut(rstd_d),
-                ),
+                )?,
                 Kind::Cuda(g) => {
                     let s = &g.stream;
                     let a = Forward {
