@@ -166,5 +166,5 @@ pub unsafe fn write<T: Element>(row: *mut T, start: u32, len: usize, v: &Pack) {
 /// True where `p` can be read in 16-byte packs.
 #[inline(always)]
 pub fn is_pack_aligned<T>(p: *const T) -> bool {
-    (p as usize) % 16 == 0
+    (p as usize).is_multiple_of(16)
 }

@@ -355,7 +355,6 @@ unsafe fn rank_m2<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usiz
 /// # Safety
 /// As [`forward_row`] requires; `held` holds the row's first packs.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn write_y<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
     held: &Held<HELD>,
     x: *const T,
@@ -376,7 +375,6 @@ unsafe fn write_y<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usiz
 /// # Safety
 /// The chunk lies inside the row; a whole pack is 16-byte aligned in y, gamma and beta.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn write_y_chunk<T: Element>(
     gamma: *const T,
     beta: *const T,
@@ -409,7 +407,6 @@ const PIPE_HELD: usize = layernorm_layout::PIPE_HELD as usize;
 /// As for [`forward_rows`]; x, y, gamma and beta 16-byte aligned, `n` a whole number of
 /// packs that [`fits`] `PIPE_HELD` per rank.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(
     x: *const T,
     gamma: *const T,

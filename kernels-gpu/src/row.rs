@@ -93,9 +93,9 @@ pub fn fits<T: Element, S: Team, const K: usize>(n: u32) -> bool {
     n / T::PACK as u32 <= S::size() * K as u32
 }
 
-/// The whole packs of a row past the `K` a rank holds (packs `rank + K * size`, `rank + (K +
-/// 1) * size`, ...: rows too long to hold in registers), copied into the block's dynamic
-/// shared memory after its first `scratch` bytes. Pack `p` takes slot `p - K * size`, so a
+/// The whole packs of a row past the `K` a rank holds (packs `rank + K * size`,
+/// `rank + (K + 1) * size`, ...: rows too long to hold in registers), copied into the block's
+/// dynamic shared memory after its first `scratch` bytes. Pack `p` takes slot `p - K * size`, so a
 /// warp's 32 ranks fill 512 contiguous bytes (no bank conflicts), and each rank reads back
 /// only the slots it filled: its own copies' wait is the only synchronization.
 #[derive(Clone, Copy)]

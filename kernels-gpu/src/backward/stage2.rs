@@ -31,7 +31,7 @@ pub(crate) unsafe fn stage2<T: Element>(
         device::thread_idx() % STAGE2_GROUPS,
         device::thread_idx() / STAGE2_GROUPS,
     );
-    let vector = n % 4 == 0;
+    let vector = n.is_multiple_of(4);
     // This thread's slot of slice sums: dgamma's 16 bytes, then (after all slots) dbeta's.
     let slot = |s: u32| device::shared_addr((s * STAGE2_GROUPS + group) * 16);
     let dbeta_slots = STAGE2_GROUPS * STAGE2_SLICES * 16;
