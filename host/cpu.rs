@@ -50,6 +50,13 @@ pub(crate) fn forward<T: Element>(
         .zip(mean.axis_chunks_iter_mut(Axis(0), chunk))
         .zip(rstd.axis_chunks_iter_mut(Axis(0), chunk))
         .zip(scratch.iter_mut());
+    if threads == 1 {
+        // Small problems: no thread to start, the rows run here.
+        for ((((x, y), mean), rstd), (xs, ys)) in parts {
+            forward_rows(x, y, mean, rstd, &gamma, &beta, eps, xs, ys);
+        }
+        return Ok(());
+    }
     std::thread::scope(|s| {
         for ((((x, y), mean), rstd), (xs, ys)) in parts {
             let (gamma, beta) = (&gamma, &beta);

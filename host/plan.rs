@@ -79,8 +79,8 @@ const WARP_ROW_MAX: u32 = 1024;
 /// Warps per block for warp teams: 8 rows in flight per block.
 const WARPS_PER_BLOCK: u32 = 8;
 
-/// Elements of `T` in one 16-byte pack.
-fn pack_len<T: Element>() -> u32 {
+/// Elements of `T` in one 16-byte pack, the kernels' unit of vector access.
+pub(crate) fn pack_len<T: Element>() -> u32 {
     layernorm_layout::pack_len(size_of::<T>() as u32)
 }
 

@@ -10,7 +10,7 @@ use super::Gpu;
 use super::module::Kernel;
 use crate::element::Element;
 use crate::error::{DriverContext, Error, Result};
-use crate::plan::Variant;
+use crate::plan::{Variant, pack_len};
 
 // What the kernels and the launches must agree on, from the one crate both compile.
 pub(crate) use layernorm_layout::{BWD_HELD, CLUSTER_SIZE, SCRATCH_BYTES};
@@ -331,11 +331,6 @@ pub(crate) fn backward_cluster<T: Element>(
             "backward stage 1 (clusters)",
         )
     }
-}
-
-/// Elements of `T` in one 16-byte pack, the kernels' unit of vector access.
-pub(crate) fn pack_len<T: Element>() -> u32 {
-    layernorm_layout::pack_len(size_of::<T>() as u32)
 }
 
 /// Columns of one block's slice when a cluster of `size` blocks shares a row of `n`.
