@@ -1,7 +1,6 @@
 //! The storage types LayerNorm runs on: f32, f16 and bf16 (computed in f32 throughout).
 
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 mod sealed {
@@ -14,7 +13,16 @@ mod sealed {
 /// A storage type of x, y, gamma, beta and the gradients. Implemented for `f32`,
 /// `half::f16` and `half::bf16` only.
 pub trait Element:
-    sealed::Sealed + Copy + Default + Send + Sync + DeviceRepr + ValidAsZeroBits + std::fmt::Debug + 'static
+    sealed::Sealed
+    + crate::cpu::RowConvert
+    + Copy
+    + Default
+    + Send
+    + Sync
+    + DeviceRepr
+    + ValidAsZeroBits
+    + std::fmt::Debug
+    + 'static
 {
     /// Suffix of this type's kernels in the PTX (`layer_norm_fwd_block_f16`, ...).
     const NAME: &'static str;
@@ -22,11 +30,6 @@ pub trait Element:
     const INDEX: usize;
     fn to_f32(self) -> f32;
     fn from_f32(v: f32) -> Self;
-    /// `src` widened into `dst` (same lengths): a whole row at a time, so that f16 and bf16
-    /// take `half`'s vector conversions rather than one element at a time.
-    fn widen(src: &[Self], dst: &mut [f32]);
-    /// `src` narrowed into `dst` (same lengths), rounding to nearest even.
-    fn narrow(src: &[f32], dst: &mut [Self]);
 }
 
 impl Element for f32 {
@@ -37,12 +40,6 @@ impl Element for f32 {
     }
     fn from_f32(v: f32) -> Self {
         v
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
-    }
-    fn narrow(src: &[f32], dst: &mut [Self]) {
-        dst.copy_from_slice(src);
     }
 }
 
@@ -55,12 +52,6 @@ impl Element for f16 {
     fn from_f32(v: f32) -> Self {
         f16::from_f32(v)
     }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src);
-    }
 }
 
 impl Element for bf16 {
@@ -71,11 +62,5 @@ impl Element for bf16 {
     }
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
-    }
-    fn widen(src: &[Self], dst: &mut [f32]) {
-        src.convert_to_f32_slice(dst);
-    }
-    fn narrow(src: &[f32], dst: &mut [Self]) {
-        dst.convert_from_f32_slice(src);
     }
 }

@@ -115,3 +115,41 @@ fn gpu_forward_agrees_with_cpu_path() {
     let err = rel_err(on_gpu.view(), to_f64(on_cpu.view()).view());
     assert!(err <= tolerance::<f32>(), "GPU vs CPU path: {err:e}");
 }
+
+/// y narrowed to f16 and bf16 rounds to nearest, ties to even, as `half`'s scalar
+/// conversion does. Rows alternate 1 and -1, so mean = 0 and var = 1; with eps = 1e-30 (lost
+/// in 1 + eps) rstd = 1 and xhat = ±1 exactly, so y = ±1 + beta exactly in f32. Betas of
+/// ulp/2 and 3 ulp/2 (ulp: T's spacing above 1) put y on ties that round one way down and one
+/// way up; row lengths of 16 and 22 put them in the conversions' 8-wide body and scalar tail.
+fn check_ties_to_even<T: Element>(device: &Device, ulp: f32) {
+    let offsets = [0.5f32, 1.5, -0.5, 0.25].map(|k| k * ulp);
+    // The test has teeth: the first two are ties, one rounding down and one up.
+    assert_eq!(T::from_f32(1.0 + offsets[0]).to_f32(), 1.0);
+    assert_eq!(T::from_f32(1.0 + offsets[1]).to_f32(), 1.0 + 2.0 * ulp);
+    for n in [16usize, 22] {
+        let rows = 3;
+        let sign = |j: usize| if j.is_multiple_of(2) { 1.0f32 } else { -1.0 };
+        let x = ndarray::Array2::from_shape_fn((rows, n), |(_, j)| T::from_f32(sign(j)));
+        let beta = ndarray::Array1::from_shape_fn(n, |j| T::from_f32(offsets[(j / 2) % 4]));
+        let gamma = ndarray::Array1::from_elem(n, T::from_f32(1.0));
+        let ln = LayerNorm::from_arrays(device, gamma.view(), beta.view(), 1e-30).unwrap();
+        let (y, _) = ln.forward(&device.upload(x.view()).unwrap()).unwrap();
+        for ((i, j), &v) in y.to_array2().unwrap().indexed_iter() {
+            let exact = sign(j) + offsets[(j / 2) % 4];
+            assert_eq!(
+                v.to_f32(),
+                T::from_f32(exact).to_f32(),
+                "{} {} [{rows}, {n}] y[{i}, {j}] = {exact} rounded",
+                device.name(),
+                T::NAME
+            );
+        }
+    }
+}
+
+#[test]
+fn cpu_forward_rounds_ties_to_even() {
+    let cpu = Device::cpu();
+    check_ties_to_even::<f16>(&cpu, f16::EPSILON.to_f32());
+    check_ties_to_even::<bf16>(&cpu, bf16::EPSILON.to_f32());
+}
