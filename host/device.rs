@@ -4,6 +4,8 @@
 use std::fmt;
 use std::sync::Arc;
 
+use cudarc::driver::CudaContext;
+
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
 
@@ -33,6 +35,22 @@ impl Device {
     pub fn cuda(ordinal: usize) -> Result<Device> {
         Ok(Device {
             kind: Kind::Cuda(Arc::new(Gpu::open(ordinal)?)),
+        })
+    }
+
+    /// A handle on a stream of yours, in your context (`cudarc`'s, as you made it): this
+    /// crate's work is queued on `stream`, in order with yours, and its kernels are loaded
+    /// into that context (once per call of this function). Tensors of this device and your
+    /// `CudaSlice`s of the same context pass between the two without a copy
+    /// ([`crate::Tensor::from_cuda_slice`], [`crate::Tensor::into_cuda_slice`],
+    /// [`crate::BorrowedTensor`]). The context's cudarc event tracking stays as you set it;
+    /// tensors are ordered across streams either way (README, "Guarantees").
+    ///
+    /// Errors: [`Error::UnsupportedDevice`] before sm_80, [`Error::Driver`] where the module
+    /// does not load.
+    pub fn from_cuda_stream(stream: Arc<cudarc::driver::CudaStream>) -> Result<Device> {
+        Ok(Device {
+            kind: Kind::Cuda(Arc::new(Gpu::on_stream(stream)?)),
         })
     }
 
@@ -85,8 +103,10 @@ impl Device {
 
     /// The CUDA stream this handle queues its work on (None on the CPU): for timing with
     /// events, or ordering other CUDA work around this crate's. cudarc's event tracking is
-    /// off in its context (this crate orders its tensors across streams itself): slices you
-    /// allocate there and use on more than one stream need your own events.
+    /// off in the contexts this crate creates ([`Device::cuda`]; this crate orders its
+    /// tensors across streams itself): slices you allocate there and use on more than one
+    /// stream need your own events. A context of yours ([`Device::from_cuda_stream`]) keeps
+    /// your setting.
     pub fn cuda_stream(&self) -> Option<&Arc<cudarc::driver::CudaStream>> {
         match &self.kind {
             Kind::Cpu => None,
@@ -102,14 +122,41 @@ impl Device {
         }
     }
 
-    /// Whether tensors of `other` can be used by ops on `self`: both the CPU, or the same
-    /// CUDA device (streams may differ: each tensor's storage orders its uses across
-    /// streams, gpu/storage.rs).
-    pub(crate) fn same_as(&self, other: &Device) -> bool {
+    /// Refuses tensors of `other` for ops on `self` unless both are the CPU or both are in
+    /// the same CUDA context (streams may differ: each tensor's storage orders its uses
+    /// across streams, gpu/storage.rs). `what` names the tensor in the error.
+    pub(crate) fn check_device(&self, what: &'static str, other: &Device) -> Result<()> {
         match (&self.kind, &other.kind) {
-            (Kind::Cpu, Kind::Cpu) => true,
-            (Kind::Cuda(a), Kind::Cuda(b)) => a.ordinal == b.ordinal,
-            _ => false,
+            (Kind::Cpu, Kind::Cpu) => Ok(()),
+            (Kind::Cuda(_), Kind::Cuda(b)) => self.check_context(what, b.context()),
+            _ => Err(Error::DeviceMismatch {
+                what,
+                got: other.name(),
+                expected: self.name(),
+            }),
+        }
+    }
+
+    /// Refuses CUDA memory of context `ctx` for ops on `self` unless `self` runs in that
+    /// same context (another GPU: [`Error::DeviceMismatch`]; another context of the same GPU:
+    /// [`Error::ContextMismatch`]; the CPU: [`Error::NotCuda`]).
+    pub(crate) fn check_context(&self, what: &'static str, ctx: &CudaContext) -> Result<()> {
+        let Kind::Cuda(g) = &self.kind else {
+            return Err(Error::NotCuda { what: "the device" });
+        };
+        if **g.context() == *ctx {
+            Ok(())
+        } else if g.ordinal == ctx.ordinal() {
+            Err(Error::ContextMismatch {
+                what,
+                ordinal: g.ordinal,
+            })
+        } else {
+            Err(Error::DeviceMismatch {
+                what,
+                got: format!("cuda:{}", ctx.ordinal()),
+                expected: self.name(),
+            })
         }
     }
 }

@@ -62,15 +62,40 @@ pub enum Error {
         got: String,
         expected: String,
     },
+    /// Tensors of one call live in different CUDA contexts of the same GPU (a `Device` from
+    /// [`crate::Device::from_cuda_stream`] over a context of your own, and one of this
+    /// crate's): memory of one context is not used by another context's kernels.
+    #[error("{what} lives in another CUDA context of GPU {ordinal} than the operation's")]
+    ContextMismatch { what: &'static str, ordinal: usize },
+    /// A CUDA-only call (CUDA memory in or out) made with a tensor or device on the CPU.
+    #[error("{what} is on the CPU, but this call needs a CUDA device")]
+    NotCuda { what: &'static str },
+    /// CUDA memory handed in with a shape whose element count is not its length.
+    #[error("{what} holds {len} elements, but shape {shape:?} does not have exactly that many")]
+    Length {
+        what: &'static str,
+        len: usize,
+        shape: Vec<usize>,
+    },
+    /// A gradient output given for a weight or bias the LayerNorm does not have, or missing
+    /// for one it has (dgamma for gamma, dbeta for beta).
+    #[error("{what} must be {} here: the LayerNorm {} the matching parameter", if *.op_has_parameter { "Some" } else { "None" }, if *.op_has_parameter { "has" } else { "does not have" })]
+    ParameterGradient {
+        what: &'static str,
+        op_has_parameter: bool,
+    },
     /// A backward context handed to a LayerNorm other than the one that made it.
     #[error("this backward context was produced by another LayerNorm")]
     ForeignContext,
-    /// An output tensor passed to a `*_into` call is shared with another handle.
-    #[error("{what} is shared with another Tensor handle and cannot be written in place")]
+    /// An output tensor passed to a `*_into` call, or a tensor turned into a `CudaSlice`, is
+    /// shared with another handle.
+    #[error("{what} is shared with another Tensor handle and cannot be written in place or given up")]
     SharedOutput { what: &'static str },
-    /// An output passed to a `*_into` call is a view of part of its storage (see
-    /// [`crate::Tensor::view`]): outputs must be whole tensors.
-    #[error("{what} is a view of part of a larger tensor's storage; outputs must be whole tensors")]
+    /// An output passed to a `*_into` call, or a tensor turned into a `CudaSlice`, is a view
+    /// of part of its storage (see [`crate::Tensor::view`]): these must be whole tensors.
+    #[error(
+        "{what} is a view of part of a larger tensor's storage; outputs and tensors given up as a CudaSlice must be whole tensors"
+    )]
     ViewOutput { what: &'static str },
     /// A view reaching past the end of the tensor it is taken from.
     #[error("a view of {len} elements at offset {offset} does not fit in a tensor of {available} elements")]

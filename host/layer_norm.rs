@@ -2,13 +2,18 @@
 //!
 //! Autograd-style, like `torch.autograd.Function`: `forward` returns y and a [`Context`]
 //! holding what the backward needs; `backward(&ctx, &dy)` returns dx, dgamma and dbeta.
+//! Inputs are `[..., n]`, normalized over the last dimension; the kernels see them as
+//! `[rows, n]` with rows the product of the leading dimensions (a reshape, no copy).
+//! Absent weights (PyTorch's `bias=False`, `elementwise_affine=False`) are constants on the
+//! device that the kernels read as if given (ones for gamma, zeros for beta); the backward
+//! then has no gradient for them to return.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use cudarc::driver::{CudaSlice, CudaStream, CudaView};
+use cudarc::driver::{CudaView, CudaViewMut, DevicePtr};
 use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2};
 
+use crate::borrowed::{BorrowedTensor, BorrowedTensorMut};
 use crate::cpu;
 use crate::device::{Device, Kind};
 use crate::element::Element;
@@ -35,17 +40,21 @@ pub enum BackwardMode {
     Locked { groups: Option<u32> },
 }
 
-/// Everything the backward needs from a forward: x, and the per-row mean and rstd.
+/// Everything the backward needs from a forward: x, and the per-row mean and rstd. `X` is
+/// how x is kept: a [`Tensor`] (shared, no copy), or for
+/// [`LayerNorm::forward_borrowed`] the caller's [`BorrowedTensor`], whose memory the
+/// context then borrows until the backward.
 #[derive(Clone, Debug)]
-pub struct Context<T: Element> {
+pub struct Context<T: Element, X = Tensor<T>> {
     op: u64,
-    x: Tensor<T>,
+    x: X,
     mean: Tensor<f32>,
     rstd: Tensor<f32>,
+    element: std::marker::PhantomData<T>,
 }
 
-impl<T: Element> Context<T> {
-    /// Per-row means, `[rows]`.
+impl<T: Element, X> Context<T, X> {
+    /// Per-row means, `[rows]` (rows: the product of x's leading dimensions).
     pub fn mean(&self) -> &Tensor<f32> {
         &self.mean
     }
@@ -55,20 +64,57 @@ impl<T: Element> Context<T> {
     }
 }
 
-/// dx `[rows, n]`, dgamma `[n]`, dbeta `[n]`.
+/// dx (the shape of x), and dgamma and dbeta (`[n]`) for the parameters the LayerNorm has:
+/// `None` where it has no gamma ([`LayerNorm::without_affine`]) or no beta
+/// ([`LayerNorm::without_bias`]). As an output of [`LayerNorm::backward_into`], each must be
+/// `Some` exactly where the LayerNorm has the parameter ([`Error::ParameterGradient`]).
 #[derive(Clone, Debug)]
 pub struct Gradients<T: Element> {
     pub dx: Tensor<T>,
-    pub dgamma: Tensor<T>,
-    pub dbeta: Tensor<T>,
+    pub dgamma: Option<Tensor<T>>,
+    pub dbeta: Option<Tensor<T>>,
 }
 
-/// LayerNorm over the last dimension of `[rows, n]` inputs, with weight `gamma`, bias `beta`.
+/// [`Gradients`] in memory of the caller's, for [`LayerNorm::backward_borrowed`].
+#[derive(Debug)]
+pub struct BorrowedGradients<'a, T: Element> {
+    pub dx: BorrowedTensorMut<'a, T>,
+    pub dgamma: Option<BorrowedTensorMut<'a, T>>,
+    pub dbeta: Option<BorrowedTensorMut<'a, T>>,
+}
+
+/// A weight or bias of the op: the caller's, or the constant that stands in for an absent
+/// one (ones for gamma, zeros for beta), which the kernels read as if it were given.
+#[derive(Clone, Debug)]
+enum Param<T: Element> {
+    Given(Tensor<T>),
+    Absent(Tensor<T>),
+}
+
+impl<T: Element> Param<T> {
+    /// What the kernels read.
+    fn tensor(&self) -> &Tensor<T> {
+        match self {
+            Param::Given(t) | Param::Absent(t) => t,
+        }
+    }
+
+    fn given(&self) -> Option<&Tensor<T>> {
+        match self {
+            Param::Given(t) => Some(t),
+            Param::Absent(_) => None,
+        }
+    }
+}
+
+/// LayerNorm over the last dimension of `[..., n]` inputs, with weight gamma and bias beta
+/// (either may be absent, as in PyTorch's `bias=False` and `elementwise_affine=False`).
 #[derive(Clone, Debug)]
 pub struct LayerNorm<T: Element> {
     id: u64,
-    gamma: Tensor<T>,
-    beta: Tensor<T>,
+    n: usize,
+    gamma: Param<T>,
+    beta: Param<T>,
     eps: f32,
     mode: BackwardMode,
 }
@@ -81,13 +127,33 @@ impl<T: Element> LayerNorm<T> {
         let [n] = gamma.dims1("gamma")?;
         beta.expect_shape("beta", &[n])?;
         gamma.device().check("beta", &beta)?;
-        check_dim("n", n)?;
-        if !(eps.is_finite() && eps > 0.0) {
-            return Err(Error::BadEps(eps));
-        }
+        Self::build(n, Param::Given(gamma), Param::Given(beta), eps)
+    }
+
+    /// An op with weight `gamma` (`[n]`) and no bias (PyTorch's `bias=False`): y = xhat *
+    /// gamma, and the backward's [`Gradients::dbeta`] is `None`.
+    pub fn without_bias(gamma: Tensor<T>, eps: f32) -> Result<Self> {
+        let [n] = gamma.dims1("gamma")?;
+        check_config(n, eps)?;
+        let zeros = gamma.device().zeros(&[n])?;
+        Self::build(n, Param::Given(gamma), Param::Absent(zeros), eps)
+    }
+
+    /// An op with neither weight nor bias over rows of `n` on `device` (PyTorch's
+    /// `elementwise_affine=False`): y = xhat, and the backward returns dx only.
+    pub fn without_affine(device: &Device, n: usize, eps: f32) -> Result<Self> {
+        check_config(n, eps)?;
+        let ones = device.full(&[n], T::from_f32(1.0))?;
+        let zeros = device.zeros(&[n])?;
+        Self::build(n, Param::Absent(ones), Param::Absent(zeros), eps)
+    }
+
+    fn build(n: usize, gamma: Param<T>, beta: Param<T>, eps: f32) -> Result<Self> {
+        check_config(n, eps)?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Ok(LayerNorm {
             id,
+            n,
             gamma,
             beta,
             eps,
@@ -115,7 +181,19 @@ impl<T: Element> LayerNorm<T> {
     }
 
     pub fn device(&self) -> &Device {
-        self.gamma.device()
+        self.gamma.tensor().device()
+    }
+    /// The length of the normalized (last) dimension.
+    pub fn n(&self) -> usize {
+        self.n
+    }
+    /// The weight, where the op has one.
+    pub fn gamma(&self) -> Option<&Tensor<T>> {
+        self.gamma.given()
+    }
+    /// The bias, where the op has one.
+    pub fn beta(&self) -> Option<&Tensor<T>> {
+        self.beta.given()
     }
     pub fn eps(&self) -> f32 {
         self.eps
@@ -124,7 +202,8 @@ impl<T: Element> LayerNorm<T> {
         self.mode
     }
 
-    /// y = LayerNorm(x) for x `[rows, n]`, and the context for the backward.
+    /// y = LayerNorm(x) for x `[..., n]` (y of the same shape), and the context for the
+    /// backward.
     pub fn forward(&self, x: &Tensor<T>) -> Result<(Tensor<T>, Context<T>)> {
         let mut y = self.device().empty(x.shape())?;
         let ctx = self.forward_into(x, &mut y)?;
@@ -141,121 +220,298 @@ impl<T: Element> LayerNorm<T> {
         // nothing would be written.
         let y = y.data_mut("y")?;
         let dev = self.device();
-        // The kernels write every row's statistics; those of an empty row are undefined:
-        // NaN, as 0/0 gives. (Filling from the host would cost a copy per call.)
+        let (mut mean, mut rstd) = self.stats(rows)?;
+        if rows > 0 && n > 0 {
+            let (mean_d, rstd_d) = (mean.data_mut("mean")?, rstd.data_mut("rstd")?);
+            let x = input(dev, x)?;
+            let y = output(dev, y)?;
+            self.run_forward(rows, n, x, y, output(dev, mean_d)?, output(dev, rstd_d)?)?;
+        }
+        Ok(self.context(x.clone(), mean, rstd))
+    }
+
+    /// As [`LayerNorm::forward_into`], on memory that stays the caller's: x and y are
+    /// borrows of `CudaView`s / `CudaViewMut`s in this op's CUDA context (same shape,
+    /// `[..., n]`), read and written on this op's device's stream, with no copy and no host
+    /// wait. The context borrows x until the backward
+    /// ([`LayerNorm::backward_borrowed`]); its mean and rstd are this crate's tensors.
+    ///
+    /// Errors as `forward_into`, and [`Error::NotCuda`] on a CPU device,
+    /// [`Error::ContextMismatch`] or [`Error::DeviceMismatch`] for memory of another
+    /// context or GPU.
+    pub fn forward_borrowed<'x>(
+        &self,
+        x: &BorrowedTensor<'x, T>,
+        y: &mut BorrowedTensorMut<'_, T>,
+    ) -> Result<Context<T, BorrowedTensor<'x, T>>> {
+        let dev = self.device();
+        dev.check_context("x", x.context())?;
+        let [rows, n] = self.rows_and_n("x", x.shape())?;
+        expect_same_shape("y", y.shape(), x.shape())?;
+        dev.check_context("y", y.context())?;
+        let (mut mean, mut rstd) = self.stats(rows)?;
+        if rows > 0 && n > 0 {
+            let (mean_d, rstd_d) = (mean.data_mut("mean")?, rstd.data_mut("rstd")?);
+            let (x, y) = (In::Cuda(x.view()), Out::Cuda(y.view_mut()));
+            self.run_forward(rows, n, x, y, output(dev, mean_d)?, output(dev, rstd_d)?)?;
+        }
+        Ok(self.context(x.clone(), mean, rstd))
+    }
+
+    fn context<X>(&self, x: X, mean: Tensor<f32>, rstd: Tensor<f32>) -> Context<T, X> {
+        Context {
+            op: self.id,
+            x,
+            mean,
+            rstd,
+            element: std::marker::PhantomData,
+        }
+    }
+
+    /// Per-row mean and rstd tensors of `rows` for a forward to write. The kernels write
+    /// every row's statistics; those of an empty row are undefined: NaN, as 0/0 gives.
+    /// (Filling from the host would cost a copy per call.)
+    fn stats(&self, rows: usize) -> Result<(Tensor<f32>, Tensor<f32>)> {
+        let dev = self.device();
         let stats = || {
-            if n == 0 {
+            if self.n == 0 {
                 dev.full(&[rows], f32::NAN)
             } else {
                 dev.empty::<f32>(&[rows])
             }
         };
-        let (mut mean, mut rstd) = (stats()?, stats()?);
-        if rows > 0 && n > 0 {
-            let (mean_d, rstd_d) = (mean.data_mut("mean")?, rstd.data_mut("rstd")?);
-            match &dev.kind {
-                Kind::Cpu => cpu::forward(
-                    host2(x, rows, n),
-                    host1(&self.gamma),
-                    host1(&self.beta),
-                    self.eps,
-                    host2_mut(y, rows, n),
-                    host1_mut(mean_d),
-                    host1_mut(rstd_d),
-                )?,
-                Kind::Cuda(g) => {
-                    let s = &g.stream;
-                    let a = Forward {
-                        x: cuda(x, s)?,
-                        gamma: cuda(&self.gamma, s)?,
-                        beta: cuda(&self.beta, s)?,
-                        y: cuda_mut(y, s)?,
-                        mean: cuda_mut(mean_d, s)?,
-                        rstd: cuda_mut(rstd_d, s)?,
-                        rows: rows as u32,
-                        n: n as u32,
-                        eps: self.eps,
-                        packed: packed_rows(n, [x, &self.gamma, &self.beta]),
-                    };
-                    gpu::forward(g, a)?;
-                }
-            }
-        }
-        Ok(Context {
-            op: self.id,
-            x: x.clone(),
-            mean,
-            rstd,
-        })
+        Ok((stats()?, stats()?))
     }
 
-    /// dx, dgamma and dbeta for upstream gradient `dy` (`[rows, n]`, as y).
+    /// The forward of `[rows, n]` (both >= 1) on memory already checked and ordered for
+    /// the op's stream.
+    fn run_forward(
+        &self,
+        rows: usize,
+        n: usize,
+        x: In<'_, T>,
+        y: Out<'_, T>,
+        mean: Out<'_, f32>,
+        rstd: Out<'_, f32>,
+    ) -> Result<()> {
+        let dev = self.device();
+        let (gamma, beta) = (input(dev, self.gamma.tensor())?, input(dev, self.beta.tensor())?);
+        match (x, gamma, beta, y, mean, rstd, &dev.kind) {
+            (
+                In::Host(x),
+                In::Host(gamma),
+                In::Host(beta),
+                Out::Host(y),
+                Out::Host(mean),
+                Out::Host(rstd),
+                _,
+            ) => cpu::forward(
+                rows_of(x, rows, n),
+                ArrayView1::from(gamma),
+                ArrayView1::from(beta),
+                self.eps,
+                rows_of_mut(y, rows, n),
+                ArrayViewMut1::from(mean),
+                ArrayViewMut1::from(rstd),
+            ),
+            (
+                In::Cuda(x),
+                In::Cuda(gamma),
+                In::Cuda(beta),
+                Out::Cuda(y),
+                Out::Cuda(mean),
+                Out::Cuda(rstd),
+                Kind::Cuda(g),
+            ) => {
+                let packed = packed_rows::<T>(n, &g.stream, &[&x, &gamma, &beta], &y);
+                let a = Forward {
+                    x,
+                    gamma,
+                    beta,
+                    y,
+                    mean,
+                    rstd,
+                    rows: rows as u32,
+                    n: n as u32,
+                    eps: self.eps,
+                    packed,
+                };
+                gpu::forward(g, a)
+            }
+            _ => unreachable!("checked: every operand lives on the op's device"),
+        }
+    }
+
+    /// dx, and dgamma and dbeta for the parameters the op has, for upstream gradient `dy`
+    /// (the shape of x).
     pub fn backward(&self, ctx: &Context<T>, dy: &Tensor<T>) -> Result<Gradients<T>> {
         let dev = self.device();
-        let n = self.gamma.len();
+        let n = self.n;
+        let param_grad = |p: &Param<T>| p.given().map(|_| dev.empty(&[n])).transpose();
         let mut grads = Gradients {
             dx: dev.empty(dy.shape())?,
-            dgamma: dev.empty(&[n])?,
-            dbeta: dev.empty(&[n])?,
+            dgamma: param_grad(&self.gamma)?,
+            dbeta: param_grad(&self.beta)?,
         };
         self.backward_into(ctx, dy, &mut grads)?;
         Ok(grads)
     }
 
-    /// As [`LayerNorm::backward`], writing into `grads` (shapes as `backward` returns them).
+    /// As [`LayerNorm::backward`], writing into `grads` (shapes as `backward` returns them;
+    /// dgamma and dbeta `Some` exactly where the op has gamma and beta).
     pub fn backward_into(&self, ctx: &Context<T>, dy: &Tensor<T>, grads: &mut Gradients<T>) -> Result<()> {
         if ctx.op != self.id {
             return Err(Error::ForeignContext);
         }
         let [rows, n] = self.check_input("dy", dy)?;
         dy.expect_shape("dy", ctx.x.shape())?;
-        grads.dx.expect_shape("dx", &[rows, n])?;
-        grads.dgamma.expect_shape("dgamma", &[n])?;
-        grads.dbeta.expect_shape("dbeta", &[n])?;
+        grads.dx.expect_shape("dx", dy.shape())?;
+        self.check_param_grad("dgamma", &self.gamma, grads.dgamma.as_ref().map(Tensor::shape))?;
+        self.check_param_grad("dbeta", &self.beta, grads.dbeta.as_ref().map(Tensor::shape))?;
         let dev = self.device();
         for (what, t) in [
-            ("dx", &grads.dx),
-            ("dgamma", &grads.dgamma),
-            ("dbeta", &grads.dbeta),
+            ("dx", Some(&grads.dx)),
+            ("dgamma", grads.dgamma.as_ref()),
+            ("dbeta", grads.dbeta.as_ref()),
         ] {
-            dev.check(what, t)?;
+            if let Some(t) = t {
+                dev.check(what, t)?;
+            }
         }
-        let (dx, dgamma, dbeta) = (
-            grads.dx.data_mut("dx")?,
-            grads.dgamma.data_mut("dgamma")?,
-            grads.dbeta.data_mut("dbeta")?,
-        );
+        let dx = grads.dx.data_mut("dx")?;
+        let dgamma = grads.dgamma.as_mut().map(|t| t.data_mut("dgamma")).transpose()?;
+        let dbeta = grads.dbeta.as_mut().map(|t| t.data_mut("dbeta")).transpose()?;
         if n == 0 {
             return Ok(());
         }
+        self.run_backward(
+            rows,
+            n,
+            BackwardOperands {
+                x: input(dev, &ctx.x)?,
+                dy: input(dev, dy)?,
+                mean: input(dev, &ctx.mean)?,
+                rstd: input(dev, &ctx.rstd)?,
+                dx: output(dev, dx)?,
+                dgamma: dgamma.map(|d| output(dev, d)).transpose()?,
+                dbeta: dbeta.map(|d| output(dev, d)).transpose()?,
+            },
+        )
+    }
+
+    /// As [`LayerNorm::backward_into`], on memory that stays the caller's: the context of
+    /// [`LayerNorm::forward_borrowed`] (which still borrows x), dy and the gradients as
+    /// borrows in this op's CUDA context, read and written on this op's device's stream,
+    /// with no copy and no host wait. Errors as `backward_into` and `forward_borrowed`.
+    pub fn backward_borrowed(
+        &self,
+        ctx: &Context<T, BorrowedTensor<'_, T>>,
+        dy: &BorrowedTensor<'_, T>,
+        grads: &mut BorrowedGradients<'_, T>,
+    ) -> Result<()> {
+        if ctx.op != self.id {
+            return Err(Error::ForeignContext);
+        }
+        let dev = self.device();
+        dev.check_context("dy", dy.context())?;
+        let [rows, n] = self.rows_and_n("dy", dy.shape())?;
+        expect_same_shape("dy", dy.shape(), ctx.x.shape())?;
+        expect_same_shape("dx", grads.dx.shape(), dy.shape())?;
+        self.check_param_grad("dgamma", &self.gamma, grads.dgamma.as_ref().map(|t| t.shape()))?;
+        self.check_param_grad("dbeta", &self.beta, grads.dbeta.as_ref().map(|t| t.shape()))?;
+        dev.check_context("dx", grads.dx.context())?;
+        for (what, t) in [("dgamma", &grads.dgamma), ("dbeta", &grads.dbeta)] {
+            if let Some(t) = t {
+                dev.check_context(what, t.context())?;
+            }
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        self.run_backward(
+            rows,
+            n,
+            BackwardOperands {
+                x: In::Cuda(ctx.x.view()),
+                dy: In::Cuda(dy.view()),
+                mean: input(dev, &ctx.mean)?,
+                rstd: input(dev, &ctx.rstd)?,
+                dx: Out::Cuda(grads.dx.view_mut()),
+                dgamma: grads.dgamma.as_mut().map(|t| Out::Cuda(t.view_mut())),
+                dbeta: grads.dbeta.as_mut().map(|t| Out::Cuda(t.view_mut())),
+            },
+        )
+    }
+
+    /// The backward of `[rows, n]` (n >= 1) on memory already checked and ordered for the
+    /// op's stream. An absent parameter's gradient is summed into scratch and dropped (the
+    /// kernels always write both sums).
+    fn run_backward(&self, rows: usize, n: usize, o: BackwardOperands<'_, T>) -> Result<()> {
+        let dev = self.device();
+        let (mut gamma_sums, mut beta_sums);
+        let dgamma = match o.dgamma {
+            Some(d) => d,
+            None => {
+                gamma_sums = dev.empty::<T>(&[n])?;
+                output(dev, gamma_sums.data_mut("dgamma scratch")?)?
+            }
+        };
+        let dbeta = match o.dbeta {
+            Some(d) => d,
+            None => {
+                beta_sums = dev.empty::<T>(&[n])?;
+                output(dev, beta_sums.data_mut("dbeta scratch")?)?
+            }
+        };
         if rows == 0 {
             // Sums over no rows.
             zero(dev, dgamma)?;
             return zero(dev, dbeta);
         }
-        match &dev.kind {
-            Kind::Cpu => cpu::backward(
-                host2(&ctx.x, rows, n),
-                host2(dy, rows, n),
-                host1(&self.gamma),
-                host1(&ctx.mean),
-                host1(&ctx.rstd),
-                host2_mut(dx, rows, n),
-                host1_mut(dgamma),
-                host1_mut(dbeta),
-            )?,
-            Kind::Cuda(g) => {
-                let s = &g.stream;
+        let gamma = input(dev, self.gamma.tensor())?;
+        match (o.x, o.dy, gamma, o.mean, o.rstd, o.dx, dgamma, dbeta, &dev.kind) {
+            (
+                In::Host(x),
+                In::Host(dy),
+                In::Host(gamma),
+                In::Host(mean),
+                In::Host(rstd),
+                Out::Host(dx),
+                Out::Host(dgamma),
+                Out::Host(dbeta),
+                _,
+            ) => cpu::backward(
+                rows_of(x, rows, n),
+                rows_of(dy, rows, n),
+                ArrayView1::from(gamma),
+                ArrayView1::from(mean),
+                ArrayView1::from(rstd),
+                rows_of_mut(dx, rows, n),
+                ArrayViewMut1::from(dgamma),
+                ArrayViewMut1::from(dbeta),
+            ),
+            (
+                In::Cuda(x),
+                In::Cuda(dy),
+                In::Cuda(gamma),
+                In::Cuda(mean),
+                In::Cuda(rstd),
+                Out::Cuda(dx),
+                Out::Cuda(dgamma),
+                Out::Cuda(dbeta),
+                Kind::Cuda(g),
+            ) => {
+                let packed = packed_rows::<T>(n, &g.stream, &[&x, &dy, &gamma], &dx);
                 let a = Backward {
-                    x: cuda(&ctx.x, s)?,
-                    dy: cuda(dy, s)?,
-                    gamma: cuda(&self.gamma, s)?,
-                    mean: cuda(&ctx.mean, s)?,
-                    rstd: cuda(&ctx.rstd, s)?,
-                    dx: cuda_mut(dx, s)?,
+                    x,
+                    dy,
+                    gamma,
+                    mean,
+                    rstd,
+                    dx,
                     rows: rows as u32,
                     n: n as u32,
-                    packed: packed_rows(n, [&ctx.x, dy, &self.gamma]),
+                    packed,
                 };
                 let reduction = match self.mode {
                     BackwardMode::Deterministic => gpu::Reduction::Owned,
@@ -263,25 +519,102 @@ impl<T: Element> LayerNorm<T> {
                         groups: groups.unwrap_or_else(|| gpu::default_groups(n)),
                     },
                 };
-                gpu::backward(g, reduction, a, cuda_mut(dgamma, s)?, cuda_mut(dbeta, s)?)?;
+                gpu::backward(g, reduction, a, dgamma, dbeta)
             }
+            _ => unreachable!("checked: every operand lives on the op's device"),
         }
-        Ok(())
     }
 
-    /// `[rows, n]` of an input, on this op's device, with n = gamma's length.
+    /// `[rows, n]` of an input `[..., n]`, on this op's device.
     fn check_input(&self, what: &'static str, t: &Tensor<T>) -> Result<[usize; 2]> {
-        let [rows, n] = t.dims2(what)?;
-        if n != self.gamma.len() {
-            return Err(Error::Shape {
-                what,
-                got: t.shape().to_vec(),
-                expected: format!("[rows, {}] (n = gamma's length)", self.gamma.len()),
-            });
-        }
-        check_dim("rows", rows)?;
+        let dims = self.rows_and_n(what, t.shape())?;
         self.device().check(what, t)?;
+        Ok(dims)
+    }
+
+    /// `[rows, n]` of an input of `shape` `[..., n]`: n its last dimension (the op's), rows
+    /// the product of the others (1 for a 1-D input).
+    fn rows_and_n(&self, what: &'static str, shape: &[usize]) -> Result<[usize; 2]> {
+        let refused = || Error::Shape {
+            what,
+            got: shape.to_vec(),
+            expected: format!(
+                "[..., {}] (n = the LayerNorm's, leading dimensions whose product fits usize)",
+                self.n
+            ),
+        };
+        let Some((&n, leading)) = shape.split_last() else {
+            return Err(refused());
+        };
+        if n != self.n {
+            return Err(refused());
+        }
+        let rows = leading
+            .iter()
+            .try_fold(1usize, |rows, &d| rows.checked_mul(d))
+            .ok_or_else(refused)?;
+        check_dim("rows", rows)?;
         Ok([rows, n])
+    }
+
+    /// Refuses a gradient output for a parameter the op lacks, a missing one for a
+    /// parameter it has, and one not `[n]`.
+    fn check_param_grad(&self, what: &'static str, param: &Param<T>, grad: Option<&[usize]>) -> Result<()> {
+        match (param.given().is_some(), grad) {
+            (true, Some(shape)) => expect_same_shape(what, shape, &[self.n]),
+            (false, None) => Ok(()),
+            (op_has_parameter, _) => Err(Error::ParameterGradient {
+                what,
+                op_has_parameter,
+            }),
+        }
+    }
+}
+
+/// The operands of a backward, checked and ordered for the op's stream.
+struct BackwardOperands<'a, T> {
+    x: In<'a, T>,
+    dy: In<'a, T>,
+    mean: In<'a, f32>,
+    rstd: In<'a, f32>,
+    dx: Out<'a, T>,
+    dgamma: Option<Out<'a, T>>,
+    dbeta: Option<Out<'a, T>>,
+}
+
+/// An input's elements, ordered for the op's stream: host memory (CPU ops) or a device
+/// view (CUDA ops).
+enum In<'a, T> {
+    Host(&'a [T]),
+    Cuda(CudaView<'a, T>),
+}
+
+/// An output's elements, ordered for the op's stream.
+enum Out<'a, T> {
+    Host(&'a mut [T]),
+    Cuda(CudaViewMut<'a, T>),
+}
+
+/// Refuses `n` past [`MAX_DIM`] and eps that is not finite and positive.
+fn check_config(n: usize, eps: f32) -> Result<()> {
+    check_dim("n", n)?;
+    if eps.is_finite() && eps > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::BadEps(eps))
+    }
+}
+
+/// Refuses anything but exactly `expected`.
+fn expect_same_shape(what: &'static str, got: &[usize], expected: &[usize]) -> Result<()> {
+    if got == expected {
+        Ok(())
+    } else {
+        Err(Error::Shape {
+            what,
+            got: got.to_vec(),
+            expected: format!("{expected:?}"),
+        })
     }
 }
 
@@ -297,15 +630,12 @@ fn check_dim(what: &'static str, value: usize) -> Result<()> {
     }
 }
 
-/// Sets every element of a tensor's storage to zero.
-fn zero<T: Element>(dev: &Device, data: &mut Data<T>) -> Result<()> {
-    match (data, &dev.kind) {
-        (Data::Host(h), _) => h.fill(T::from_f32(0.0)),
-        (Data::Cuda(s), Kind::Cuda(g)) => g
-            .stream
-            .memset_zeros(s.write(&g.stream)?)
-            .during("zeroing a tensor")?,
-        (Data::Cuda(_), Kind::Cpu) => unreachable!("checked: tensors live on the op's device"),
+/// Sets every element of an output to zero.
+fn zero<T: Element>(dev: &Device, out: Out<'_, T>) -> Result<()> {
+    match (out, &dev.kind) {
+        (Out::Host(h), _) => h.fill(T::from_f32(0.0)),
+        (Out::Cuda(mut v), Kind::Cuda(g)) => g.stream.memset_zeros(&mut v).during("zeroing a tensor")?,
+        (Out::Cuda(_), Kind::Cpu) => unreachable!("checked: outputs live on the op's device"),
     }
     Ok(())
 }
@@ -316,57 +646,45 @@ fn zero<T: Element>(dev: &Device, data: &mut Data<T>) -> Result<()> {
 // (`Tensor::data_mut` refuses views). CUDA storage is reached through its record, for the
 // stream the launch goes on, so that uses on other streams come first (gpu/storage.rs).
 
-fn host<T: Element>(t: &Tensor<T>) -> &[T] {
-    match t.data() {
-        Data::Host(v) => &v[t.range()],
-        Data::Cuda(_) => unreachable!("checked: CPU ops get host tensors"),
+fn input<'t, T: Element>(dev: &Device, t: &'t Tensor<T>) -> Result<In<'t, T>> {
+    match (t.data(), &dev.kind) {
+        (Data::Host(v), _) => Ok(In::Host(&v[t.range()])),
+        (Data::Cuda(s), Kind::Cuda(g)) => Ok(In::Cuda(s.read(&g.stream)?.slice(t.range()))),
+        (Data::Cuda(_), Kind::Cpu) => unreachable!("checked: CPU ops get host tensors"),
     }
 }
 
-fn host1<T: Element>(t: &Tensor<T>) -> ArrayView1<'_, T> {
-    ArrayView1::from(host(t))
-}
-
-fn host2<T: Element>(t: &Tensor<T>, rows: usize, n: usize) -> ArrayView2<'_, T> {
-    ArrayView2::from_shape((rows, n), host(t)).expect("checked shape")
-}
-
-fn host_slice_mut<T: Element>(d: &mut Data<T>) -> &mut [T] {
-    match d {
-        Data::Host(v) => v,
-        Data::Cuda(_) => unreachable!("checked: CPU ops get host tensors"),
+fn output<'d, T: Element>(dev: &Device, d: &'d mut Data<T>) -> Result<Out<'d, T>> {
+    match (d, &dev.kind) {
+        (Data::Host(v), _) => Ok(Out::Host(v)),
+        (Data::Cuda(s), Kind::Cuda(g)) => Ok(Out::Cuda(s.write(&g.stream)?.as_view_mut())),
+        (Data::Cuda(_), Kind::Cpu) => unreachable!("checked: CPU ops get host tensors"),
     }
 }
 
-fn host1_mut<T: Element>(d: &mut Data<T>) -> ArrayViewMut1<'_, T> {
-    ArrayViewMut1::from(host_slice_mut(d))
+fn rows_of<T: Element>(v: &[T], rows: usize, n: usize) -> ArrayView2<'_, T> {
+    ArrayView2::from_shape((rows, n), v).expect("checked shape")
 }
 
-fn host2_mut<T: Element>(d: &mut Data<T>, rows: usize, n: usize) -> ArrayViewMut2<'_, T> {
-    ArrayViewMut2::from_shape((rows, n), host_slice_mut(d)).expect("checked shape")
+fn rows_of_mut<T: Element>(v: &mut [T], rows: usize, n: usize) -> ArrayViewMut2<'_, T> {
+    ArrayViewMut2::from_shape((rows, n), v).expect("checked shape")
 }
 
-/// Whether every row of rows of `n` elements starts on a 16-byte boundary in each of
-/// `inputs` and in the op's output (a whole tensor, which starts on one): n a whole number
-/// of 16-byte packs, and each input's offset in bytes a multiple of 16 (its storage starts
-/// aligned: device allocations are aligned for any type, 256 bytes or more).
-fn packed_rows<T: Element>(n: usize, inputs: [&Tensor<T>; 3]) -> bool {
-    (n * size_of::<T>()).is_multiple_of(16)
-        && inputs
-            .iter()
-            .all(|t| (t.range().start * size_of::<T>()).is_multiple_of(16))
-}
-
-fn cuda<'t, T: Element>(t: &'t Tensor<T>, stream: &Arc<CudaStream>) -> Result<CudaView<'t, T>> {
-    match t.data() {
-        Data::Cuda(s) => Ok(s.read(stream)?.slice(t.range())),
-        Data::Host(_) => unreachable!("checked: CUDA ops get device tensors"),
-    }
-}
-
-fn cuda_mut<'d, T: Element>(d: &'d mut Data<T>, stream: &Arc<CudaStream>) -> Result<&'d mut CudaSlice<T>> {
-    match d {
-        Data::Cuda(s) => s.write(stream),
-        Data::Host(_) => unreachable!("checked: CUDA ops get device tensors"),
-    }
+/// Whether every row of `n` elements starts on a 16-byte boundary in each of `inputs` and
+/// in `output`: n a whole number of 16-byte packs, and each start address a multiple of 16
+/// (this crate's whole tensors always are: device allocations are aligned for any type,
+/// 256 bytes or more; views and memory of the caller's need not be).
+fn packed_rows<T: Element>(
+    n: usize,
+    stream: &cudarc::driver::CudaStream,
+    inputs: &[&CudaView<'_, T>],
+    output: &CudaViewMut<'_, T>,
+) -> bool {
+    let aligned = |v: &dyn DevicePtr<T>| {
+        // Where the context tracks events, this records a read on `stream`, which the
+        // launch that follows does anyway.
+        let (address, _record) = v.device_ptr(stream);
+        address.is_multiple_of(16)
+    };
+    (n * size_of::<T>()).is_multiple_of(16) && inputs.iter().all(|v| aligned(*v)) && aligned(output)
 }

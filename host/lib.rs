@@ -14,16 +14,18 @@
 //! let (y, ctx) = ln.forward(&x)?;
 //! let dy = device.upload(Array2::<f32>::ones((rows, n)).view())?;
 //! let grads = ln.backward(&ctx, &dy)?;
-//! println!("{:?} {:?}", y.to_array2()?, grads.dgamma.to_array1()?);
+//! println!("{:?} {:?}", y.to_array2()?, grads.dgamma.map(|d| d.to_array1()).transpose()?);
 //! # Ok(())
 //! # }
 //! ```
 //!
 //! Layout: `device` (where data lives), `tensor` on it (tensors, their storage and the
-//! `Device` methods that make them), `layer_norm` (the op and its checks),
+//! `Device` methods that make them), `borrowed` (shaped borrows of CUDA memory that stays
+//! the caller's), `layer_norm` (the op and its checks),
 //! `cpu` (the ndarray path), `plan` (which kernel and block a call takes, a pure function),
 //! `gpu` (CUDA: context, kernel launches, grid sizing).
 
+mod borrowed;
 mod cpu;
 mod device;
 mod element;
@@ -33,11 +35,12 @@ mod layer_norm;
 pub mod plan;
 mod tensor;
 
+pub use borrowed::{BorrowedTensor, BorrowedTensorMut};
 /// The CUDA driver bindings this crate uses (for [`Device::cuda_stream`]).
 pub use cudarc;
 pub use device::Device;
 pub use element::Element;
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
-pub use layer_norm::{BackwardMode, Context, Gradients, LayerNorm, MAX_DIM};
+pub use layer_norm::{BackwardMode, BorrowedGradients, Context, Gradients, LayerNorm, MAX_DIM};
 pub use tensor::Tensor;

@@ -4,6 +4,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use cudarc::driver::{CudaSlice, CudaView};
 use ndarray::{Array1, Array2, ArrayD, ArrayView, Dimension, IxDyn};
 
 use crate::device::{Device, Kind};
@@ -55,6 +56,19 @@ fn element_count<T: Element>(what: &'static str, shape: &[usize]) -> Result<usiz
             got: shape.to_vec(),
             expected: format!("at most {} bytes of {} in all", isize::MAX, T::NAME),
         })
+}
+
+/// Refuses memory of `len` elements for `shape` unless `shape` has exactly `len` elements.
+pub(crate) fn check_length(what: &'static str, len: usize, shape: &[usize]) -> Result<()> {
+    if shape.iter().try_fold(1usize, |count, &d| count.checked_mul(d)) == Some(len) {
+        Ok(())
+    } else {
+        Err(Error::Length {
+            what,
+            len,
+            shape: shape.to_vec(),
+        })
+    }
 }
 
 /// An empty host vector with room for `len` elements, or [`Error::OutOfMemory`] where host
@@ -243,6 +257,61 @@ impl<T: Element> Tensor<T> {
         }
     }
 
+    /// A tensor of `shape` over `slice`, a `CudaSlice` of yours in `device`'s context, taken
+    /// over without a copy (give it back with [`Tensor::into_cuda_slice`]). Its pending
+    /// work counts as queued on the stream it was allocated on (`slice.stream()`), which
+    /// this crate's first use on another stream waits for; a write of yours queued on a
+    /// third stream must be ordered by you (cudarc's event tracking does it where it is on).
+    ///
+    /// Errors: [`Error::NotCuda`] for the CPU, [`Error::ContextMismatch`] or
+    /// [`Error::DeviceMismatch`] for a slice of another context or GPU, [`Error::Length`]
+    /// where `shape` does not hold exactly `slice.len()` elements.
+    pub fn from_cuda_slice(device: &Device, slice: CudaSlice<T>, shape: &[usize]) -> Result<Tensor<T>> {
+        device.check_context("the slice", slice.context())?;
+        check_length("the slice", slice.len(), shape)?;
+        Ok(Tensor::new(
+            device.clone(),
+            shape.to_vec(),
+            Data::Cuda(CudaStorage::new(slice)),
+        ))
+    }
+
+    /// This tensor's memory as a `CudaSlice`, without a copy or a host wait: queued work on
+    /// the device handle's stream and on the slice's own stream (`slice.stream()`, which
+    /// frees it) runs after every use of it so far, on any stream. Only a whole tensor that
+    /// is its storage's sole handle can give its memory up.
+    ///
+    /// Errors: [`Error::NotCuda`] on the CPU, [`Error::ViewOutput`] for a view,
+    /// [`Error::SharedOutput`] where another handle shares the storage (this handle is
+    /// dropped either way; the others keep the storage).
+    pub fn into_cuda_slice(self) -> Result<CudaSlice<T>> {
+        let what = "the tensor given up as a CudaSlice";
+        let Kind::Cuda(g) = &self.device.kind else {
+            return Err(Error::NotCuda { what });
+        };
+        if self.is_view() {
+            return Err(Error::ViewOutput { what });
+        }
+        match Arc::try_unwrap(self.data) {
+            Ok(Data::Cuda(s)) => s.into_slice(&g.stream),
+            Ok(Data::Host(_)) => unreachable!("a CUDA device's tensors have CUDA storage"),
+            Err(_) => Err(Error::SharedOutput { what }),
+        }
+    }
+
+    /// This tensor's elements (a view's included) as a `CudaView`, for reads queued on the
+    /// device handle's stream ([`Device::cuda_stream`]): that stream has waited for the last
+    /// write, and later writes and the free wait for it. No copy, no host wait.
+    /// [`Error::NotCuda`] on the CPU.
+    pub fn cuda_view(&self) -> Result<CudaView<'_, T>> {
+        match (&*self.data, &self.device.kind) {
+            (Data::Cuda(s), Kind::Cuda(g)) => Ok(s.read(&g.stream)?.slice(self.range())),
+            _ => Err(Error::NotCuda {
+                what: "the tensor viewed as a CudaView",
+            }),
+        }
+    }
+
     /// The storage; this tensor's elements are `range()` of it.
     pub(crate) fn data(&self) -> &Data<T> {
         &self.data
@@ -349,17 +418,9 @@ impl Device {
         })
     }
 
-    /// Refuses a tensor from another device.
+    /// Refuses a tensor from another device or CUDA context.
     pub(crate) fn check<T: Element>(&self, what: &'static str, t: &Tensor<T>) -> Result<()> {
-        if self.same_as(t.device()) {
-            Ok(())
-        } else {
-            Err(Error::DeviceMismatch {
-                what,
-                got: t.device().name(),
-                expected: self.name(),
-            })
-        }
+        self.check_device(what, t.device())
     }
 }
 

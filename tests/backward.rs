@@ -91,15 +91,15 @@ impl<T: Element> Problem<T> {
         let (_, ctx) = ln.forward(&device.upload(self.x.view()).unwrap()).unwrap();
         let mut grads = Gradients {
             dx: poisoned(device, &[rows, n]),
-            dgamma: poisoned(device, &[n]),
-            dbeta: poisoned(device, &[n]),
+            dgamma: Some(poisoned(device, &[n])),
+            dbeta: Some(poisoned(device, &[n])),
         };
         ln.backward_into(&ctx, &device.upload(self.dy.view()).unwrap(), &mut grads)
             .unwrap();
         (
             grads.dx.to_array2().unwrap(),
-            grads.dgamma.to_array1().unwrap(),
-            grads.dbeta.to_array1().unwrap(),
+            grads.dgamma.as_ref().unwrap().to_array1().unwrap(),
+            grads.dbeta.as_ref().unwrap().to_array1().unwrap(),
         )
     }
 

@@ -161,17 +161,17 @@ impl Sweep<'_> {
         reference: &Reference,
     ) -> Result<(Option<f64>, Outcome), BenchError> {
         let (_, ctx) = ln.forward(x)?;
+        // The op has gamma and beta (`LayerNorm::new`), so both sums are asked for.
         let mut grads = Gradients {
             dx: poisoned(self.device, x.shape())?,
-            dgamma: poisoned(self.device, &[self.n])?,
-            dbeta: poisoned(self.device, &[self.n])?,
+            dgamma: Some(poisoned(self.device, &[self.n])?),
+            dbeta: Some(poisoned(self.device, &[self.n])?),
         };
         ln.backward_into(&ctx, dy, &mut grads)?;
-        let check = reference.check_backward(
-            &grads.dx.to_vec()?,
-            &grads.dgamma.to_vec()?,
-            &grads.dbeta.to_vec()?,
-        );
+        let (Some(dgamma), Some(dbeta)) = (&grads.dgamma, &grads.dbeta) else {
+            unreachable!("backward_into refuses gradients that do not match the op's parameters")
+        };
+        let check = reference.check_backward(&grads.dx.to_vec()?, &dgamma.to_vec()?, &dbeta.to_vec()?);
         // dgamma and dbeta are part of the op: the whole call is timed.
         Ok(self.time_if_right(check, || Ok(ln.backward_into(&ctx, dy, &mut grads)?)))
     }

@@ -1,4 +1,5 @@
-//! Opening a CUDA device: driver check, context, stream, module.
+//! Opening a CUDA device: driver check, context, stream, module; or taking a caller's
+//! stream and loading the module into its context.
 
 use std::sync::Arc;
 
@@ -40,6 +41,15 @@ impl Gpu {
         // buffers are allocated, used and freed on one stream. Slices that users make on
         // `Device::cuda_stream()` are theirs to order, as its documentation says.
         unsafe { ctx.disable_event_tracking() };
+        Gpu::on_stream(ctx.new_stream().during("creating a stream")?)
+    }
+
+    /// A handle on `stream`, in whatever context it belongs to (this crate's or a caller's),
+    /// with the kernels loaded into that context. The context's cudarc event tracking is
+    /// left as it is: in a caller's context that is the caller's setting (gpu/storage.rs
+    /// says why either setting is sound for tensors).
+    pub(crate) fn on_stream(stream: Arc<CudaStream>) -> Result<Gpu> {
+        let ctx = stream.context().clone();
         let name = ctx.name().during("reading the device name")?;
         let (major, minor) = ctx
             .compute_capability()
@@ -51,12 +61,11 @@ impl Gpu {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .during("reading the multiprocessor count")? as u32;
         let kernels = Arc::new(KernelTable::load(&ctx, major)?);
-        let stream = ctx.new_stream().during("creating a stream")?;
         Ok(Gpu {
             stream,
             kernels,
             name,
-            ordinal,
+            ordinal: ctx.ordinal(),
             sm_count,
         })
     }
@@ -70,6 +79,11 @@ impl Gpu {
             name: self.name.clone(),
             ..*self
         })
+    }
+
+    /// The context this handle's work runs in.
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        self.stream.context()
     }
 
     /// Waits for everything queued on this handle's stream.

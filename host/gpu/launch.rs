@@ -4,7 +4,7 @@
 //! Each launch checks the buffer lengths the kernel relies on before it launches, so the
 //! `unsafe` here rests on checks made next to it, not on callers far away.
 
-use cudarc::driver::{CudaSlice, CudaView, LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg};
 
 use super::Gpu;
 use super::module::Kernel;
@@ -83,9 +83,9 @@ pub(crate) struct Forward<'a, T> {
     pub(crate) x: CudaView<'a, T>,
     pub(crate) gamma: CudaView<'a, T>,
     pub(crate) beta: CudaView<'a, T>,
-    pub(crate) y: &'a mut CudaSlice<T>,
-    pub(crate) mean: &'a mut CudaSlice<f32>,
-    pub(crate) rstd: &'a mut CudaSlice<f32>,
+    pub(crate) y: CudaViewMut<'a, T>,
+    pub(crate) mean: CudaViewMut<'a, f32>,
+    pub(crate) rstd: CudaViewMut<'a, f32>,
     pub(crate) rows: u32,
     pub(crate) n: u32,
     pub(crate) eps: f32,
@@ -103,7 +103,12 @@ pub(crate) fn fits_held<T: Element>(team: Team, threads: u32, cols: u32, held: u
 
 /// Queues the forward kernel `f`, which the caller picked for `a` and `launch` (a
 /// pipelined one only where `a.packed` and its rows [`fits_held`] `PIPE_HELD`).
-pub(crate) fn forward<T: Element>(gpu: &Gpu, f: &Kernel, launch: Launch, a: Forward<'_, T>) -> Result<()> {
+pub(crate) fn forward<T: Element>(
+    gpu: &Gpu,
+    f: &Kernel,
+    launch: Launch,
+    mut a: Forward<'_, T>,
+) -> Result<()> {
     let (rows, n) = (a.rows as usize, a.n as usize);
     require(a.x.len() >= rows * n && a.y.len() >= rows * n, "x/y");
     require(a.gamma.len() >= n && a.beta.len() >= n, "gamma/beta");
@@ -113,9 +118,9 @@ pub(crate) fn forward<T: Element>(gpu: &Gpu, f: &Kernel, launch: Launch, a: Forw
     b.arg(&a.x)
         .arg(&a.gamma)
         .arg(&a.beta)
-        .arg(a.y)
-        .arg(a.mean)
-        .arg(a.rstd);
+        .arg(&mut a.y)
+        .arg(&mut a.mean)
+        .arg(&mut a.rstd);
     b.arg(&a.rows).arg(&a.n).arg(&a.eps);
     let config = launch.config(gpu, "the forward kernel")?;
     // SAFETY: the argument list matches `forward_kernels!` in kernels-gpu/src/forward.rs,
@@ -131,7 +136,7 @@ pub(crate) struct Backward<'a, T> {
     pub(crate) gamma: CudaView<'a, T>,
     pub(crate) mean: CudaView<'a, f32>,
     pub(crate) rstd: CudaView<'a, f32>,
-    pub(crate) dx: &'a mut CudaSlice<T>,
+    pub(crate) dx: CudaViewMut<'a, T>,
     pub(crate) rows: u32,
     pub(crate) n: u32,
     /// Every row of x, dy and dx, and gamma, start 16-byte aligned (aligned views and n a
@@ -149,7 +154,7 @@ impl<T> Backward<'_, T> {
             .arg(&self.gamma)
             .arg(&self.mean)
             .arg(&self.rstd)
-            .arg(&mut *self.dx);
+            .arg(&mut self.dx);
         b
     }
 
@@ -398,8 +403,8 @@ pub(crate) fn backward_reduce<T: Element>(
     part_dbeta: &CudaSlice<f32>,
     rows: u32,
     n: u32,
-    dgamma: &mut CudaSlice<T>,
-    dbeta: &mut CudaSlice<T>,
+    dgamma: &mut CudaViewMut<'_, T>,
+    dbeta: &mut CudaViewMut<'_, T>,
 ) -> Result<()> {
     let parts = rows as usize * n as usize;
     require(

@@ -5,7 +5,7 @@
 //! allocated, used and freed on `gpu.stream` alone, so stream order is all it needs: it is
 //! plain cudarc slices, with no record.
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, CudaViewMut};
 
 use super::Gpu;
 use super::launch::{self, Backward, Forward, Launch, Team};
@@ -91,8 +91,8 @@ pub(crate) fn backward<T: Element>(
     gpu: &Gpu,
     mode: Reduction,
     stage1: Backward<'_, T>,
-    dgamma: &mut CudaSlice<T>,
-    dbeta: &mut CudaSlice<T>,
+    mut dgamma: CudaViewMut<'_, T>,
+    mut dbeta: CudaViewMut<'_, T>,
 ) -> Result<()> {
     let (rows, n) = (stage1.rows, stage1.n);
     let pass = match mode {
@@ -157,7 +157,15 @@ pub(crate) fn backward<T: Element>(
             (pg, pb, 2 * groups)
         }
     };
-    launch::backward_reduce(gpu, &parts_dgamma, &parts_dbeta, part_rows, n, dgamma, dbeta)
+    launch::backward_reduce(
+        gpu,
+        &parts_dgamma,
+        &parts_dbeta,
+        part_rows,
+        n,
+        &mut dgamma,
+        &mut dbeta,
+    )
 }
 
 /// Two f32 partial buffers of `len`, uninitialized: stage 1 writes every element before

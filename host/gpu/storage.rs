@@ -15,8 +15,23 @@
 //!
 //! The allocation counts as a write on its stream (the memory exists only in that stream's
 //! order), so a program that uses one stream never meets another stream here and records
-//! no events at all.
+//! no events at all. A caller's `CudaSlice` taken over by a tensor
+//! (`Tensor::from_cuda_slice`) starts the same way: its pending work counts as queued on
+//! the stream it was allocated on, `slice.stream()`.
+//!
+//! Contexts that are not this crate's (`Device::from_cuda_stream`) keep the event tracking
+//! their owner chose. Where it is on, cudarc also waits and records its own events for each
+//! slice, beside this record: every wait it adds is for work this record orders as well or
+//! for work on the same stream, so results are the same and only event calls are added;
+//! where it is off, this record alone orders tensors, as in this crate's own contexts.
+//! Memory that stays the caller's (`BorrowedTensor`, `BorrowedTensorMut`) is used only on
+//! the op's stream; how it is ordered with the caller's other streams is the caller's, as
+//! for any cudarc view (cudarc's tracking does it where it is on).
+//!
+//! A tensor gives its slice back (`Tensor::into_cuda_slice`) once every stream of the
+//! record has been waited for, by the device handle's stream and by the slice's own.
 
+use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use cudarc::driver::{CudaSlice, CudaStream, DriverError};
@@ -90,6 +105,41 @@ impl<T> CudaStorage<T> {
         }
         uses.readers.clear();
         Ok(&mut self.slice)
+    }
+
+    /// The slice itself, for the caller to use on `stream` or on the stream it was allocated
+    /// on: both wait for every use in the record first (no host wait).
+    pub(crate) fn into_slice(self, stream: &Arc<CudaStream>) -> Result<CudaSlice<T>> {
+        // Taken apart by hand: `Drop` would order a free that is not coming.
+        let mut this = ManuallyDrop::new(self);
+        let ordered = this
+            .uses
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .join_all(stream)
+            .and_then(|()| {
+                let home = this.slice.stream();
+                if Arc::ptr_eq(home, stream) {
+                    Ok(())
+                } else {
+                    home.join(stream)
+                }
+            });
+        // SAFETY: `this` is ManuallyDrop and neither used nor dropped after these two reads,
+        // so each field is moved out exactly once and nothing is dropped twice.
+        let (slice, uses) = unsafe { (std::ptr::read(&this.slice), std::ptr::read(&this.uses)) };
+        drop(uses);
+        match ordered {
+            Ok(()) => Ok(slice),
+            Err(e) => {
+                // The slice is dropped on return, and its free must not overtake the uses
+                // the failed wait would have ordered: wait for the whole device, as `Drop`
+                // does on the same error.
+                let synchronized = slice.context().synchronize();
+                slice.context().record_err(synchronized);
+                Err(e).during("ordering a tensor's memory before giving it up")
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, Uses> {
