@@ -1,5 +1,5 @@
 //! Builds `kernels-gpu/` to PTX twice and hands both modules to the host crate (embedded
-//! with `include_str!` in `host/gpu/kernels.rs`, which loads the one the device runs):
+//! with `include_str!` in `host/gpu/module.rs`, which loads the one the device runs):
 //! - `layernorm_kernels.ptx`, sm_80: every GPU from the A100 on;
 //! - `layernorm_kernels_sm90.ptx`, sm_90 (Hopper) with `--cfg layernorm_sm90`: the same
 //!   kernels plus those that use thread-block clusters.

@@ -1,10 +1,14 @@
-//! The launches: the one place where the kernels' argument lists (the contract with
-//! `kernels-gpu/`) are written down.
+//! The launches: each fills the kernel's parameter structs (`layernorm_layout::params`,
+//! which the kernels compile too) and queues it.
 //!
 //! Each launch checks the buffer lengths the kernel relies on before it launches, so the
 //! `unsafe` here rests on checks made next to it, not on callers far away.
 
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchArgs, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    SyncOnDrop,
+};
+use layernorm_layout::params::{self, BackwardRows, Groups, In, KernelParams, Out, Partials, Reduce};
 
 use super::Gpu;
 use super::module::Kernel;
@@ -70,6 +74,28 @@ pub(crate) fn check_smem(gpu: &Gpu, needed: usize, what: &'static str) -> Result
     }
 }
 
+/// A parameter struct, passed as one launch argument: cudarc hands the driver its address,
+/// and the driver copies its bytes into the kernel's parameter space.
+#[repr(transparent)]
+struct ByValue<P>(P);
+
+// SAFETY: `KernelParams` structs are `#[repr(C)]` plain data (addresses and 32-bit numbers)
+// that the kernels declare, from the same source, as one by-value parameter.
+unsafe impl<P: KernelParams> DeviceRepr for ByValue<P> {}
+
+/// The address of a buffer a kernel reads, and cudarc's guard for that use, to be dropped
+/// after the launch is queued.
+fn input<'a, T>(gpu: &'a Gpu, buffer: &'a impl DevicePtr<T>) -> (In<T>, SyncOnDrop<'a>) {
+    let (address, guard) = buffer.device_ptr(&gpu.stream);
+    (In::new(address), guard)
+}
+
+/// The address of a buffer a kernel writes, and cudarc's guard for that use, as [`input`].
+fn output<'a, T>(gpu: &'a Gpu, buffer: &'a mut impl DevicePtrMut<T>) -> (Out<T>, SyncOnDrop<'a>) {
+    let (address, guard) = buffer.device_ptr_mut(&gpu.stream);
+    (Out::new(address), guard)
+}
+
 /// Panics unless `cond`: a launch's buffer lengths are this crate's own invariant (the op
 /// checked the user's shapes already), so a failure here is a bug in this crate, and
 /// stopping beats letting a kernel run past a buffer.
@@ -114,16 +140,29 @@ pub(crate) fn forward<T: Element>(
     require(a.gamma.len() >= n && a.beta.len() >= n, "gamma/beta");
     require(a.mean.len() >= rows && a.rstd.len() >= rows, "mean/rstd");
     require(launch.smem >= SCRATCH_BYTES, "scratch");
-    let mut b = gpu.stream.launch_builder(f.func());
-    b.arg(&a.x)
-        .arg(&a.gamma)
-        .arg(&a.beta)
-        .arg(&mut a.y)
-        .arg(&mut a.mean)
-        .arg(&mut a.rstd);
-    b.arg(&a.rows).arg(&a.n).arg(&a.eps);
     let config = launch.config(gpu, "the forward kernel")?;
-    // SAFETY: the argument list matches `forward_kernels!` in kernels-gpu/src/forward.rs,
+    let ((x, _x), (gamma, _gamma), (beta, _beta)) =
+        (input(gpu, &a.x), input(gpu, &a.gamma), input(gpu, &a.beta));
+    let ((y, _y), (mean, _mean), (rstd, _rstd)) = (
+        output(gpu, &mut a.y),
+        output(gpu, &mut a.mean),
+        output(gpu, &mut a.rstd),
+    );
+    let (rows, n, eps) = (a.rows, a.n, a.eps);
+    let p = ByValue(params::Forward {
+        x,
+        gamma,
+        beta,
+        y,
+        mean,
+        rstd,
+        rows,
+        n,
+        eps,
+    });
+    let mut b = gpu.stream.launch_builder(f.func());
+    b.arg(&p);
+    // SAFETY: every forward kernel takes one `params::Forward` (kernels-gpu/src/forward.rs),
     // and every buffer holds what the kernel indexes (checked above).
     unsafe { b.launch(config) }.during("launching the forward kernel")?;
     Ok(())
@@ -144,26 +183,33 @@ pub(crate) struct Backward<'a, T> {
     pub(crate) packed: bool,
 }
 
-impl<T> Backward<'_, T> {
-    /// A launch of `f` with the arguments every stage 1 kernel starts with: (x, dy, gamma,
-    /// mean, rstd, dx).
-    fn launch_args<'s>(&'s mut self, gpu: &'s Gpu, f: &'s Kernel) -> LaunchArgs<'s> {
-        let mut b = gpu.stream.launch_builder(f.func());
-        b.arg(&self.x)
-            .arg(&self.dy)
-            .arg(&self.gamma)
-            .arg(&self.mean)
-            .arg(&self.rstd)
-            .arg(&mut self.dx);
-        b
+impl<T: Element> Backward<'_, T> {
+    /// Every stage 1's first parameter, and cudarc's guards for its buffers (to be dropped
+    /// after the launch is queued).
+    fn params<'s>(&'s mut self, gpu: &'s Gpu) -> (ByValue<BackwardRows<T>>, [SyncOnDrop<'s>; 6]) {
+        let ((x, gx), (dy, gdy), (gamma, ggamma)) =
+            (input(gpu, &self.x), input(gpu, &self.dy), input(gpu, &self.gamma));
+        let ((mean, gmean), (rstd, grstd)) = (input(gpu, &self.mean), input(gpu, &self.rstd));
+        let (dx, gdx) = output(gpu, &mut self.dx);
+        let (rows, n) = (self.rows, self.n);
+        let p = ByValue(BackwardRows {
+            x,
+            dy,
+            gamma,
+            mean,
+            rstd,
+            dx,
+            rows,
+            n,
+        });
+        (p, [gx, gdy, ggamma, gmean, grstd, gdx])
     }
 
-    /// Launches `f` with (x, dy, gamma, mean, rstd, dx, part_dgamma, part_dbeta, rows, n);
-    /// `what` names it in errors.
+    /// Launches `f` with (rows, partials); `what` names it in errors.
     ///
     /// # Safety
-    /// `f` takes exactly these arguments, and `launch` gives it the grid and shared memory it
-    /// indexes with them.
+    /// `f` takes exactly these parameters, and `launch` gives it the grid and shared memory
+    /// it indexes with them.
     unsafe fn launch_with_partials(
         mut self,
         gpu: &Gpu,
@@ -173,10 +219,12 @@ impl<T> Backward<'_, T> {
         part_dbeta: &mut CudaSlice<f32>,
         what: &'static str,
     ) -> Result<()> {
-        let (rows, n) = (self.rows, self.n);
         let config = launch.config(gpu, what)?;
-        let mut b = self.launch_args(gpu, f);
-        b.arg(part_dgamma).arg(part_dbeta).arg(&rows).arg(&n);
+        let (rows, _rows) = self.params(gpu);
+        let ((dgamma, _dgamma), (dbeta, _dbeta)) = (output(gpu, part_dgamma), output(gpu, part_dbeta));
+        let partials = ByValue(Partials { dgamma, dbeta });
+        let mut b = gpu.stream.launch_builder(f.func());
+        b.arg(&rows).arg(&partials);
         // SAFETY: the caller's guarantee.
         unsafe { b.launch(config) }.during(what)?;
         Ok(())
@@ -222,13 +270,15 @@ pub(crate) fn backward_owned<T: Element>(
     } else {
         Variant::BwdOwnedBlock
     });
-    let local = local as u32;
-    let (rows, n) = (a.rows, a.n);
-    let mut b = a.launch_args(gpu, f);
-    b.arg(part_dgamma).arg(part_dbeta).arg(&rows).arg(&n).arg(&local);
     let config = launch.config(gpu, "backward stage 1 (owned)")?;
-    // SAFETY: the argument list matches `backward_kernels!(@owned ..)` in
-    // kernels-gpu/src/backward/mod.rs, and every buffer (shared memory included) holds what the
+    let (rows, _rows) = a.params(gpu);
+    let ((dgamma, _dgamma), (dbeta, _dbeta)) = (output(gpu, part_dgamma), output(gpu, part_dbeta));
+    let partials = ByValue(Partials { dgamma, dbeta });
+    let local = local as u32;
+    let mut b = gpu.stream.launch_builder(f.func());
+    b.arg(&rows).arg(&partials).arg(&local);
+    // SAFETY: `backward_kernels!(@owned ..)` in kernels-gpu/src/backward/mod.rs takes
+    // (BackwardRows, Partials, u32), and every buffer (shared memory included) holds what the
     // kernel indexes (checked above).
     unsafe { b.launch(config) }.during("launching backward stage 1 (owned)")?;
     Ok(())
@@ -380,18 +430,21 @@ pub(crate) fn backward_locked<T: Element>(
     } else {
         Variant::BwdLockedBlock
     });
-    let (rows, n) = (a.rows, a.n);
-    let mut b = a.launch_args(gpu, f);
-    b.arg(group_dgamma)
-        .arg(group_dbeta)
-        .arg(words)
-        .arg(&groups)
-        .arg(&rows)
-        .arg(&n);
     let config = launch.config(gpu, "backward stage 1 (locked)")?;
-    // SAFETY: the argument list matches `backward_kernels!(@locked ..)` in
-    // kernels-gpu/src/backward/mod.rs, every buffer holds what the kernel indexes, and the
-    // caller zeroed the lock and count words (the kernel's only precondition on them).
+    let (rows, _rows) = a.params(gpu);
+    let ((dgamma, _dgamma), (dbeta, _dbeta)) = (output(gpu, group_dgamma), output(gpu, group_dbeta));
+    let (words, _words) = output(gpu, words);
+    let groups = ByValue(Groups {
+        dgamma,
+        dbeta,
+        words,
+        groups,
+    });
+    let mut b = gpu.stream.launch_builder(f.func());
+    b.arg(&rows).arg(&groups);
+    // SAFETY: `backward_kernels!(@locked ..)` in kernels-gpu/src/backward/mod.rs takes
+    // (BackwardRows, Groups), every buffer holds what the kernel indexes, and the caller
+    // zeroed the lock and count words (the kernel's only precondition on them).
     unsafe { b.launch(config) }.during("launching backward stage 1 (locked)")?;
     Ok(())
 }
@@ -422,17 +475,23 @@ pub(crate) fn backward_reduce<T: Element>(
         block_dim: (STAGE2_THREADS, 1, 1),
         shared_mem_bytes: STAGE2_SMEM,
     };
+    let ((part_dgamma, _part_dgamma), (part_dbeta, _part_dbeta)) =
+        (input(gpu, part_dgamma), input(gpu, part_dbeta));
+    let ((dgamma, _dgamma), (dbeta, _dbeta)) = (output(gpu, dgamma), output(gpu, dbeta));
+    let p = ByValue(Reduce {
+        part_dgamma,
+        part_dbeta,
+        dgamma,
+        dbeta,
+        rows,
+        n,
+    });
     let mut b = gpu
         .stream
         .launch_builder(gpu.kernels.of::<T>().any(Variant::BwdReduce).func());
-    b.arg(part_dgamma)
-        .arg(part_dbeta)
-        .arg(&rows)
-        .arg(&n)
-        .arg(dgamma)
-        .arg(dbeta);
-    // SAFETY: the argument list matches `layer_norm_bwd_reduce_<T>` in
-    // kernels-gpu/src/backward/mod.rs, and every buffer holds what the kernel indexes.
+    b.arg(&p);
+    // SAFETY: `layer_norm_bwd_reduce_<T>` in kernels-gpu/src/backward/mod.rs takes one
+    // `Reduce`, and every buffer holds what the kernel indexes.
     unsafe { b.launch(cfg) }.during("launching backward stage 2")?;
     Ok(())
 }

@@ -45,6 +45,7 @@ use crate::element::{Element, Pack, is_pack_aligned, read, read_cached, write};
 use crate::row::{FWD_HELD, Held, Staged, fits, for_each_chunk, values};
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Warp};
 use core::f64::math::sqrt as sqrt_f64;
+use layernorm_layout::params::Forward;
 
 /// Packs per rank a block team holds in registers of a row too long to hold whole; the
 /// rest is [`Staged`] in shared memory. f32 N = 65536 on 1024 threads: 64 KB in registers,
@@ -126,19 +127,12 @@ impl RowNorm {
 /// Normalizes rows `S::id(), S::id() + S::count(), ...`, one team per row.
 ///
 /// # Safety
-/// `x`, `y` hold `rows * n` elements; `gamma`, `beta` hold `n`; `mean`, `rstd` hold `rows`.
+/// `p.x`, `p.y` hold `rows * n` elements; `p.gamma`, `p.beta` hold `n`; `p.mean`, `p.rstd`
+/// hold `rows`.
 #[inline(always)]
-unsafe fn forward_rows<T: Element, S: StatsTeam>(
-    x: *const T,
-    gamma: *const T,
-    beta: *const T,
-    y: *mut T,
-    mean: *mut f32,
-    rstd: *mut f32,
-    rows: u32,
-    n: u32,
-    eps: f32,
-) {
+unsafe fn forward_rows<T: Element, S: StatsTeam>(p: Forward<T>) {
+    let (x, gamma, beta, y) = (p.x.ptr(), p.gamma.ptr(), p.beta.ptr(), p.y.ptr());
+    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let staged = Staged::<PART_HELD>::after(SCRATCH_BYTES);
     let mut row = S::id();
     while row < rows {
@@ -407,17 +401,9 @@ const PIPE_HELD: usize = layernorm_layout::PIPE_HELD as usize;
 /// As for [`forward_rows`]; x, y, gamma and beta 16-byte aligned, `n` a whole number of
 /// packs that [`fits`] `PIPE_HELD` per rank.
 #[inline(always)]
-unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(
-    x: *const T,
-    gamma: *const T,
-    beta: *const T,
-    y: *mut T,
-    mean: *mut f32,
-    rstd: *mut f32,
-    rows: u32,
-    n: u32,
-    eps: f32,
-) {
+unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(p: Forward<T>) {
+    let (x, gamma, beta, y) = (p.x.ptr(), p.gamma.ptr(), p.beta.ptr(), p.y.ptr());
+    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let row_of = |row: u32| x.wrapping_add(row as usize * n as usize);
     // Past the last row nothing is loaded (the pipeline's end).
     let load = |row: u32| {
@@ -458,7 +444,7 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(
 }
 
 /// Exports the warp-per-row and block-per-row forward kernels of one storage type, each
-/// general and pipelined. All take (x, gamma, beta, y, mean, rstd, rows, n, eps).
+/// general and pipelined. All take one [`Forward`] (layernorm_layout::params).
 macro_rules! forward_kernels {
     ($t:ty, $warp:ident, $block:ident, $pipe_warp:ident, $pipe_block:ident) => {
         forward_kernels!(@one $t, $pipe_warp, forward_rows_pipelined, Warp,
@@ -475,19 +461,9 @@ macro_rules! forward_kernels {
         /// Launched by the host with buffers of the documented sizes, on rows the kernel
         /// takes (`$rows`'s safety section).
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(
-            x: *const $t,
-            gamma: *const $t,
-            beta: *const $t,
-            y: *mut $t,
-            mean: *mut f32,
-            rstd: *mut f32,
-            rows: u32,
-            n: u32,
-            eps: f32,
-        ) {
+        pub unsafe extern "ptx-kernel" fn $name(p: Forward<$t>) {
             // SAFETY: the host launches this kernel only as `$rows` requires.
-            unsafe { $rows::<$t, $team>(x, gamma, beta, y, mean, rstd, rows, n, eps) }
+            unsafe { $rows::<$t, $team>(p) }
         }
     };
 }

@@ -8,6 +8,7 @@
 //! const generics and in address arithmetic, the host to size launches and check buffers.
 #![no_std]
 
+pub mod params;
 pub mod registry;
 
 /// Bytes of one pack, the kernels' unit of vector access (`ld.global.v4.u32`).

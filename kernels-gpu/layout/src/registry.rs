@@ -11,8 +11,10 @@
 //! - The forward and stage 2 run at 1024 (64 registers): a multiprocessor then holds 2048
 //!   threads, and rows in flight, not registers, decide the memory traffic under way.
 //! - Stage 1 holds x and dy and adds partials a pack at a time, and spills at 64: the owned
-//!   mode, with its shared-memory rows and their final combine, needs 128 (512), except the
-//!   f32 block kernel on sm_90, which fits 96 (640); the held mode keeps two rows in
+//!   mode, with its shared-memory rows and their final combine, needs 128 (512) (the f32
+//!   block kernel on sm_90 fitted 96 (640) with flat parameters; with its parameters in
+//!   structs, whose pointers are generic rather than global, it spills 8 bytes there); the
+//!   held mode keeps two rows in
 //!   registers in 128 (512), and on sm_80, whose ptxas needs more for f16/bf16, in 168
 //!   (384); the locked mode fits 80 (768) in f32, and 96 (640) in f16/bf16, whose group
 //!   rows' Kahan sums load a pack of four rows at once (sm_80's ptxas: 128 for the warp
@@ -125,7 +127,6 @@ impl Variant {
             (Variant::FwdWarp | Variant::FwdBlock | Variant::BwdReduce, _) => 1024,
             (Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock, _) => 1024,
             (Variant::BwdOwnedWarp, _) => 512,
-            (Variant::BwdOwnedBlock, Arch::Sm90) if f32 => 640,
             (Variant::BwdOwnedBlock, _) => 512,
             (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm80) => 384,
             (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm90) => 512,

@@ -71,6 +71,7 @@ pub(crate) mod streamed;
 use crate::device::{self, fma};
 use crate::team::{Block, SCRATCH_BYTES, StackedBlock, Warp};
 use held::stage1_held;
+use layernorm_layout::params::{BackwardRows, Groups, Partials, Reduce};
 use partials::GroupLock;
 use stage2::stage2;
 use streamed::{stage1_locked, stage1_owned};
@@ -91,6 +92,26 @@ pub(crate) struct Rows<T> {
     pub(crate) n: u32,
     /// Columns this team walks.
     pub(crate) cols: u32,
+}
+
+impl<T> Rows<T> {
+    /// A launch's rows, all `n` columns of each.
+    #[inline(always)]
+    pub(crate) fn of(p: BackwardRows<T>) -> Self {
+        let (x, dy, gamma, dx) = (p.x.ptr(), p.dy.ptr(), p.gamma.ptr(), p.dx.ptr());
+        let (mean, rstd) = (p.mean.ptr(), p.rstd.ptr());
+        Rows {
+            x,
+            dy,
+            gamma,
+            mean,
+            rstd,
+            dx,
+            rows: p.rows,
+            n: p.n,
+            cols: p.n,
+        }
+    }
 }
 
 /// One element's terms added to the row sums s1 = sum_j xhat_j * wdy_j and s2 = sum_j wdy_j.
@@ -172,65 +193,35 @@ macro_rules! backward_kernels {
         /// # Safety
         /// Launched by the host with buffers of the documented sizes.
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $reduce(
-            part_dgamma: *const f32,
-            part_dbeta: *const f32,
-            rows: u32,
-            n: u32,
-            dgamma: *mut $t,
-            dbeta: *mut $t,
-        ) {
+        pub unsafe extern "ptx-kernel" fn $reduce(p: Reduce<$t>) {
+            let (dgamma, dbeta) = (p.dgamma.ptr(), p.dbeta.ptr());
             // SAFETY: the host sizes every buffer as `stage2` requires.
-            unsafe { stage2::<$t>(part_dgamma, part_dbeta, rows, n, dgamma, dbeta) }
+            unsafe { stage2::<$t>(p.part_dgamma.ptr(), p.part_dbeta.ptr(), p.rows, p.n, dgamma, dbeta) }
         }
     };
     (@owned $t:ty, $name:ident, $team:ty) => {
-        /// Stage 1, owned (deterministic) mode: args (x, dy, gamma, mean, rstd, dx,
-        /// part_dgamma, part_dbeta, rows, n, local); the partial buffers hold one row per
-        /// block; `local` != 0 sums in shared memory first (required for warp teams).
+        /// Stage 1, owned (deterministic) mode: the partial buffers hold one row per block;
+        /// `local` != 0 sums in shared memory first (required for warp teams).
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes.
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(
-            x: *const $t,
-            dy: *const $t,
-            gamma: *const $t,
-            mean: *const f32,
-            rstd: *const f32,
-            dx: *mut $t,
-            part_dgamma: *mut f32,
-            part_dbeta: *mut f32,
-            rows: u32,
-            n: u32,
-            local: u32,
-        ) {
-            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
+        pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, out: Partials, local: u32) {
+            let (part_dgamma, part_dbeta) = (out.dgamma.ptr(), out.dbeta.ptr());
             // SAFETY: the host sizes every buffer as `stage1_owned` requires.
-            unsafe { stage1_owned::<$t, $team>(r, part_dgamma, part_dbeta, local != 0) }
+            unsafe { stage1_owned::<$t, $team>(Rows::of(p), part_dgamma, part_dbeta, local != 0) }
         }
     };
     (@held $t:ty, $name:ident, $team:ty) => {
-        /// Stage 1, owned mode, rows all whole aligned packs held in registers: args (x, dy,
-        /// gamma, mean, rstd, dx, part_dgamma, part_dbeta, rows, n); one partial row per
-        /// block, whose teams (warps, or block teams stacked along y) all add into it.
+        /// Stage 1, owned mode, rows all whole aligned packs held in registers: one partial
+        /// row per block, whose teams (warps, or block teams stacked along y) all add into
+        /// it.
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows that hold.
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(
-            x: *const $t,
-            dy: *const $t,
-            gamma: *const $t,
-            mean: *const f32,
-            rstd: *const f32,
-            dx: *mut $t,
-            part_dgamma: *mut f32,
-            part_dbeta: *mut f32,
-            rows: u32,
-            n: u32,
-        ) {
-            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
+        pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, out: Partials) {
+            let (r, part_dgamma, part_dbeta) = (Rows::of(p), out.dgamma.ptr(), out.dbeta.ptr());
             let block = device::block_idx();
             // SAFETY: the host launches this kernel only as `stage1_held` requires; block b
             // writes partial row b.
@@ -238,29 +229,15 @@ macro_rules! backward_kernels {
         }
     };
     (@locked $t:ty, $name:ident, $team:ty) => {
-        /// Stage 1, locked mode: args (x, dy, gamma, mean, rstd, dx, group_dgamma,
-        /// group_dbeta, words, groups, rows, n); the group buffers are `[2 * groups, n]`
-        /// (sums, then their compensations); `words` is 2 * groups zeroed u32.
+        /// Stage 1, locked mode, into `groups` groups under their spinlocks.
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes.
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(
-            x: *const $t,
-            dy: *const $t,
-            gamma: *const $t,
-            mean: *const f32,
-            rstd: *const f32,
-            dx: *mut $t,
-            group_dgamma: *mut f32,
-            group_dbeta: *mut f32,
-            words: *mut u32,
-            groups: u32,
-            rows: u32,
-            n: u32,
-        ) {
-            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
-            let lock = GroupLock { dgamma: group_dgamma, dbeta: group_dbeta, words, groups, n };
+        pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, g: Groups) {
+            let r = Rows::of(p);
+            let (dgamma, dbeta, words) = (g.dgamma.ptr(), g.dbeta.ptr(), g.words.ptr());
+            let lock = GroupLock { dgamma, dbeta, words, groups: g.groups, n: p.n };
             // SAFETY: the host sizes every buffer as `stage1_locked` requires.
             unsafe { stage1_locked::<$t, $team>(r, lock) }
         }

@@ -100,6 +100,7 @@ unsafe fn stage1_cluster_held<T: Element, const C: u32>(
 /// against 2 and 4 (docs/PERF.md, v6): their smaller slices leave room for more blocks,
 /// hence more rows in flight, per multiprocessor, which outweighs the wider barrier.
 use layernorm_layout::CLUSTER_SIZE;
+use layernorm_layout::params::{BackwardRows, Partials};
 
 /// Exports the cluster stage 1 kernels (sm_90 module only) of one storage type: the general
 /// one over 8 blocks, and the held one over 2, 4 and 8 (the host takes the fewest blocks
@@ -117,28 +118,16 @@ macro_rules! cluster_kernels {
     };
     (@one $t:ty, $name:ident, $stage:ident, $c:expr, $doc:literal) => {
         #[doc = $doc]
-        /// Args (x, dy, gamma, mean, rstd, dx, part_dgamma, part_dbeta, rows, n); the
-        /// partial buffers hold one row per cluster.
+        /// The partial buffers hold one row per cluster.
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows the kernel
         /// takes (`$stage`'s safety section).
         #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(
-            x: *const $t,
-            dy: *const $t,
-            gamma: *const $t,
-            mean: *const f32,
-            rstd: *const f32,
-            dx: *mut $t,
-            part_dgamma: *mut f32,
-            part_dbeta: *mut f32,
-            rows: u32,
-            n: u32,
-        ) {
-            let r = Rows { x, dy, gamma, mean, rstd, dx, rows, n, cols: n };
+        pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, out: Partials) {
+            let (part_dgamma, part_dbeta) = (out.dgamma.ptr(), out.dbeta.ptr());
             // SAFETY: the host launches this kernel only as `$stage` requires.
-            unsafe { $stage::<$t, { $c }>(r, part_dgamma, part_dbeta) }
+            unsafe { $stage::<$t, { $c }>(Rows::of(p), part_dgamma, part_dbeta) }
         }
     };
 }

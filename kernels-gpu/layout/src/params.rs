@@ -1,0 +1,160 @@
+//! The kernels' parameters: one `#[repr(C)]` struct per list that several kernels share. The
+//! host fills them and passes each by value (cuLaunchKernel copies its bytes into the
+//! kernel's parameter space); the kernel reads its fields there (`ld.param`). Both compile
+//! this file, so a field added, removed or reordered changes both sides at once, and the PTX
+//! shows each struct as one `.param .align 8 .b8 name[size]`.
+//!
+//! Device addresses are 64-bit integers on both sides, typed by what they point at: the
+//! host has them from the driver, and a kernel turns them into pointers (`ptr`).
+
+use core::marker::PhantomData;
+
+use crate::registry::Variant;
+
+/// The device address of `T` values a kernel reads.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct In<T> {
+    address: u64,
+    points_at: PhantomData<fn() -> T>,
+}
+
+/// The device address of `T` values a kernel writes (and may read back).
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct Out<T> {
+    address: u64,
+    points_at: PhantomData<fn() -> T>,
+}
+
+impl<T> In<T> {
+    /// The address the driver gave for this buffer.
+    pub const fn new(address: u64) -> Self {
+        In {
+            address,
+            points_at: PhantomData,
+        }
+    }
+    /// As a pointer: only a kernel can read through it.
+    #[inline(always)]
+    pub fn ptr(self) -> *const T {
+        self.address as *const T
+    }
+}
+
+impl<T> Out<T> {
+    /// The address the driver gave for this buffer.
+    pub const fn new(address: u64) -> Self {
+        Out {
+            address,
+            points_at: PhantomData,
+        }
+    }
+    /// As a pointer: only a kernel can write through it.
+    #[inline(always)]
+    pub fn ptr(self) -> *mut T {
+        self.address as *mut T
+    }
+}
+
+/// Plain data the kernels take by value: `#[repr(C)]`, of integers and addresses only, laid
+/// out alike on the host (x86-64, aarch64) and the GPU.
+///
+/// # Safety
+/// Only the structs of this file implement it.
+pub unsafe trait KernelParams: Copy {}
+
+/// The forward's: `[rows, n]` x in, y out, `[n]` gamma and beta, `[rows]` f32 mean and
+/// rstd out, and eps.
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct Forward<T> {
+    pub x: In<T>,
+    pub gamma: In<T>,
+    pub beta: In<T>,
+    pub y: Out<T>,
+    pub mean: Out<f32>,
+    pub rstd: Out<f32>,
+    pub rows: u32,
+    pub n: u32,
+    pub eps: f32,
+}
+
+/// Every stage 1's rows: `[rows, n]` x and dy in, dx out, `[n]` gamma, and the forward's
+/// `[rows]` mean and rstd.
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct BackwardRows<T> {
+    pub x: In<T>,
+    pub dy: In<T>,
+    pub gamma: In<T>,
+    pub mean: In<f32>,
+    pub rstd: In<f32>,
+    pub dx: Out<T>,
+    pub rows: u32,
+    pub n: u32,
+}
+
+/// An owned-mode stage 1's partial buffers: `[R, n]` f32 each, one row per block (or
+/// cluster), which it writes whole.
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct Partials {
+    pub dgamma: Out<f32>,
+    pub dbeta: Out<f32>,
+}
+
+/// The locked stage 1's group buffers: `[2 * groups, n]` f32 each (the group sums, then
+/// their compensations), and `2 * groups` zeroed lock and count words.
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct Groups {
+    pub dgamma: Out<f32>,
+    pub dbeta: Out<f32>,
+    pub words: Out<u32>,
+    pub groups: u32,
+}
+
+/// Stage 2's: `[rows, n]` f32 partials in, `[n]` dgamma and dbeta out.
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct Reduce<T> {
+    pub part_dgamma: In<f32>,
+    pub part_dbeta: In<f32>,
+    pub dgamma: Out<T>,
+    pub dbeta: Out<T>,
+    pub rows: u32,
+    pub n: u32,
+}
+
+// SAFETY (all five): `#[repr(C)]`, of 64-bit addresses and 32-bit numbers only.
+unsafe impl<T: Copy> KernelParams for Forward<T> {}
+// SAFETY: as above.
+unsafe impl<T: Copy> KernelParams for BackwardRows<T> {}
+// SAFETY: as above.
+unsafe impl<T: Copy> KernelParams for Reduce<T> {}
+// SAFETY: as above.
+unsafe impl KernelParams for Partials {}
+// SAFETY: as above.
+unsafe impl KernelParams for Groups {}
+
+/// The bytes of each parameter that `variant`'s kernels declare, in order (the same for
+/// every storage type): what the host passes, and what a test finds in the PTX.
+pub const fn param_bytes(variant: Variant) -> &'static [usize] {
+    use core::mem::size_of;
+    const ROWS: usize = size_of::<BackwardRows<f32>>();
+    match variant {
+        Variant::FwdWarp | Variant::FwdBlock | Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock => {
+            &[size_of::<Forward<f32>>()]
+        }
+        Variant::BwdOwnedWarp | Variant::BwdOwnedBlock => &[ROWS, size_of::<Partials>(), size_of::<u32>()],
+        Variant::BwdHeldWarp
+        | Variant::BwdHeldBlock
+        | Variant::BwdCluster8
+        | Variant::BwdCluster2Held
+        | Variant::BwdCluster4Held
+        | Variant::BwdCluster8Held => &[ROWS, size_of::<Partials>()],
+        Variant::BwdLockedWarp | Variant::BwdLockedBlock => &[ROWS, size_of::<Groups>()],
+        Variant::BwdReduce => &[size_of::<Reduce<f32>>()],
+    }
+}
