@@ -49,7 +49,7 @@ use core::f64::math::sqrt as sqrt_f64;
 /// Packs per rank a block team holds in registers of a row too long to hold whole; the
 /// rest is [`Staged`] in shared memory. f32 N = 65536 on 1024 threads: 64 KB in registers,
 /// 192 KB in shared memory (a block gets at most 227 KB).
-const PART_HELD: usize = layernorm_layout::PART_HELD as usize;
+const PART_HELD: usize = crate::layout::PART_HELD as usize;
 
 /// The factor on x of rows whose f32 sums overflow: n <= 2^31 values up to 2^128 sum to at
 /// most 2^159, and their squared deviations (each at most 2^258) to 2^289; times 2^-81 and
@@ -395,7 +395,7 @@ unsafe fn write_y_chunk<T: Element>(
 }
 
 /// Packs per rank the pipelined forward holds for each of its two rows in flight.
-const PIPE_HELD: usize = layernorm_layout::PIPE_HELD as usize;
+const PIPE_HELD: usize = crate::layout::PIPE_HELD as usize;
 
 /// The forward of launches whose rows are all whole aligned packs that fit `PIPE_HELD` a
 /// rank (the host checks): the same arithmetic as [`forward_row`]'s held rows, but the

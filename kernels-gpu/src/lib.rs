@@ -21,6 +21,11 @@ mod cluster;
 mod device;
 mod element;
 mod forward;
+/// What the kernels and the host must agree on, the one file both compile. Some of it only
+/// the host uses.
+#[allow(dead_code)]
+#[path = "../layout/mod.rs"]
+mod layout;
 mod row;
 mod team;
 
