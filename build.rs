@@ -28,16 +28,53 @@ use std::process::Command;
 
 use sha2::{Digest, Sha256};
 
-// The kernel registry, the same file the host compiles (through the layout crate): the
+// The kernel registry, the same file the host compiles (through the layout module): the
 // launch bounds and cluster sizes written into the PTX here. The host uses the rest of it.
 #[allow(dead_code)]
-#[path = "kernels-gpu/layout/src/registry.rs"]
+#[path = "kernels-gpu/layout/registry.rs"]
 mod registry;
 use registry::{Arch, DTYPES, Variant};
 
 const KERNEL_DIR: &str = "kernels-gpu";
-/// The crate of numbers the kernels and the host share, inside the kernel folder.
+/// The module of numbers the kernels and the host share, inside the kernel folder.
 const LAYOUT_DIR: &str = "layout";
+
+/// The kernel crate's manifest, which this build writes to `$OUT_DIR/kernel-crate/` with the
+/// root of its sources (`@SRC@`: `kernels-gpu/src/lib.rs`). It lives here, not as
+/// `kernels-gpu/Cargo.toml`: cargo leaves every folder with a manifest of its own out of this
+/// crate's package, which must carry the kernel sources.
+const KERNEL_MANIFEST: &str = r#"[package]
+name = "layernorm-kernels-gpu"
+version = "0.1.0"
+edition = "2024"
+publish = false
+
+# Built only for nvptx64-nvidia-cuda by the host crate's build.rs; never part of a workspace.
+[workspace]
+
+[lib]
+path = "@SRC@"
+crate-type = ["rlib"]
+
+[profile.release]
+opt-level = 3
+codegen-units = 1
+panic = "abort"
+debug = false
+
+[profile.dev]
+panic = "abort"
+
+# As the host's [workspace.lints]: every unsafe operation sits in an `unsafe` block, and
+# every block says why it is sound. CI (`.ci/run`) runs clippy on this crate with -D warnings.
+[lints.rust]
+# build.rs passes `--cfg layernorm_sm90` for the Hopper module.
+unexpected_cfgs = { level = "warn", check-cfg = ["cfg(layernorm_sm90)"] }
+unsafe_op_in_unsafe_fn = "warn"
+
+[lints.clippy]
+undocumented_unsafe_blocks = "warn"
+"#;
 const HASH_PREFIX: &str = "// layernorm-cuda kernel sources sha256: ";
 const INSTALL: &str = "Install a kernel toolchain (Debian: `apt-get install rustc-web cargo-web \
      rust-web-src`; rustup: `rustup toolchain install nightly --component rust-src`), or set \
@@ -84,7 +121,6 @@ const MODULES: &[Module] = &[
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed={KERNEL_DIR}/src");
-    println!("cargo:rerun-if-changed={KERNEL_DIR}/Cargo.toml");
     println!("cargo:rerun-if-changed={KERNEL_DIR}/{LAYOUT_DIR}");
     for m in MODULES {
         println!("cargo:rerun-if-changed={KERNEL_DIR}/{}", m.file);
@@ -131,6 +167,7 @@ fn main() {
     let out = PathBuf::from(env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let kernel_dir = root.join(KERNEL_DIR);
     let hash = source_hash(&root);
+    let manifest = write_kernel_manifest(&kernel_dir, &out);
 
     let toolchain = match mode {
         Mode::CheckedIn => None,
@@ -143,7 +180,7 @@ fn main() {
     }
     for m in MODULES {
         let checked_in = kernel_dir.join(m.file);
-        let ptx = match toolchain.as_ref().map(|tc| build_ptx(tc, m, &kernel_dir, &out)) {
+        let ptx = match toolchain.as_ref().map(|tc| build_ptx(tc, m, &manifest, &out)) {
             Some(Ok(body)) => format!("{HASH_PREFIX}{hash}\n{body}"),
             Some(Err(why)) if mode == Mode::Update => {
                 panic!("LAYERNORM_KERNEL_PTX=update: building {} failed: {why}", m.file)
@@ -240,7 +277,24 @@ fn find_toolchain(explicit: Option<(PathBuf, PathBuf)>) -> Option<Toolchain> {
 
 /// Runs the nested cargo and returns the PTX text, or what went wrong (several lines where
 /// the nested build printed errors).
-fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> Result<String, String> {
+/// Writes the kernel crate's manifest (`KERNEL_MANIFEST`, pointing at the sources in
+/// `kernel_dir`) to `out/kernel-crate/Cargo.toml` and returns its path; CI lints the crate
+/// through it.
+fn write_kernel_manifest(kernel_dir: &Path, out: &Path) -> PathBuf {
+    let dir = out.join("kernel-crate");
+    fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("create {}: {e}", dir.display()));
+    let src = kernel_dir.join("src").join("lib.rs");
+    // A TOML basic string: backslashes (Windows paths) and quotes escaped.
+    let src = src.to_string_lossy().replace('\\', "\\\\").replace('"', "\\\"");
+    let path = dir.join("Cargo.toml");
+    let text = KERNEL_MANIFEST.replace("@SRC@", &src);
+    if fs::read_to_string(&path).ok().as_deref() != Some(text.as_str()) {
+        fs::write(&path, text).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    }
+    path
+}
+
+fn build_ptx(tc: &Toolchain, module: &Module, manifest: &Path, out: &Path) -> Result<String, String> {
     // A target dir per module: cargo does not count `cargo rustc`'s extra flags as a change,
     // so with one dir the second module's build would be skipped as fresh and read back
     // the first module's PTX.
@@ -265,9 +319,9 @@ fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> 
         cmd.env("RUSTC", rustc);
     }
     cmd.env("RUSTC_BOOTSTRAP", "1")
-        .current_dir(kernel_dir)
+        .args(["rustc", "--manifest-path"])
+        .arg(manifest)
         .args([
-            "rustc",
             "--release",
             "--target",
             "nvptx64-nvidia-cuda",
@@ -291,7 +345,7 @@ fn build_ptx(tc: &Toolchain, module: &Module, kernel_dir: &Path, out: &Path) -> 
         let errors: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
         return Err(format!(
             "{cargo} building {} for {} failed ({}){}{}",
-            kernel_dir.display(),
+            manifest.display(),
             module.target_cpu,
             output.status,
             if errors.is_empty() { "" } else { ":\n" },
@@ -340,7 +394,7 @@ fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
             let at = expected
                 .iter()
                 .position(|(n, _, _)| n == name)
-                .unwrap_or_else(|| panic!("kernel {name} is not in kernels-gpu/layout/src/registry.rs"));
+                .unwrap_or_else(|| panic!("kernel {name} is not in kernels-gpu/layout/registry.rs"));
             let (_, variant, dtype) = expected.swap_remove(at);
             directives.clear();
             directives.push(format!(".maxntid {}, 1, 1", variant.max_threads(arch, dtype)));
@@ -384,9 +438,9 @@ fn checked_in_ptx(path: &Path, hash: &str, why_not_built: &str) -> String {
 }
 
 /// SHA-256 over everything that shapes the PTX (relative path and contents of each file, in
-/// path order): the kernel crate's sources and manifest, those of the layout crate it
-/// shares with the host (`kernels-gpu/layout`, whose registry holds the launch bounds and
-/// cluster sizes), and all of this file. This file holds the module list, target cpus and
+/// path order): the kernel crate's sources, those of the layout module it shares with the
+/// host (`kernels-gpu/layout`, whose registry holds the launch bounds and cluster sizes),
+/// and all of this file (with the kernel crate's manifest). This file holds the module list, target cpus and
 /// flags, how the registry's directives are written, and the nested build's command line;
 /// hashing the whole of it leaves out nothing that code here adds to the PTX now or later.
 /// The price: any edit of this file, a comment's included, needs the checked-in PTX's hash
@@ -394,13 +448,9 @@ fn checked_in_ptx(path: &Path, hash: &str, why_not_built: &str) -> String {
 fn source_hash(root: &Path) -> String {
     let kernel_dir = root.join(KERNEL_DIR);
     let layout_dir = kernel_dir.join(LAYOUT_DIR);
-    let mut files = vec![
-        root.join("build.rs"),
-        kernel_dir.join("Cargo.toml"),
-        layout_dir.join("Cargo.toml"),
-    ];
+    let mut files = vec![root.join("build.rs")];
     collect_rs(&kernel_dir.join("src"), &mut files);
-    collect_rs(&layout_dir.join("src"), &mut files);
+    collect_rs(&layout_dir, &mut files);
     files.sort();
     let mut h = Sha256::new();
     for f in &files {

@@ -32,6 +32,12 @@ mod element;
 mod error;
 mod gpu;
 mod layer_norm;
+// What the kernels and this crate must agree on (packs per thread, shared-memory layouts,
+// cluster sizes, the kernel registry), the one file both compile. Some of it only the
+// kernels use.
+#[allow(dead_code)]
+#[path = "../kernels-gpu/layout/mod.rs"]
+mod layout;
 pub mod plan;
 mod tensor;
 

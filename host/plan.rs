@@ -17,8 +17,8 @@
 //!   memory where it fits.
 //! - Backward, locked: the locked kernel of the team.
 
-pub use layernorm_layout::registry::{Arch, Variant};
-use layernorm_layout::{
+pub use crate::layout::registry::{Arch, DTYPES, Variant};
+use crate::layout::{
     BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PART_HELD, PIPE_HELD, SCRATCH_BYTES,
 };
 
@@ -81,7 +81,7 @@ const WARPS_PER_BLOCK: u32 = 8;
 
 /// Elements of `T` in one 16-byte pack, the kernels' unit of vector access.
 pub(crate) fn pack_len<T: Element>() -> u32 {
-    layernorm_layout::pack_len(size_of::<T>() as u32)
+    crate::layout::pack_len(size_of::<T>() as u32)
 }
 
 /// Whether a row of `n` elements goes one warp per row.
@@ -137,7 +137,7 @@ impl<T: Element> Planner<T> {
 
     /// Whether `cols` columns fit `held` packs a rank of a team of `ranks`.
     fn fits(&self, cols: u32, ranks: u32, held: u32) -> bool {
-        layernorm_layout::fits(cols, pack_len::<T>(), ranks, held)
+        crate::layout::fits(cols, pack_len::<T>(), ranks, held)
     }
 
     fn smem_fits(&self, bytes: usize) -> bool {
@@ -211,7 +211,7 @@ impl<T: Element> Planner<T> {
         // device has room, but one without gets an error, not a launch failure).
         let owned = self.team_plan(Variant::BwdOwnedWarp, Variant::BwdOwnedBlock);
         let per_block = if warp_rows(self.n) { owned.threads / 32 } else { 1 };
-        let local_smem = layernorm_layout::owned_local_smem(per_block, self.n);
+        let local_smem = crate::layout::owned_local_smem(per_block, self.n);
         let local = self.smem_fits(local_smem);
         if warp_rows(self.n) && !local {
             return Err(Error::SharedMemory {
@@ -238,17 +238,17 @@ impl<T: Element> Planner<T> {
             return None;
         }
         let packs = n.div_ceil(pack_len::<T>());
-        let one_block = self.smem_fits(layernorm_layout::owned_local_smem(1, n))
+        let one_block = self.smem_fits(crate::layout::owned_local_smem(1, n))
             && packs <= self.max_threads(Variant::BwdOwnedBlock) * BWD_HELD;
-        let general_smem = layernorm_layout::cluster_smem(n, pack_len::<T>());
+        let general_smem = crate::layout::cluster_smem(n, pack_len::<T>());
         if one_block || !self.smem_fits(general_smem) {
             return None;
         }
         let held = HELD_CLUSTER_SIZES.iter().find_map(|&size| {
             let variant = Variant::cluster_held(size)?;
-            let slice = layernorm_layout::slice_width(n, pack_len::<T>(), size);
+            let slice = crate::layout::slice_width(n, pack_len::<T>(), size);
             let threads = self.block_threads(variant, slice, 4);
-            let smem = layernorm_layout::cluster_held_smem(pack_len::<T>(), threads);
+            let smem = crate::layout::cluster_held_smem(pack_len::<T>(), threads);
             (self.aligned && self.fits(slice, threads, BWD_HELD) && self.smem_fits(smem)).then_some(Plan {
                 variant,
                 threads,
@@ -258,7 +258,7 @@ impl<T: Element> Planner<T> {
             })
         });
         held.or_else(|| {
-            let slice = layernorm_layout::slice_width(n, pack_len::<T>(), CLUSTER_SIZE);
+            let slice = crate::layout::slice_width(n, pack_len::<T>(), CLUSTER_SIZE);
             Some(Plan {
                 variant: Variant::BwdCluster8,
                 threads: self.block_threads(Variant::BwdCluster8, slice, 4),
@@ -295,7 +295,7 @@ impl<T: Element> Planner<T> {
             (self.max_threads(variant) / ranks).min(MAX_STACKED)
         };
         // The most of those whose partials fit shared memory (each rank holds its own).
-        let held_smem = |threads| layernorm_layout::held_smem(pack_len::<T>(), threads);
+        let held_smem = |threads| crate::layout::held_smem(pack_len::<T>(), threads);
         let teams = (1..=most).rev().find(|&t| self.smem_fits(held_smem(ranks * t)))?;
         if !(self.aligned && self.fits(self.n, ranks, BWD_HELD)) {
             return None;

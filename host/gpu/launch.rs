@@ -1,14 +1,14 @@
-//! The launches: each fills the kernel's parameter structs (`layernorm_layout::params`,
+//! The launches: each fills the kernel's parameter structs (`crate::layout::params`,
 //! which the kernels compile too) and queues it.
 //!
 //! Each launch checks the buffer lengths the kernel relies on before it launches, so the
 //! `unsafe` here rests on checks made next to it, not on callers far away.
 
+use crate::layout::params::{self, BackwardRows, Groups, In, KernelParams, Out, Partials, Reduce};
 use cudarc::driver::{
     CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
     SyncOnDrop,
 };
-use layernorm_layout::params::{self, BackwardRows, Groups, In, KernelParams, Out, Partials, Reduce};
 
 use super::Gpu;
 use super::module::Kernel;
@@ -17,8 +17,8 @@ use crate::error::{DriverContext, Error, Result};
 use crate::plan::{Variant, pack_len};
 
 // What the kernels and the launches must agree on, from the one crate both compile.
-pub(crate) use layernorm_layout::{BWD_HELD, CLUSTER_SIZE, SCRATCH_BYTES};
-use layernorm_layout::{STAGE2_SMEM, STAGE2_THREADS};
+pub(crate) use crate::layout::{BWD_HELD, CLUSTER_SIZE, SCRATCH_BYTES};
+use crate::layout::{STAGE2_SMEM, STAGE2_THREADS};
 
 /// Which threads share a row: one warp (short rows), or a whole block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,7 +124,7 @@ pub(crate) struct Forward<'a, T> {
 /// packs a rank of a team in blocks of `threads`.
 pub(crate) fn fits_held<T: Element>(team: Team, threads: u32, cols: u32, held: u32) -> bool {
     let ranks = if team == Team::Warp { 32 } else { threads };
-    layernorm_layout::fits(cols, pack_len::<T>(), ranks, held)
+    crate::layout::fits(cols, pack_len::<T>(), ranks, held)
 }
 
 /// Queues the forward kernel `f`, which the caller picked for `a` and `launch` (a
@@ -332,10 +332,10 @@ pub(crate) fn backward_held<T: Element>(
 
 /// Shared memory of a held stage 1 block of `threads` (all its teams' ranks).
 pub(crate) fn held_smem<T: Element>(threads: u32) -> usize {
-    layernorm_layout::held_smem(pack_len::<T>(), threads)
+    crate::layout::held_smem(pack_len::<T>(), threads)
 }
 
-pub(crate) use layernorm_layout::owned_local_smem;
+pub(crate) use crate::layout::owned_local_smem;
 
 /// Stage 1, owned mode over clusters of `size` blocks: `launch.blocks / size` partial
 /// rows, each block of a cluster summing one slice of the row in shared memory: held in
@@ -390,17 +390,17 @@ pub(crate) fn backward_cluster<T: Element>(
 
 /// Columns of one block's slice when a cluster of `size` blocks shares a row of `n`.
 pub(crate) fn cluster_slice<T: Element>(n: u32, size: u32) -> u32 {
-    layernorm_layout::slice_width(n, pack_len::<T>(), size)
+    crate::layout::slice_width(n, pack_len::<T>(), size)
 }
 
 /// Shared memory of a general cluster block on rows of `n`.
 pub(crate) fn cluster_smem<T: Element>(n: u32) -> usize {
-    layernorm_layout::cluster_smem(n, pack_len::<T>())
+    crate::layout::cluster_smem(n, pack_len::<T>())
 }
 
 /// Shared memory of a held cluster block of `threads`.
 pub(crate) fn cluster_held_smem<T: Element>(threads: u32) -> usize {
-    layernorm_layout::cluster_held_smem(pack_len::<T>(), threads)
+    crate::layout::cluster_held_smem(pack_len::<T>(), threads)
 }
 
 /// Stage 1, locked mode: `2 * groups` partial rows (each group's sums, then their Kahan

@@ -1,13 +1,13 @@
 //! The embedded PTX and its kernels: the module for the device's compute capability, loaded
-//! once, and every kernel the registry (`layernorm_layout::registry`) lists, by variant and
+//! once, and every kernel the registry (`crate::layout::registry`) lists, by variant and
 //! storage type, with their occupancy queries.
 
 use std::sync::Arc;
 
+use crate::layout::registry::DTYPES;
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use cudarc::nvrtc::Ptx;
-use layernorm_layout::registry::DTYPES;
 
 use crate::element::Element;
 use crate::error::{DriverContext, Result};
@@ -71,7 +71,7 @@ impl Kernel {
     }
 }
 
-/// Every kernel of the loaded module, as the registry (`layernorm_layout::registry`) lists
+/// Every kernel of the loaded module, as the registry (`crate::layout::registry`) lists
 /// them, by variant and storage type.
 pub(crate) struct KernelTable {
     /// `kernels[variant][dtype]`, in `Variant::ALL` and `DTYPES` order; None where the

@@ -42,15 +42,15 @@
 
 use crate::device::{fma, sqrt_rn};
 use crate::element::{Element, Pack, is_pack_aligned, read, read_cached, write};
+use crate::layout::params::Forward;
 use crate::row::{FWD_HELD, Held, Staged, fits, for_each_chunk, values};
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Warp};
 use core::f64::math::sqrt as sqrt_f64;
-use layernorm_layout::params::Forward;
 
 /// Packs per rank a block team holds in registers of a row too long to hold whole; the
 /// rest is [`Staged`] in shared memory. f32 N = 65536 on 1024 threads: 64 KB in registers,
 /// 192 KB in shared memory (a block gets at most 227 KB).
-const PART_HELD: usize = layernorm_layout::PART_HELD as usize;
+const PART_HELD: usize = crate::layout::PART_HELD as usize;
 
 /// The factor on x of rows whose f32 sums overflow: n <= 2^31 values up to 2^128 sum to at
 /// most 2^159, and their squared deviations (each at most 2^258) to 2^289; times 2^-81 and
@@ -389,7 +389,7 @@ unsafe fn write_y_chunk<T: Element>(
 }
 
 /// Packs per rank the pipelined forward holds for each of its two rows in flight.
-const PIPE_HELD: usize = layernorm_layout::PIPE_HELD as usize;
+const PIPE_HELD: usize = crate::layout::PIPE_HELD as usize;
 
 /// The forward of launches whose rows are all whole aligned packs that fit `PIPE_HELD` a
 /// rank (the host checks): the same arithmetic as [`forward_row`]'s held rows, but the
@@ -444,7 +444,7 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(p: Forward<T>) {
 }
 
 /// Exports the warp-per-row and block-per-row forward kernels of one storage type, each
-/// general and pipelined. All take one [`Forward`] (layernorm_layout::params).
+/// general and pipelined. All take one [`Forward`] (crate::layout::params).
 macro_rules! forward_kernels {
     ($t:ty, $warp:ident, $block:ident, $pipe_warp:ident, $pipe_block:ident) => {
         forward_kernels!(@one $t, $pipe_warp, forward_rows_pipelined, Warp,

@@ -1,7 +1,7 @@
 //! LayerNorm kernels for NVIDIA GPUs, in `no_std` Rust compiled to PTX by rustc's
 //! `nvptx64-nvidia-cuda` target. The host crate's `build.rs` builds this crate and embeds
 //! the PTX; kernel names are the contract with `host/gpu/module.rs`, and each kernel takes the
-//! parameter structs of `layernorm_layout::params`, which the host fills.
+//! parameter structs of `crate::layout::params`, which the host fills.
 //!
 //! - `device`: the GPU primitives `core` lacks (indices, barriers, shuffles, conversions).
 //! - `element`: f32 / f16 / bf16 storage, read and written in 16-byte packs.
@@ -22,6 +22,11 @@ mod cluster;
 mod device;
 mod element;
 mod forward;
+/// What the kernels and the host must agree on, the one file both compile. Some of it only
+/// the host uses.
+#[allow(dead_code)]
+#[path = "../layout/mod.rs"]
+mod layout;
 mod row;
 mod team;
 

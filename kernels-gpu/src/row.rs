@@ -8,9 +8,9 @@ use crate::team::Team;
 /// The most packs per rank a [`Held`] may hold (`for_each_chunk` is written out for 8).
 pub const MAX_HELD: usize = 8;
 /// Packs per rank the forward holds in registers (x), as a const generic.
-pub const FWD_HELD: usize = layernorm_layout::FWD_HELD as usize;
+pub const FWD_HELD: usize = crate::layout::FWD_HELD as usize;
 /// Packs per rank the backward holds (x and dy each), as a const generic.
-pub const BWD_HELD: usize = layernorm_layout::BWD_HELD as usize;
+pub const BWD_HELD: usize = crate::layout::BWD_HELD as usize;
 
 /// Up to `K` packs of a row in registers, as raw 16-byte words: pack `rank + c * size` in
 /// slot c. Raw words take half the registers of widened f16/bf16 values; widening again on

@@ -9,7 +9,7 @@ use crate::device::{self, shared_ptr, shfl_down, shfl_idx, shfl_xor};
 
 /// Block reductions use the first `SCRATCH_BYTES` of dynamic shared memory: one 16-byte slot
 /// per warp of a 1024-thread block. The host launches every kernel with at least that much.
-pub use layernorm_layout::SCRATCH_BYTES;
+pub use crate::layout::SCRATCH_BYTES;
 
 /// Count, mean and sum of squared deviations (M2) of a set of values.
 ///

@@ -28,13 +28,13 @@ impl RankPartials {
     /// 16-byte chunks per rank and sum: `BWD_HELD` packs of `T::PACK` f32.
     #[inline(always)]
     pub(crate) const fn chunks<T: Element>() -> u32 {
-        layernorm_layout::held_chunks(T::PACK as u32)
+        crate::layout::held_chunks(T::PACK as u32)
     }
 
     /// Shared bytes of one team of `size` ranks: dgamma and dbeta chunks of every rank.
     #[inline(always)]
     pub(crate) fn team_bytes<T: Element>(size: u32) -> u32 {
-        layernorm_layout::held_team_bytes(T::PACK as u32, size)
+        crate::layout::held_team_bytes(T::PACK as u32, size)
     }
 
     /// Rank `rank`'s partials in the team whose area starts at byte `base` of shared memory.

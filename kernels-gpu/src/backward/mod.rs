@@ -69,9 +69,9 @@ mod stage2;
 pub(crate) mod streamed;
 
 use crate::device::{self, fma};
+use crate::layout::params::{BackwardRows, Groups, Partials, Reduce};
 use crate::team::{Block, SCRATCH_BYTES, StackedBlock, Warp};
 use held::stage1_held;
-use layernorm_layout::params::{BackwardRows, Groups, Partials, Reduce};
 use partials::GroupLock;
 use stage2::stage2;
 use streamed::{stage1_locked, stage1_owned};

@@ -30,7 +30,7 @@ pub(crate) struct PartialRow {
 /// A pack never straddles a padding word (PACK divides 32), so its words stay contiguous.
 #[inline(always)]
 pub(crate) fn padded(j: u32) -> usize {
-    layernorm_layout::padded(j) as usize
+    crate::layout::padded(j) as usize
 }
 
 /// Words of a padded shared-memory row of `n` columns.

@@ -5,7 +5,7 @@ use crate::element::Element;
 
 /// Stage 2's tile of 32 columns as 8 groups of 4, and the slices of partial rows a block sums
 /// at once (128: with 8 groups, 1024 threads, so that each slice's few rows load at once).
-use layernorm_layout::{STAGE2_GROUPS, STAGE2_SLICES};
+use crate::layout::{STAGE2_GROUPS, STAGE2_SLICES};
 
 /// Stage 2: dgamma_j and dbeta_j are the sums of column j over the `rows` partial rows.
 /// A block takes a tile of 32 columns; thread (slice s, group q) sums columns 4q..4q+4 of

@@ -99,8 +99,8 @@ unsafe fn stage1_cluster_held<T: Element, const C: u32>(
 /// Blocks per cluster of the general cluster kernels: the portable maximum. Measured
 /// against 2 and 4 (docs/PERF.md, v6): their smaller slices leave room for more blocks,
 /// hence more rows in flight, per multiprocessor, which outweighs the wider barrier.
-use layernorm_layout::CLUSTER_SIZE;
-use layernorm_layout::params::{BackwardRows, Partials};
+use crate::layout::CLUSTER_SIZE;
+use crate::layout::params::{BackwardRows, Partials};
 
 /// Exports the cluster stage 1 kernels (sm_90 module only) of one storage type: the general
 /// one over 8 blocks, and the held one over 2, 4 and 8 (the host takes the fewest blocks

@@ -138,7 +138,7 @@ const ROUND_OFFSET: u32 = EXCHANGE_OFFSET + 16;
 /// Dynamic shared memory of a cluster kernel before its partial rows: the block
 /// reductions' scratch, the two exchange slots and the round count (32 bytes, keeping the
 /// rows 16-byte aligned). Columns of each block's slice: whole packs.
-pub use layernorm_layout::{CLUSTER_SCRATCH_BYTES, slice_width};
+pub use crate::layout::{CLUSTER_SCRATCH_BYTES, slice_width};
 
 impl<const C: u32> Team for Cluster<C> {
     const PREFETCH_NEXT_ROW: bool = true;

@@ -1,13 +1,12 @@
 //! What the kernels (`kernels-gpu/src`) and the host (`host/gpu`) must agree on, written once:
 //! how many 16-byte packs a thread holds in each kernel, how each kernel lays out its dynamic
-//! shared memory, the cluster sizes, and stage 2's block. Both crates compile this one, so a
-//! change here reaches the PTX and the launches together (and build.rs hashes it with the
-//! kernel sources).
+//! shared memory, the cluster sizes, and stage 2's block. Both crates compile this module
+//! (`#[path]` from each one's root, as `layout`), so a change here reaches the PTX and the
+//! launches together (and build.rs hashes it with the kernel sources). A module, not a crate
+//! of its own: a published crate then carries it in its one package.
 //!
 //! Everything is a `const` or a `const fn` of plain integers: the kernels use the values as
 //! const generics and in address arithmetic, the host to size launches and check buffers.
-#![no_std]
-
 pub mod params;
 pub mod registry;
 

@@ -9,7 +9,7 @@
 
 use core::marker::PhantomData;
 
-use crate::registry::Variant;
+use super::registry::Variant;
 
 /// The device address of `T` values a kernel reads.
 #[derive(Clone, Copy)]
@@ -127,7 +127,7 @@ pub struct Reduce<T> {
     pub n: u32,
 }
 
-// SAFETY (all five): `#[repr(C)]`, of 64-bit addresses and 32-bit numbers only.
+// SAFETY: `#[repr(C)]`, of 64-bit addresses and 32-bit numbers only (all five impls).
 unsafe impl<T: Copy> KernelParams for Forward<T> {}
 // SAFETY: as above.
 unsafe impl<T: Copy> KernelParams for BackwardRows<T> {}

@@ -156,7 +156,7 @@ impl Variant {
         !self.sm90_only() || matches!(arch, Arch::Sm90)
     }
 
-    /// The held cluster kernel over `size` blocks (one of [`crate::HELD_CLUSTER_SIZES`]).
+    /// The held cluster kernel over `size` blocks (one of `HELD_CLUSTER_SIZES` (layout/mod.rs)).
     pub const fn cluster_held(size: u32) -> Option<Variant> {
         match size {
             2 => Some(Variant::BwdCluster2Held),
