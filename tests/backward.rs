@@ -257,6 +257,39 @@ fn gpu_deterministic_mode_is_bitwise_reproducible() {
     twice::<f32>(&gpu, 33, 65537, 1504);
 }
 
+/// The backward's workspace (kept per stream between calls) gives the bits a fresh one does:
+/// calls of shapes that need more, then less, then more scratch again, in both modes, each
+/// against the same call on a handle of its own (a new stream, so an empty workspace).
+/// Deterministic results must match bit for bit; the locked mode's sums run in whatever
+/// order the locks are taken, so those match the reference instead.
+#[test]
+fn gpu_backward_workspace_reuse_matches_fresh_workspace() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let bits = |v: &Array1<f16>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // Small, large (more partial rows and wider ones), small again, the largest last.
+    let shapes = [(64, 1024), (4096, 8192), (33, 777), (2048, 32768)];
+    for (i, &(rows, n)) in shapes.iter().enumerate() {
+        let p = Problem::<f16>::random(rows, n, 1600 + i as u64);
+        let fresh = gpu.with_new_stream().unwrap();
+        let (reused, new) = (
+            p.run(&gpu, BackwardMode::Deterministic),
+            p.run(&fresh, BackwardMode::Deterministic),
+        );
+        assert_eq!(bits(&reused.1), bits(&new.1), "[{rows}, {n}]: dgamma");
+        assert_eq!(bits(&reused.2), bits(&new.2), "[{rows}, {n}]: dbeta");
+        assert_eq!(
+            reused.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            new.0.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            "[{rows}, {n}]: dx"
+        );
+    }
+    for (i, &(rows, n)) in shapes.iter().enumerate() {
+        // The lock words come from the workspace too: zeroed on every call.
+        let seed = 1700 + i as u64;
+        Problem::<f16>::random(rows, n, seed).check(&gpu, LOCKED, &format!("reused workspace, seed {seed}"));
+    }
+}
+
 /// GPU and CPU path agree on the same inputs.
 #[test]
 fn gpu_backward_agrees_with_cpu_path() {

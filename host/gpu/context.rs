@@ -1,11 +1,12 @@
 //! Opening a CUDA device: driver check, context, stream, module; or taking a caller's
 //! stream and loading the module into its context.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaStream, sys};
 
 use super::module::KernelTable;
+use super::workspace::Workspace;
 use crate::error::{DriverContext, Error, Result};
 
 /// One device's context, the stream every operation of a `Device` handle runs on, and the
@@ -17,6 +18,8 @@ pub(crate) struct Gpu {
     pub(crate) ordinal: usize,
     /// Multiprocessors: persistent grids are sized from this.
     pub(crate) sm_count: u32,
+    /// The backward's scratch on this handle's stream, kept between calls.
+    pub(crate) workspace: Mutex<Workspace>,
 }
 
 impl Gpu {
@@ -67,6 +70,7 @@ impl Gpu {
             name,
             ordinal: ctx.ordinal(),
             sm_count,
+            workspace: Mutex::default(),
         })
     }
 
@@ -77,7 +81,9 @@ impl Gpu {
             stream,
             kernels: self.kernels.clone(),
             name: self.name.clone(),
-            ..*self
+            ordinal: self.ordinal,
+            sm_count: self.sm_count,
+            workspace: Mutex::default(),
         })
     }
 

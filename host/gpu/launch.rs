@@ -6,8 +6,7 @@
 
 use crate::layout::params::{self, BackwardRows, Groups, In, KernelParams, Out, Partials, Reduce};
 use cudarc::driver::{
-    CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
-    SyncOnDrop,
+    CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 
 use super::Gpu;
@@ -215,8 +214,8 @@ impl<T: Element> Backward<'_, T> {
         gpu: &Gpu,
         f: &Kernel,
         launch: Launch,
-        part_dgamma: &mut CudaSlice<f32>,
-        part_dbeta: &mut CudaSlice<f32>,
+        part_dgamma: &mut CudaViewMut<'_, f32>,
+        part_dbeta: &mut CudaViewMut<'_, f32>,
         what: &'static str,
     ) -> Result<()> {
         let config = launch.config(gpu, what)?;
@@ -246,8 +245,8 @@ pub(crate) fn backward_owned<T: Element>(
     team: Team,
     launch: Launch,
     mut a: Backward<'_, T>,
-    part_dgamma: &mut CudaSlice<f32>,
-    part_dbeta: &mut CudaSlice<f32>,
+    part_dgamma: &mut CudaViewMut<'_, f32>,
+    part_dbeta: &mut CudaViewMut<'_, f32>,
     local: bool,
 ) -> Result<()> {
     a.check();
@@ -292,8 +291,8 @@ pub(crate) fn backward_held<T: Element>(
     team: Team,
     launch: Launch,
     a: Backward<'_, T>,
-    part_dgamma: &mut CudaSlice<f32>,
-    part_dbeta: &mut CudaSlice<f32>,
+    part_dgamma: &mut CudaViewMut<'_, f32>,
+    part_dbeta: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     a.check();
     require(
@@ -347,8 +346,8 @@ pub(crate) fn backward_cluster<T: Element>(
     size: u32,
     launch: Launch,
     a: Backward<'_, T>,
-    part_dgamma: &mut CudaSlice<f32>,
-    part_dbeta: &mut CudaSlice<f32>,
+    part_dgamma: &mut CudaViewMut<'_, f32>,
+    part_dbeta: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     a.check();
     require(launch.blocks.is_multiple_of(size), "whole clusters");
@@ -411,9 +410,9 @@ pub(crate) fn backward_locked<T: Element>(
     team: Team,
     launch: Launch,
     mut a: Backward<'_, T>,
-    group_dgamma: &mut CudaSlice<f32>,
-    group_dbeta: &mut CudaSlice<f32>,
-    words: &mut CudaSlice<u32>,
+    group_dgamma: &mut CudaViewMut<'_, f32>,
+    group_dbeta: &mut CudaViewMut<'_, f32>,
+    words: &mut CudaViewMut<'_, u32>,
     groups: u32,
 ) -> Result<()> {
     a.check();
@@ -452,8 +451,8 @@ pub(crate) fn backward_locked<T: Element>(
 /// Stage 2: column sums of `[rows, n]` partials into dgamma and dbeta.
 pub(crate) fn backward_reduce<T: Element>(
     gpu: &Gpu,
-    part_dgamma: &CudaSlice<f32>,
-    part_dbeta: &CudaSlice<f32>,
+    part_dgamma: &CudaViewMut<'_, f32>,
+    part_dbeta: &CudaViewMut<'_, f32>,
     rows: u32,
     n: u32,
     dgamma: &mut CudaViewMut<'_, T>,

@@ -1,17 +1,19 @@
 //! LayerNorm on a CUDA device: takes each launch's kernel and block from `crate::plan`,
-//! sizes its grid from the device's occupancy, allocates the backward's
-//! scratch, and queues the kernels. Shapes were checked by the op (`crate::layer_norm`),
-//! which also ordered the tensors' memory for `gpu.stream` (gpu/storage.rs). The scratch is
-//! allocated, used and freed on `gpu.stream` alone, so stream order is all it needs: it is
-//! plain cudarc slices, with no record.
+//! sizes its grid from the device's occupancy (queried once per kernel and block), takes
+//! the backward's scratch from the stream's workspace (gpu/workspace.rs), and queues the
+//! kernels. Shapes were checked by the op (`crate::layer_norm`), which also ordered the
+//! tensors' memory for `gpu.stream` (gpu/storage.rs). The scratch is used on `gpu.stream`
+//! alone, so stream order is all it needs: it is plain cudarc slices, with no record.
 
-use cudarc::driver::{CudaSlice, CudaViewMut};
+use std::sync::PoisonError;
+
+use cudarc::driver::CudaViewMut;
 
 use super::Gpu;
 use super::launch::{self, Backward, Forward, Launch, Team};
 use super::module::Kernel;
 use crate::element::Element;
-use crate::error::{AllocContext, Result};
+use crate::error::Result;
 use crate::plan::{Pass, Plan, Variant, plan};
 
 /// The team of a planned kernel.
@@ -95,6 +97,8 @@ pub(crate) fn backward<T: Element>(
     mut dbeta: CudaViewMut<'_, T>,
 ) -> Result<()> {
     let (rows, n) = (stage1.rows, stage1.n);
+    // Held until stage 2 is queued: the buffers are this stream's, reused call after call.
+    let mut workspace = gpu.workspace.lock().unwrap_or_else(PoisonError::into_inner);
     let pass = match mode {
         Reduction::Owned => Pass::BackwardDeterministic,
         Reduction::Locked { .. } => Pass::BackwardLocked,
@@ -119,7 +123,7 @@ pub(crate) fn backward<T: Element>(
                 ..shape(&plan)
             };
             // Each cluster writes every column of its partial row (each block its slice).
-            let (mut pg, mut pb) = alloc_partials(gpu, clusters as usize * n as usize)?;
+            let (mut pg, mut pb) = workspace.partials(&gpu.stream, clusters as usize * n as usize)?;
             let held = plan.variant != Variant::BwdCluster8;
             launch::backward_cluster(gpu, held, size, launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, clusters)
@@ -127,14 +131,14 @@ pub(crate) fn backward<T: Element>(
         (Reduction::Owned, Variant::BwdHeldWarp | Variant::BwdHeldBlock) => {
             let launch = balanced(resident(gpu, kernel, rows, &plan)?, rows, team);
             // The held kernel writes every element of every block's partial row.
-            let (mut pg, mut pb) = alloc_partials(gpu, launch.blocks as usize * n as usize)?;
+            let (mut pg, mut pb) = workspace.partials(&gpu.stream, launch.blocks as usize * n as usize)?;
             launch::backward_held(gpu, team, launch, stage1, &mut pg, &mut pb)?;
             (pg, pb, launch.blocks)
         }
         (Reduction::Owned, _) => {
             let launch = resident(gpu, kernel, rows, &plan)?;
             // The owned-mode kernel writes every element of every block's partial row.
-            let (mut pg, mut pb) = alloc_partials(gpu, launch.blocks as usize * n as usize)?;
+            let (mut pg, mut pb) = workspace.partials(&gpu.stream, launch.blocks as usize * n as usize)?;
             launch::backward_owned(gpu, team, launch, stage1, &mut pg, &mut pb, plan.local)?;
             (pg, pb, launch.blocks)
         }
@@ -145,12 +149,8 @@ pub(crate) fn backward<T: Element>(
             // Every group row (and its compensation row) is written by its first holder
             // (count word 0) before it is added to, and all `groups` groups get a row since
             // groups <= rows.
-            let (mut pg, mut pb) = alloc_partials(gpu, 2 * groups as usize * n as usize)?;
-            let words_len = 2 * groups as usize;
-            let mut words = gpu
-                .stream
-                .alloc_zeros::<u32>(words_len)
-                .allocating(4 * words_len, "allocating locks")?;
+            let (len, words) = (2 * groups as usize * n as usize, 2 * groups as usize);
+            let (mut pg, mut pb, mut words) = workspace.locked(&gpu.stream, len, words)?;
             let launch = resident(gpu, kernel, rows, &plan)?;
             launch::backward_locked(gpu, team, launch, stage1, &mut pg, &mut pb, &mut words, groups)?;
             // Stage 2 sums the compensation rows with the sums.
@@ -166,16 +166,4 @@ pub(crate) fn backward<T: Element>(
         &mut dgamma,
         &mut dbeta,
     )
-}
-
-/// Two f32 partial buffers of `len`, uninitialized: stage 1 writes every element before
-/// stage 2 reads it (each mode's comment says how).
-fn alloc_partials(gpu: &Gpu, len: usize) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
-    // SAFETY: uninitialized device memory, fully written by stage 1 before any read.
-    let (dgamma, dbeta) = unsafe { (gpu.stream.alloc::<f32>(len), gpu.stream.alloc::<f32>(len)) };
-    let during = "allocating the backward's partial sums";
-    Ok((
-        dgamma.allocating(4 * len, during)?,
-        dbeta.allocating(4 * len, during)?,
-    ))
 }

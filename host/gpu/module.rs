@@ -2,15 +2,15 @@
 //! once, and every kernel the registry (`crate::layout::registry`) lists, by variant and
 //! storage type, with their occupancy queries.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::layout::registry::DTYPES;
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 
 use crate::element::Element;
 use crate::error::{DriverContext, Result};
+use crate::layout::registry::DTYPES;
 use crate::plan::{Arch, DeviceLimits, Variant};
 
 /// The kernels for sm_80 and later, built from `kernels-gpu/` by build.rs.
@@ -18,10 +18,17 @@ const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels
 /// The same kernels for sm_90 (Hopper) and later, plus the cluster kernels.
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels_sm90.ptx"));
 
-/// A kernel of the loaded module.
+/// A kernel of the loaded module, and the occupancies asked of the driver so far: a launch
+/// of a shape seen before asks the driver nothing.
 pub(crate) struct Kernel {
     func: CudaFunction,
+    /// (shape, blocks a multiprocessor runs or clusters the device runs). A handful of
+    /// entries: one per block shape the planner picks.
+    occupancy: Mutex<Vec<(LaunchShape, u32)>>,
 }
+
+/// What a kernel's occupancy depends on: (cluster size or 1, threads, shared memory bytes).
+type LaunchShape = (u32, u32, u32);
 
 impl Kernel {
     /// The function, for a launch.
@@ -37,7 +44,10 @@ impl Kernel {
             max_smem as i32,
         )
         .during("raising a kernel's shared memory limit")?;
-        Ok(Kernel { func })
+        Ok(Kernel {
+            func,
+            occupancy: Mutex::default(),
+        })
     }
 
     /// Clusters of the kernel's (compile-time) `size` blocks, `threads` and `smem` per
@@ -49,25 +59,46 @@ impl Kernel {
         threads: u32,
         smem: u32,
     ) -> Result<u32> {
-        let config = LaunchConfig {
-            grid_dim: (size, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: smem,
-        };
-        let n = self
-            .func
-            .occupancy_max_active_clusters(config, stream)
-            .during("querying cluster occupancy")?;
-        Ok(n.max(1))
+        self.cached((size, threads, smem), || {
+            let config = LaunchConfig {
+                grid_dim: (size, 1, 1),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: smem,
+            };
+            let n = self
+                .func
+                .occupancy_max_active_clusters(config, stream)
+                .during("querying cluster occupancy")?;
+            Ok(n.max(1))
+        })
     }
 
     /// Blocks of `threads` threads and `smem` bytes one multiprocessor runs at once (>= 1).
     pub(crate) fn blocks_per_sm(&self, threads: u32, smem: u32) -> Result<u32> {
-        let n = self
-            .func
-            .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-            .during("querying occupancy")?;
-        Ok(n.max(1))
+        self.cached((1, threads, smem), || {
+            let n = self
+                .func
+                .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+                .during("querying occupancy")?;
+            Ok(n.max(1))
+        })
+    }
+
+    /// The occupancy of `key` from the cache, or from `query` (then kept). For one kernel on
+    /// one device it depends on nothing else. (Queried outside the lock: two threads may
+    /// both ask the first time, and store the same answer.)
+    fn cached(&self, key: LaunchShape, query: impl FnOnce() -> Result<u32>) -> Result<u32> {
+        let known =
+            |cache: &Vec<((u32, u32, u32), u32)>| cache.iter().find(|(k, _)| *k == key).map(|&(_, n)| n);
+        if let Some(n) = known(&self.occupancy.lock().unwrap_or_else(PoisonError::into_inner)) {
+            return Ok(n);
+        }
+        let n = query()?;
+        let mut cache = self.occupancy.lock().unwrap_or_else(PoisonError::into_inner);
+        if known(&cache).is_none() {
+            cache.push((key, n));
+        }
+        Ok(n)
     }
 }
 
