@@ -1,29 +1,50 @@
 #!/usr/bin/env python3
-"""PyTorch's LayerNorm (eager and under torch.compile), timed as ln-bench times ours, and a
-merged table per (mode, dtype) with ours / theirs.
+"""The peers' LayerNorm, timed as ln-bench times ours, and a merged table per (mode, dtype, M)
+with ours / theirs. Peers: PyTorch (eager, and under torch.compile), Liger Kernel's
+LigerLayerNormFunction, and the Triton tutorial's kernels (its forward and its locked
+backward with atomic-CAS spinlocks over G groups; rows up to 64 KB).
 
     python3 benches/peers.py --ours ours.json [--json peers.json]
     python3 benches/peers.py --ours ours.json --theirs peers.json   # merge saved results only
+    python3 benches/peers.py --preset llm --json peers.json \
+        --triton-tutorial PATH/05-layer-norm.py                     # before ln-bench --peers
+
+Liger Kernel: `pip install liger-kernel` (0.8.5 measured; a pure-Python wheel, so on a machine
+without network `pip download --no-deps liger-kernel==0.8.5` elsewhere, then `pip install
+--no-deps --target DIR` and PYTHONPATH=DIR). The Triton tutorial is not part of this
+repository: pass its file, python/tutorials/05-layer-norm.py of
+https://github.com/triton-lang/triton, with --triton-tutorial. A peer that cannot be imported
+is reported as missing, with the reason, and the others are measured.
+
+Presets, as in ln-bench: --preset llm (bf16, M = 16384, 65536, N = 768, 1024, 2048, 4096, 5120,
+8192) and --preset latency (bf16, M = 1, 8, 64, 512, N = 4096, 8192; tables in microseconds).
 
 Timing as ln-bench and triton.testing.do_bench: CUDA events around the call, warm-up first,
 a 256 MiB buffer written between repetitions (outside the timed region) to flush L2, median
 and 20%/80% quantiles. GB/s: forward 2*M*N*bytes, backward 3*M*N*bytes; the backward is
 y.backward(dy, retain_graph=True) with dgamma and dbeta computed, gradients reset to None
 between repetitions (outside the timed region) so that none is accumulated. Each
-configuration is checked against float64 first; a wrong one is reported FAILED, not timed.
+configuration is checked against float64 first; a wrong one is reported FAILED, not timed;
+one a peer cannot run (the tutorial past 64 KB rows) is n/a.
 Needs PyTorch with CUDA, except with --theirs.
 """
 
 import argparse
+import ast
 import json
 import sys
+import types
 from datetime import datetime, timezone
 
 GPU_NS = [512 * i for i in range(2, 32)] + [32768, 65536]
 QUICK_NS = [1024, 4096, 8192, 32768]
 DTYPES = ["f16", "bf16", "f32"]
 MODES = ["fwd", "bwd"]
-PEERS = ["torch", "torch-compile"]
+PEERS = ["torch", "torch-compile", "liger", "triton-tutorial"]
+PRESETS = {
+    "llm": {"dtypes": ["bf16"], "rows": [16384, 65536], "ns": [768, 1024, 2048, 4096, 5120, 8192]},
+    "latency": {"dtypes": ["bf16"], "rows": [1, 8, 64, 512], "ns": [4096, 8192]},
+}
 EPS = 1e-5
 FLUSH_BYTES = 256 << 20
 COPY_BYTES = 1 << 30
@@ -81,7 +102,79 @@ def rel_err(out, ref):
     return diff / norm if norm > 0 else diff
 
 
-def measure(torch, F, mode, dtype, m, n, peer, warmup, reps, seed):
+# --- the peers (each imported only when asked for) ----------------------------------------
+
+
+def import_definitions(path, name):
+    """A tutorial script's definitions as a module, without running the script.
+
+    Triton's tutorials are scripts: below their definitions they call their own test and
+    benchmark at the top level (05-layer-norm.py ends in `test_layer_norm(1151, 8192,
+    torch.float16)` and `bench_layer_norm.run(...)`). Here the file is parsed and only its
+    top-level imports, try blocks (the tutorial's optional `import apex`), assignments, and
+    function and class definitions are run; expression statements (those calls, the
+    docstring) and any other top-level statement are dropped. The kept code is compiled under
+    the file's own name with its line numbers, so `triton.jit` reads each kernel's source from
+    the file as it would on a plain import."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), filename=path)
+    kept = (ast.Import, ast.ImportFrom, ast.Try, ast.Assign, ast.AnnAssign, ast.FunctionDef, ast.ClassDef)
+    tree.body = [stmt for stmt in tree.body if isinstance(stmt, kept)]
+    module = types.ModuleType(name)
+    module.__file__ = path
+    sys.modules[name] = module  # where triton.jit and inspect look a function's module up
+    exec(compile(tree, path, "exec"), module.__dict__)
+    return module
+
+
+def torch_eager(args, torch, F):
+    return lambda n: lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS)
+
+
+def torch_compiled(args, torch, F):
+    def for_rows_of(n):
+        torch._dynamo.reset()  # a fresh static compile per size, no recompile limit
+        return torch.compile(lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS), dynamic=False)
+
+    return for_rows_of
+
+
+def liger(args, torch, F):
+    from liger_kernel.ops import LigerLayerNormFunction
+
+    return lambda n: lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
+
+
+def triton_tutorial(args, torch, F):
+    if not args.triton_tutorial:
+        raise FileNotFoundError(
+            "no --triton-tutorial PATH given (python/tutorials/05-layer-norm.py of github.com/triton-lang/triton)"
+        )
+    tutorial = import_definitions(args.triton_tutorial, "triton_tutorial_layer_norm")
+    if not hasattr(tutorial, "LayerNorm"):
+        raise ImportError(f"{args.triton_tutorial} defines no LayerNorm autograd function")
+    return lambda n: lambda x, w, b: tutorial.LayerNorm.apply(x, (n,), w, b, EPS)
+
+
+IMPORTERS = {"torch": torch_eager, "torch-compile": torch_compiled, "liger": liger, "triton-tutorial": triton_tutorial}
+
+
+def import_peers(args, torch, F):
+    """For each peer asked for: `for_rows_of(n)`, giving layer_norm(x, w, b) over rows of n, or,
+    where it cannot be imported, the reason."""
+    found, missing = {}, {}
+    for peer in args.peers:
+        try:
+            found[peer] = IMPORTERS[peer](args, torch, F)
+        except Exception as e:  # a missing package, a file that is not the tutorial: report, go on
+            missing[peer] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    return found, missing
+
+
+# --- measuring (needs torch) ---------------------------------------------------------------
+
+
+def measure(torch, F, mode, dtype, m, n, peer, for_rows_of, warmup, reps, seed):
     """One configuration: check against float64, then time. Returns a result record."""
     tdtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -93,13 +186,8 @@ def measure(torch, F, mode, dtype, m, n, peer, warmup, reps, seed):
     b = (torch.rand(n, device="cuda", generator=gen) - 0.5).to(tdtype)
     record = {"mode": mode, "dtype": dtype, "provider": peer, "m": m, "n": n, "tolerance": tolerance(dtype)}
 
-    def layer_norm(x, w, b):
-        return F.layer_norm(x, (n,), w, b, EPS)
-
     try:
-        if peer == "torch-compile":
-            torch._dynamo.reset()  # a fresh static compile per size, no recompile limit
-            layer_norm = torch.compile(layer_norm, dynamic=False)
+        layer_norm = for_rows_of(n)
         leaves = [t.detach().requires_grad_(mode == "bwd") for t in (x, w, b)]
         y = layer_norm(*leaves)
         ref_leaves = [t.detach().double().requires_grad_(mode == "bwd") for t in (x, w, b)]
@@ -124,7 +212,7 @@ def measure(torch, F, mode, dtype, m, n, peer, warmup, reps, seed):
             record.update(status="failed", failure=f"relative error {err:.2e} > tolerance {tolerance(dtype):.1e}")
             return record
         time = time_cuda(torch, op, warmup, reps, before)
-    except Exception as e:  # torch.compile can fail on a given setup: report, do not stop
+    except Exception as e:  # a peer that cannot run this shape (compile error, 64 KB rows): report, go on
         record.update(status="n/a", failure=f"{type(e).__name__}: {e}".splitlines()[0][:300])
         return record
     gbps = moved_bytes(mode, dtype, m, n) / (time["median_ms"] * 1e-3) / 1e9
@@ -143,22 +231,27 @@ def measure_all(args, sizes):
     copy = time_cuda(torch, lambda: dst.copy_(src), args.warmup, args.reps)
     copy["gbps"] = 2 * COPY_BYTES / (copy["median_ms"] * 1e-3) / 1e9
     del src, dst
+    peers, missing = import_peers(args, torch, F)
     run = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "preset": args.preset,
         "copy": copy,
         "reps": args.reps,
         "warmup": args.warmup,
+        "missing": missing,
         "results": [],
     }
     print(f"peers: {run['device']}, torch {run['torch']}, copy {copy['gbps']:.1f} GB/s", file=sys.stderr)
+    for peer, why in missing.items():
+        print(f"peers: {peer} is missing: {why}", file=sys.stderr)
     for i, (mode, dtype, m, n) in enumerate(sizes):
-        for peer in PEERS:
-            r = measure(torch, F, mode, dtype, m, n, peer, args.warmup, args.reps, args.seed)
+        for peer, for_rows_of in peers.items():
+            r = measure(torch, F, mode, dtype, m, n, peer, for_rows_of, args.warmup, args.reps, args.seed)
             run["results"].append(r)
             shown = f"{r['gbps']:.1f} GB/s" if r["status"] == "ok" else r["status"] + " " + r.get("failure", "")
-            print(f"[{i + 1}/{len(sizes)}] {mode} {dtype} N={n} {peer}: {shown}", file=sys.stderr)
+            print(f"[{i + 1}/{len(sizes)}] {mode} {dtype} M={m} N={n} {peer}: {shown}", file=sys.stderr)
         torch.cuda.empty_cache()
     return run
 
@@ -166,43 +259,52 @@ def measure_all(args, sizes):
 # --- merging and printing (no torch needed) -----------------------------------------------
 
 
-def cell(record):
+def cell(record, latency):
+    """Median microseconds (latency tables) or GB/s; else why there is none."""
     if record is None:
         return "-"
     if record["status"] == "ok":
-        return f"{record['gbps']:.1f}"
+        return f"{record['median_ms'] * 1e3:.2f}" if latency else f"{record['gbps']:.1f}"
     return "FAILED" if record["status"] == "failed" else "n/a"
 
 
-def merged_tables(ours, theirs, sizes):
-    """One table per (mode, dtype): ours and theirs in GB/s, then each of ours over the best peer
-    (the faster of torch and torch-compile at that N)."""
+def merged_tables(ours, theirs, sizes, latency):
+    """One table per (mode, dtype, M) in GB/s, or per (mode, dtype) in median microseconds
+    for the latency preset: ours and the peers, then each of ours over the best peer (its
+    speed over the fastest peer's at that shape: above 1, ours is faster)."""
     index = {}
     for doc in (ours, theirs):
         for r in (doc or {}).get("results", []):
             index[(r["mode"], r["dtype"], r["provider"], r["m"], r["n"])] = r
+    peers = [p for p in PEERS if any(r["provider"] == p for r in (theirs or {}).get("results", []))]
+    floor = (ours or {}).get("empty_kernel")
     tables = []
     for mode in MODES:
         for dtype in DTYPES:
-            rows_here = [(m, n) for (mo, d, m, n) in sizes if (mo, d) == (mode, dtype)]
-            if not rows_here:
-                continue
-            ours_providers = ["ours"] if mode == "fwd" else ["ours-deterministic", "ours-locked"]
-            header = ["", "N"] + ours_providers + PEERS + [f"{p} / best" for p in ours_providers]
-            lines = []
-            for i, (m, n) in enumerate(rows_here):
-                get = lambda p: index.get((mode, dtype, p, m, n))  # noqa: E731
-                peer_speeds = [get(p)["gbps"] for p in PEERS if get(p) and get(p)["status"] == "ok"]
-                best = max(peer_speeds, default=None)
-                ratios = []
-                for p in ours_providers:
-                    r = get(p)
-                    ok = r is not None and r.get("status") == "ok"
-                    ratios.append(f"{r['gbps'] / best:.2f}" if ok and best else "-")
-                lines.append([str(i), str(n)] + [cell(get(p)) for p in ours_providers + PEERS] + ratios)
-            m = rows_here[0][0]
-            title = f"layer-norm-{'forward' if mode == 'fwd' else 'backward'} ({dtype}, M={m}), GB/s:"
-            tables.append(title + "\n" + aligned(header, lines))
+            shapes = [(m, n) for (mo, d, m, n) in sizes if (mo, d) == (mode, dtype)]
+            groups = [shapes] if latency else [[s for s in shapes if s[0] == m] for m in dict.fromkeys(m for m, _ in shapes)]
+            for group in filter(None, groups):
+                ours_providers = ["ours"] if mode == "fwd" else ["ours-deterministic", "ours-locked"]
+                shape_columns = ["M", "N"] if latency else ["N"]
+                header = [""] + shape_columns + ours_providers + peers + [f"{p} / best" for p in ours_providers]
+                lines = []
+                for i, (m, n) in enumerate(group):
+                    get = lambda p: index.get((mode, dtype, p, m, n))  # noqa: E731
+                    best = min((get(p)["median_ms"] for p in peers if get(p) and get(p)["status"] == "ok"), default=None)
+                    ratios = []
+                    for p in ours_providers:
+                        r = get(p)
+                        ok = r is not None and r.get("status") == "ok"
+                        ratios.append(f"{best / r['median_ms']:.2f}" if ok and best else "-")
+                    shape = [str(m), str(n)] if latency else [str(n)]
+                    lines.append([str(i)] + shape + [cell(get(p), latency) for p in ours_providers + peers] + ratios)
+                name = f"layer-norm-{'forward' if mode == 'fwd' else 'backward'}"
+                if latency:
+                    unit = "median microseconds" + (f"; empty kernel {floor['median_ms'] * 1e3:.2f}" if floor else "")
+                    title = f"{name} ({dtype}), {unit}:"
+                else:
+                    title = f"{name} ({dtype}, M={group[0][0]}), GB/s:"
+                tables.append(title + "\n" + aligned(header, lines))
     return tables
 
 
@@ -215,22 +317,25 @@ def aligned(header, rows):
 
 
 def sizes_of(args, ours):
-    """(mode, dtype, M, N) to measure: the flags, else what the ours JSON holds, else ln-bench's sweep."""
-    if ours and args.n is None and not args.quick and args.rows is None:
+    """(mode, dtype, M, N) to measure: the flags and the preset, else what the ours JSON holds,
+    else ln-bench's sweep."""
+    dtypes = args.dtype or (PRESETS[args.preset]["dtypes"] if args.preset else DTYPES)
+    if ours and args.n is None and not args.quick and args.rows is None and args.preset is None:
         seen = []
         for r in ours["results"]:
             key = (r["mode"], r["dtype"], r["m"], r["n"])
-            if key not in seen and r["mode"] in args.mode and r["dtype"] in args.dtype:
+            if key not in seen and r["mode"] in args.mode and r["dtype"] in dtypes:
                 seen.append(key)
         return seen
-    ns = args.n or (QUICK_NS if args.quick else GPU_NS)
-    rows = args.rows or 4096
-    return [(mode, dtype, rows, n) for mode in args.mode for dtype in args.dtype for n in ns]
+    preset = PRESETS.get(args.preset, {})
+    ns = args.n or preset.get("ns") or (QUICK_NS if args.quick else GPU_NS)
+    rows = args.rows or preset.get("rows") or [4096]
+    return [(mode, dtype, m, n) for mode in args.mode for dtype in dtypes for m in rows for n in ns]
 
 
 def comma_list(choices=None, kind=str):
     def parse(s):
-        items = [kind(v) for v in s.split(",") if v]
+        items = list(dict.fromkeys(kind(v) for v in s.split(",") if v))
         bad = [v for v in items if choices and v not in choices]
         if bad or not items or (kind is int and min(items) < 1):
             raise argparse.ArgumentTypeError(f"{s!r}: expected a comma list of {choices or 'positive integers'}")
@@ -243,18 +348,28 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ours", metavar="PATH", help="ln-bench --json output to merge with")
     p.add_argument("--theirs", metavar="PATH", help="a saved peers.py --json output: merge it, measure nothing")
-    p.add_argument("--json", metavar="PATH", help="write the peers' numbers here")
-    p.add_argument("--rows", type=int, help="M (default: as in --ours, else 4096)")
-    p.add_argument("--n", type=comma_list(kind=int), help="comma list of N (default: as in --ours)")
+    p.add_argument("--json", metavar="PATH", help="write the peers' numbers here (what ln-bench --peers reads)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="shapes and tables as ln-bench --preset")
+    p.add_argument("--rows", type=comma_list(kind=int), help="comma list of M (default: the preset's, else 4096)")
+    p.add_argument("--n", type=comma_list(kind=int), help="comma list of N (default: as in --ours, else the preset's)")
     p.add_argument("--quick", action="store_true", help="N = 1024,4096,8192,32768")
     p.add_argument("--mode", type=comma_list(MODES), default=MODES)
-    p.add_argument("--dtype", type=comma_list(DTYPES), default=DTYPES)
+    p.add_argument("--dtype", type=comma_list(DTYPES), help="default: the preset's, else f16,bf16,f32")
+    p.add_argument("--peers", type=comma_list(PEERS), default=PEERS, help=f"peers to measure (default: {','.join(PEERS)})")
+    p.add_argument(
+        "--triton-tutorial",
+        metavar="PATH",
+        help="the Triton tutorial's python/tutorials/05-layer-norm.py (github.com/triton-lang/triton); "
+        "only its definitions are run, not its test and benchmark",
+    )
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--seed", type=int, default=20261122)
     args = p.parse_args()
-    if args.reps < 1 or args.warmup < 0 or (args.rows is not None and args.rows < 1):
-        p.error("--reps and --rows must be at least 1, --warmup at least 0")
+    if args.reps < 1 or args.warmup < 0:
+        p.error("--reps must be at least 1, --warmup at least 0")
+    if args.preset and args.quick:
+        p.error("--quick and --preset choose N both: give one")
 
     def load(path):
         try:
@@ -272,9 +387,12 @@ def main():
     for doc, who in ((ours, "ours"), (theirs, "peers")):
         if doc:
             print(f"{who}: {doc['device']}, {doc['date']}, copy {doc['copy']['gbps']:.1f} GB/s")
+    for peer, why in theirs.get("missing", {}).items():
+        print(f"peers: {peer} not measured ({why})")
     if ours and theirs and ours["device"].split("(")[-1].rstrip(")") != theirs["device"]:
         print("note: the two runs name different devices; ratios compare different machines")
-    for table in merged_tables(ours, theirs, sizes):
+    latency = "latency" in (args.preset, (ours or {}).get("preset"), theirs.get("preset"))
+    for table in merged_tables(ours, theirs, sizes, latency):
         print("\n" + table)
     failed = [r for r in theirs["results"] if r["status"] == "failed"]
     return 1 if failed else 0

@@ -6,7 +6,7 @@ use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
 use layernorm_cuda::MAX_DIM;
 
-use crate::config::{Dtype, Mode};
+use crate::config::{Dtype, Mode, Preset};
 
 /// LayerNorm forward and backward bandwidth on the GPU (GB/s against N at fixed M), each
 /// configuration checked against a float64 reference before it is timed. Without a CUDA
@@ -14,12 +14,19 @@ use crate::config::{Dtype, Mode};
 #[derive(Parser, Debug)]
 #[command(name = "ln-bench", version)]
 pub struct Args {
-    /// Rows M [default: 4096 on a GPU, 256 on the CPU].
-    #[arg(long, value_parser = dimension)]
-    pub rows: Option<usize>,
+    /// Shapes, types and tables of a preset: `llm` (bf16, M = 16384, 65536, N = 768, 1024,
+    /// 2048, 4096, 5120, 8192) or `latency` (bf16, M = 1, 8, 64, 512, N = 4096, 8192, times
+    /// in microseconds beside an empty kernel's). --rows, --n and --dtype override its lists.
+    #[arg(long, conflicts_with = "quick")]
+    pub preset: Option<Preset>,
 
-    /// Row lengths N, comma-separated [default: 1024, 1536, ..., 15872, 32768, 65536 on a GPU;
-    /// 512, 1024, 2048, 4096 on the CPU].
+    /// Row counts M, comma-separated [default: the preset's; else 4096 on a GPU, 256 on the
+    /// CPU].
+    #[arg(long, value_delimiter = ',', value_parser = dimension)]
+    pub rows: Option<Vec<usize>>,
+
+    /// Row lengths N, comma-separated [default: the preset's; else 1024, 1536, ..., 15872,
+    /// 32768, 65536 on a GPU; 512, 1024, 2048, 4096 on the CPU].
     #[arg(long, value_delimiter = ',', value_parser = dimension, conflicts_with = "quick")]
     pub n: Option<Vec<usize>>,
 
@@ -31,9 +38,9 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', default_values = ["fwd", "bwd"])]
     pub mode: Vec<Mode>,
 
-    /// Storage types to measure.
-    #[arg(long, value_delimiter = ',', default_values = ["f16", "bf16", "f32"])]
-    pub dtype: Vec<Dtype>,
+    /// Storage types to measure [default: the preset's; else f16, bf16, f32].
+    #[arg(long, value_delimiter = ',')]
+    pub dtype: Option<Vec<Dtype>>,
 
     /// Timed repetitions per configuration [default: 50 on a GPU, 10 on the CPU].
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=100_000))]
@@ -55,18 +62,34 @@ pub struct Args {
     #[arg(long, value_name = "PATH")]
     pub csv: Option<PathBuf>,
 
-    /// Draws GB/s against N, one chart per dtype; PNG or SVG by the file's extension.
+    /// Draws GB/s against N, one chart per (mode, dtype, M); PNG or SVG by the file's
+    /// extension. Not with `--preset latency`, whose results are tables of times.
     #[arg(long, value_name = "PATH", value_parser = plot_path)]
     pub plot: Option<PathBuf>,
+
+    /// A `benches/peers.py --json` output of the same shapes: its peers are drawn beside ours
+    /// in the plot and get their own columns in the tables.
+    #[arg(long, value_name = "PATH")]
+    pub peers: Option<PathBuf>,
 }
 
 /// The parsed flags, with duplicates removed (`--dtype f16,f16` measures f16 once).
 pub fn parse() -> Args {
     let mut args = Args::parse();
     dedup(&mut args.mode);
-    dedup(&mut args.dtype);
-    if let Some(n) = &mut args.n {
-        dedup(n);
+    for list in [&mut args.rows, &mut args.n].into_iter().flatten() {
+        dedup(list);
+    }
+    if let Some(dtypes) = &mut args.dtype {
+        dedup(dtypes);
+    }
+    if args.preset == Some(Preset::Latency) && args.plot.is_some() {
+        Args::command()
+            .error(
+                ErrorKind::ArgumentConflict,
+                "--plot draws GB/s against N; `--preset latency` gives tables of times only",
+            )
+            .exit();
     }
     args
 }
@@ -87,9 +110,13 @@ fn dedup<T: PartialEq + Copy>(items: &mut Vec<T>) {
 /// holds and a larger size would not.
 pub const MAX_ELEMENTS: usize = 1 << 31;
 
-/// Stops with clap's usage error (exit code 2) where M x N is too large for any N.
-pub fn check_sizes(rows: usize, ns: &[usize]) {
-    if let Some(n) = ns.iter().find(|&&n| rows.saturating_mul(n) > MAX_ELEMENTS) {
+/// Stops with clap's usage error (exit code 2) where M x N is too large for any M and N.
+pub fn check_sizes(rows: &[usize], ns: &[usize]) {
+    let too_large = rows
+        .iter()
+        .flat_map(|&m| ns.iter().map(move |&n| (m, n)))
+        .find(|&(m, n)| m.saturating_mul(n) > MAX_ELEMENTS);
+    if let Some((rows, n)) = too_large {
         Args::command()
             .error(
                 ErrorKind::ValueValidation,

@@ -5,10 +5,42 @@ use std::fmt;
 
 use clap::ValueEnum;
 use layernorm_cuda::BackwardMode;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+
+/// A named set of shapes, measured the same way in ln-bench and `benches/peers.py`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Preset {
+    /// Realistic transformer shapes: bf16, M = 16384 and 65536 (tokens per batch), N = 768 to
+    /// 8192 (hidden sizes of BERT-base to 70B-class models); GB/s tables.
+    Llm,
+    /// Small batches, where launch and synchronization costs dominate: bf16, M = 1, 8, 64,
+    /// 512, N = 4096 and 8192; tables in microseconds beside an empty kernel's launch.
+    Latency,
+}
+
+impl Preset {
+    pub fn rows(self) -> &'static [usize] {
+        match self {
+            Preset::Llm => &[16384, 65536],
+            Preset::Latency => &[1, 8, 64, 512],
+        }
+    }
+
+    pub fn ns(self) -> &'static [usize] {
+        match self {
+            Preset::Llm => &[768, 1024, 2048, 4096, 5120, 8192],
+            Preset::Latency => &[4096, 8192],
+        }
+    }
+
+    pub fn dtypes(self) -> &'static [Dtype] {
+        &[Dtype::Bf16]
+    }
+}
 
 /// The pass measured.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     Fwd,
@@ -50,7 +82,7 @@ impl fmt::Display for Mode {
 }
 
 /// The storage type of x, y, gamma, beta and the gradients.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Dtype {
     F16,

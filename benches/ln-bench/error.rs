@@ -21,6 +21,8 @@ pub enum BenchError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot read the peers' results {path}: {reason}")]
+    Peers { path: PathBuf, reason: String },
     #[error("cannot draw {path}: {reason}")]
     Plot { path: PathBuf, reason: String },
 }

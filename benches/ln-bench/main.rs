@@ -4,9 +4,11 @@
 //! Exit code: 0 when every configuration passed its check, 1 when one failed (or the run
 //! could not finish), 2 for bad flags.
 //!
-//! Layout: `args` (flags), `config` (what a measurement is), `inputs` and `check` (random
-//! inputs, the float64 reference), `timing` (CUDA events or the host clock), `sweep` (the
-//! loop), `report` and `plot` (what comes out), `parallel` (host work over the cores).
+//! Layout: `args` (flags), `config` (what a measurement is, the presets), `inputs` and
+//! `check` (random inputs, the float64 reference), `timing` (CUDA events or the host clock,
+//! the empty kernel), `sweep` (the loop), `report` and `plot` (what comes out), `peers` (the
+//! peers' numbers from `benches/peers.py`, shown beside ours), `parallel` (host work over
+//! the cores).
 
 mod args;
 mod check;
@@ -14,6 +16,7 @@ mod config;
 mod error;
 mod inputs;
 mod parallel;
+mod peers;
 mod plot;
 mod report;
 mod sweep;
@@ -27,13 +30,15 @@ use layernorm_cuda::cudarc::driver::{CudaContext, sys::CUdevice_attribute};
 use layernorm_cuda::{Device, Error};
 
 use crate::args::Args;
+use crate::config::{Dtype, Preset};
 use crate::error::BenchError;
+use crate::peers::PeerRun;
 use crate::report::{Memory, Run};
 use crate::sweep::Plan;
 use crate::timing::Timer;
 
-/// The peers' benchmark sizes on a GPU: M = 4096, N = 1024 to 15872 in steps of 512, then
-/// two long rows.
+/// The peers' benchmark sizes on a GPU (without a preset): M = 4096, N = 1024 to 15872 in
+/// steps of 512, then two long rows.
 const GPU_ROWS: usize = 4096;
 fn gpu_ns() -> Vec<usize> {
     (2..32).map(|i| 512 * i).chain([32768, 65536]).collect()
@@ -70,19 +75,32 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     } else {
         (CPU_ROWS, CPU_NS.to_vec(), CPU_REPS, CPU_WARMUP)
     };
+    let preset = args.preset;
     let plan = Plan {
-        rows: args.rows.unwrap_or(rows),
-        ns: match (&args.n, args.quick) {
-            (Some(ns), _) => ns.clone(),
-            (None, true) => QUICK_NS.to_vec(),
-            (None, false) => default_ns,
+        rows: match (&args.rows, preset) {
+            (Some(rows), _) => rows.clone(),
+            (None, Some(preset)) => preset.rows().to_vec(),
+            (None, None) => vec![rows],
+        },
+        ns: match (&args.n, preset, args.quick) {
+            (Some(ns), _, _) => ns.clone(),
+            (None, Some(preset), _) => preset.ns().to_vec(),
+            (None, None, true) => QUICK_NS.to_vec(),
+            (None, None, false) => default_ns,
         },
         modes: args.mode.clone(),
-        dtypes: args.dtype.clone(),
+        dtypes: match (&args.dtype, preset) {
+            (Some(dtypes), _) => dtypes.clone(),
+            (None, Some(preset)) => preset.dtypes().to_vec(),
+            (None, None) => vec![Dtype::F16, Dtype::Bf16, Dtype::F32],
+        },
         seed: args.seed,
+        latency_tables: preset == Some(Preset::Latency),
     };
     let (reps, warmup) = (args.reps.unwrap_or(reps), args.warmup.unwrap_or(warmup));
-    args::check_sizes(plan.rows, &plan.ns);
+    args::check_sizes(&plan.rows, &plan.ns);
+    // Read before anything is measured, so that a wrong path costs no GPU time.
+    let peers = args.peers.as_deref().map(PeerRun::read).transpose()?;
 
     let (mut timer, memory) = match device.cuda_stream() {
         Some(stream) => (Timer::gpu(stream, warmup, reps)?, memory_of(stream.context())),
@@ -93,11 +111,17 @@ fn run(args: &Args) -> Result<bool, BenchError> {
         date: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
         memory,
         copy: timer.copy_bandwidth()?,
+        empty_kernel: if plan.latency_tables {
+            timer.launch_floor()?
+        } else {
+            None
+        },
+        preset,
         reps,
         warmup,
         seed: plan.seed,
     };
-    run.print_header(&plan, on_gpu);
+    run.print_header(&plan, on_gpu, peers.as_ref());
 
     let progress = ProgressBar::new(plan.configurations() as u64).with_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
@@ -107,7 +131,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     let results = sweep::run(&plan, &device, &mut timer, &progress);
     progress.finish_and_clear();
 
-    run.print_tables(&plan, &results);
+    run.print_tables(&plan, &results, peers.as_ref());
     if let Some(path) = &args.json {
         run.write_json(path, &results)?;
     }
@@ -115,7 +139,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
         run.write_csv(path, &results)?;
     }
     if let Some(path) = &args.plot {
-        plot::draw(path, &run, &plan, &results)?;
+        plot::draw(path, &run, &plan, &results, peers.as_ref())?;
     }
     Ok(results
         .iter()

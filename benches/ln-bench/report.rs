@@ -1,5 +1,7 @@
-//! What the run prints and writes: the header, one table per (mode, dtype) in the layout of
-//! the peers' pandas tables, and every number as JSON and CSV.
+//! What the run prints and writes: the header, one table per (mode, dtype, M) in the layout
+//! of the peers' pandas tables (or, for the latency preset, one table of times per (mode,
+//! dtype)), the peers' columns beside ours where their JSON was given, and every number as
+//! JSON and CSV.
 
 use std::fmt::Write as _;
 use std::fs;
@@ -7,10 +9,11 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::config::{Dtype, Mode, Provider};
+use crate::config::{Dtype, Mode, Preset, Provider};
 use crate::error::BenchError;
+use crate::peers::PeerRun;
 use crate::sweep::{Measurement, Outcome, Plan};
-use crate::timing::CopyBandwidth;
+use crate::timing::{CopyBandwidth, Quantiles};
 
 /// Where and how the run measured: the header, and the top of the JSON.
 #[derive(Serialize)]
@@ -21,6 +24,9 @@ pub struct Run {
     pub date: String,
     pub memory: Option<Memory>,
     pub copy: CopyBandwidth,
+    /// An empty kernel's launch, timed like an op (latency preset, GPU only).
+    pub empty_kernel: Option<Quantiles>,
+    pub preset: Option<Preset>,
     pub reps: u32,
     pub warmup: u32,
     pub seed: u64,
@@ -36,7 +42,7 @@ pub struct Memory {
 }
 
 impl Run {
-    pub fn print_header(&self, plan: &Plan, l2_flush: bool) {
+    pub fn print_header(&self, plan: &Plan, l2_flush: bool, peers: Option<&PeerRun>) {
         println!("ln-bench: LayerNorm bandwidth, {}", self.date);
         print!("device: {}", self.device);
         match self.memory {
@@ -54,22 +60,46 @@ impl Run {
             self.copy.time.p20_ms,
             self.copy.time.p80_ms,
         );
+        if let Some(t) = self.empty_kernel {
+            println!(
+                "empty kernel (one thread, PTX loaded through cudarc), timed like an op: median {:.2} us, p20 {:.2}, p80 {:.2}",
+                t.median_ms * 1e3,
+                t.p20_ms * 1e3,
+                t.p80_ms * 1e3,
+            );
+        }
+        let rows: Vec<String> = plan.rows.iter().map(usize::to_string).collect();
         println!(
             "M = {}; median of {} repetitions after {} warm-up{}; inputs seeded {}; GB/s count \
              fwd 2*M*N*bytes, bwd 3*M*N*bytes (dgamma, dbeta inside the timed call)",
-            plan.rows,
+            rows.join(", "),
             self.reps,
             self.warmup,
             if l2_flush { ", L2 flushed before each" } else { "" },
             self.seed,
         );
+        if let Some(peers) = peers {
+            println!("peers (benches/peers.py): {}", peers.device);
+            for (peer, why) in &peers.missing {
+                println!("  {peer}: not measured ({why})");
+            }
+        }
     }
 
-    /// One table per (mode, dtype): N down, GB/s and % of copy per provider across.
-    pub fn print_tables(&self, plan: &Plan, results: &[Measurement]) {
+    /// The tables, then the configurations that failed.
+    pub fn print_tables(&self, plan: &Plan, results: &[Measurement], peers: Option<&PeerRun>) {
         for &mode in &plan.modes {
             for &dtype in &plan.dtypes {
-                println!("\n{}", self.table(plan, results, mode, dtype));
+                if plan.latency_tables {
+                    println!("\n{}", self.latency_table(plan, results, peers, mode, dtype));
+                } else {
+                    for &rows in &plan.rows {
+                        println!(
+                            "\n{}",
+                            self.bandwidth_table(plan, results, peers, (mode, dtype, rows))
+                        );
+                    }
+                }
             }
         }
         let failed: Vec<_> = results.iter().filter(|m| m.failure().is_some()).collect();
@@ -77,10 +107,11 @@ impl Run {
             println!("\n{} configuration(s) FAILED and were not timed:", failed.len());
             for m in failed {
                 println!(
-                    "  {} {} {} N={}: {}",
+                    "  {} {} {} M={} N={}: {}",
                     m.mode,
                     m.dtype,
                     m.provider,
+                    m.rows,
                     m.n,
                     m.failure().unwrap_or_default()
                 );
@@ -88,45 +119,97 @@ impl Run {
         }
     }
 
-    fn table(&self, plan: &Plan, results: &[Measurement], mode: Mode, dtype: Dtype) -> String {
+    /// N down; GB/s and % of copy per provider of ours, then GB/s per peer, across.
+    fn bandwidth_table(
+        &self,
+        plan: &Plan,
+        results: &[Measurement],
+        peers: Option<&PeerRun>,
+        (mode, dtype, rows): (Mode, Dtype, usize),
+    ) -> String {
         let providers = mode.providers();
+        let peer_names = peers.map(|p| p.providers(Some(mode))).unwrap_or_default();
         let mut header = vec![String::new(), "N".to_string()];
         for p in providers {
             header.push(p.name().to_string());
             header.push(format!("{p} % of copy"));
         }
-        let mut rows = Vec::new();
-        let mut worst_error: f64 = 0.0;
+        header.extend(peer_names.iter().map(|p| p.to_string()));
+        let mut lines = Vec::new();
         for (index, &n) in plan.ns.iter().enumerate() {
-            let mut row = vec![index.to_string(), n.to_string()];
+            let mut line = vec![index.to_string(), n.to_string()];
             for &provider in providers {
-                let found = results
-                    .iter()
-                    .find(|m| (m.mode, m.dtype, m.provider, m.n) == (mode, dtype, provider, n));
+                let found = find(results, (mode, dtype, provider, rows, n));
                 let (gbps, percent) = match found.map(|m| (m, self.speed(m))) {
                     Some((_, Some((gbps, percent)))) => (format!("{gbps:.1}"), format!("{percent:.1}")),
                     Some(_) => ("FAILED".to_string(), "FAILED".to_string()),
                     None => ("-".to_string(), "-".to_string()),
                 };
-                row.extend([gbps, percent]);
-                if let Some(e) = found.and_then(|m| m.check_error) {
-                    worst_error = worst_error.max(e);
-                }
+                line.extend([gbps, percent]);
             }
-            rows.push(row);
+            for &peer in &peer_names {
+                line.push(peer_cell(peers, (mode, dtype, peer, rows, n), |_, gbps| {
+                    format!("{gbps:.1}")
+                }));
+            }
+            lines.push(line);
         }
-        let title = match mode {
-            Mode::Fwd => "layer-norm-forward",
-            Mode::Bwd => "layer-norm-backward",
+        format!(
+            "{} ({dtype}, M={rows}), GB/s:\n{}{}",
+            title(mode),
+            aligned(&header, &lines),
+            check_line(results, mode, dtype, Some(rows))
+        )
+    }
+
+    /// (M, N) down; the median time in microseconds per provider of ours, then per peer,
+    /// across; the empty kernel's time, the floor, in the title.
+    fn latency_table(
+        &self,
+        plan: &Plan,
+        results: &[Measurement],
+        peers: Option<&PeerRun>,
+        mode: Mode,
+        dtype: Dtype,
+    ) -> String {
+        let providers = mode.providers();
+        let peer_names = peers.map(|p| p.providers(Some(mode))).unwrap_or_default();
+        let mut header = vec![String::new(), "M".to_string(), "N".to_string()];
+        header.extend(providers.iter().map(|p| p.name().to_string()));
+        header.extend(peer_names.iter().map(|p| p.to_string()));
+        let shapes = plan
+            .rows
+            .iter()
+            .flat_map(|&rows| plan.ns.iter().map(move |&n| (rows, n)));
+        let mut lines = Vec::new();
+        for (index, (rows, n)) in shapes.enumerate() {
+            let mut line = vec![index.to_string(), rows.to_string(), n.to_string()];
+            for &provider in providers {
+                line.push(
+                    match find(results, (mode, dtype, provider, rows, n)).map(|m| &m.outcome) {
+                        Some(Outcome::Timed(t)) => format!("{:.2}", t.median_ms * 1e3),
+                        Some(Outcome::Failed(_)) => "FAILED".to_string(),
+                        None => "-".to_string(),
+                    },
+                );
+            }
+            for &peer in &peer_names {
+                line.push(peer_cell(peers, (mode, dtype, peer, rows, n), |ms, _| {
+                    format!("{:.2}", ms * 1e3)
+                }));
+            }
+            lines.push(line);
+        }
+        let floor = match self.empty_kernel {
+            Some(t) => format!("; empty kernel {:.2}", t.median_ms * 1e3),
+            None => String::new(),
         };
-        let mut out = format!("{title} ({dtype}, M={}), GB/s:\n", plan.rows);
-        out += &aligned(&header, &rows);
-        let _ = write!(
-            out,
-            "checked against float64 first: largest relative error {worst_error:.1e} (tolerance {:.1e})",
-            dtype.tolerance()
-        );
-        out
+        format!(
+            "{} ({dtype}), median microseconds{floor}:\n{}{}",
+            title(mode),
+            aligned(&header, &lines),
+            check_line(results, mode, dtype, None)
+        )
     }
 
     /// GB/s and % of copy of a timed configuration.
@@ -206,6 +289,48 @@ impl Run {
             tolerance: m.dtype.tolerance(),
             failure: m.failure(),
         }
+    }
+}
+
+fn title(mode: Mode) -> &'static str {
+    match mode {
+        Mode::Fwd => "layer-norm-forward",
+        Mode::Bwd => "layer-norm-backward",
+    }
+}
+
+/// The largest check error of ours in (mode, dtype), at M = `rows` or at every M.
+fn check_line(results: &[Measurement], mode: Mode, dtype: Dtype, rows: Option<usize>) -> String {
+    let worst = results
+        .iter()
+        .filter(|m| (m.mode, m.dtype) == (mode, dtype) && rows.is_none_or(|rows| m.rows == rows))
+        .filter_map(|m| m.check_error)
+        .fold(0.0, f64::max);
+    format!(
+        "checked against float64 first: largest relative error {worst:.1e} (tolerance {:.1e})",
+        dtype.tolerance()
+    )
+}
+
+/// Our measurement of one (mode, dtype, provider, M, N).
+fn find(results: &[Measurement], key: (Mode, Dtype, Provider, usize, usize)) -> Option<&Measurement> {
+    results
+        .iter()
+        .find(|m| (m.mode, m.dtype, m.provider, m.rows, m.n) == key)
+}
+
+/// A peer's cell: `show(median ms, GB/s)` where it was timed, else why not.
+fn peer_cell(
+    peers: Option<&PeerRun>,
+    (mode, dtype, peer, rows, n): (Mode, Dtype, &str, usize, usize),
+    show: impl Fn(f64, f64) -> String,
+) -> String {
+    match peers.and_then(|p| p.find(mode, dtype, peer, rows, n)) {
+        Some(r) => match r.timed() {
+            Some((ms, gbps)) => show(ms, gbps),
+            None => r.untimed().to_string(),
+        },
+        None => "-".to_string(),
     }
 }
 

@@ -15,18 +15,20 @@ const EPS: f32 = 1e-5;
 
 /// What to measure.
 pub struct Plan {
-    pub rows: usize,
+    pub rows: Vec<usize>,
     pub ns: Vec<usize>,
     pub modes: Vec<Mode>,
     pub dtypes: Vec<Dtype>,
     pub seed: u64,
+    /// Tables of times in microseconds (small M, where launches dominate) instead of GB/s.
+    pub latency_tables: bool,
 }
 
 impl Plan {
-    /// Every (dtype, N, mode, provider) of the plan, in the order they run.
+    /// Every (dtype, M, N, mode, provider) of the plan, in the order they run.
     pub fn configurations(&self) -> usize {
-        let per_n: usize = self.modes.iter().map(|m| m.providers().len()).sum();
-        self.dtypes.len() * self.ns.len() * per_n
+        let per_shape: usize = self.modes.iter().map(|m| m.providers().len()).sum();
+        self.dtypes.len() * self.rows.len() * self.ns.len() * per_shape
     }
 }
 
@@ -52,42 +54,46 @@ pub enum Outcome {
 pub fn run(plan: &Plan, device: &Device, timer: &mut Timer, progress: &ProgressBar) -> Vec<Measurement> {
     let mut results = Vec::with_capacity(plan.configurations());
     for &dtype in &plan.dtypes {
-        for &n in &plan.ns {
-            let mut sweep = Sweep {
-                plan,
-                device,
-                timer: &mut *timer,
-                progress,
-                dtype,
-                n,
-                results: &mut results,
-            };
-            match dtype {
-                Dtype::F16 => sweep.run_n::<f16>(),
-                Dtype::Bf16 => sweep.run_n::<bf16>(),
-                Dtype::F32 => sweep.run_n::<f32>(),
+        for &rows in &plan.rows {
+            for &n in &plan.ns {
+                let mut sweep = Sweep {
+                    plan,
+                    device,
+                    timer: &mut *timer,
+                    progress,
+                    dtype,
+                    rows,
+                    n,
+                    results: &mut results,
+                };
+                match dtype {
+                    Dtype::F16 => sweep.run_shape::<f16>(),
+                    Dtype::Bf16 => sweep.run_shape::<bf16>(),
+                    Dtype::F32 => sweep.run_shape::<f32>(),
+                }
             }
         }
     }
     results
 }
 
-/// One (dtype, N) of the sweep.
+/// One (dtype, M, N) of the sweep.
 struct Sweep<'a> {
     plan: &'a Plan,
     device: &'a Device,
     timer: &'a mut Timer,
     progress: &'a ProgressBar,
     dtype: Dtype,
+    rows: usize,
     n: usize,
     results: &'a mut Vec<Measurement>,
 }
 
 impl Sweep<'_> {
-    fn run_n<T: Element>(&mut self) {
-        let rows = self.plan.rows;
+    fn run_shape<T: Element>(&mut self) {
+        let rows = self.rows;
         self.progress.set_message(format!(
-            "{} N={}: inputs and float64 reference",
+            "{} M={rows} N={}: inputs and float64 reference",
             self.dtype, self.n
         ));
         let inputs = Inputs::<T>::random(rows, self.n, self.plan.seed);
@@ -99,7 +105,7 @@ impl Sweep<'_> {
         for &mode in &self.plan.modes {
             for &provider in mode.providers() {
                 self.progress
-                    .set_message(format!("{mode} {} N={} {provider}", self.dtype, self.n));
+                    .set_message(format!("{mode} {} M={rows} N={} {provider}", self.dtype, self.n));
                 let (check_error, outcome) = match &uploaded {
                     Ok((x, dy)) => self.measure(mode, provider, &inputs, x, dy, &reference),
                     Err(e) => (None, Outcome::Failed(format!("uploading the inputs: {e}"))),

@@ -5,7 +5,8 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use layernorm_cuda::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, sys};
+use layernorm_cuda::cudarc::driver::{CudaEvent, CudaSlice, CudaStream, LaunchConfig, sys};
+use layernorm_cuda::cudarc::nvrtc::Ptx;
 use serde::Serialize;
 
 use crate::error::{BenchError, During};
@@ -22,6 +23,19 @@ const CPU_COPY_BYTES: usize = 64 << 20;
 
 /// What the copy's source holds: not zeros, which some hardware moves faster.
 const COPY_PATTERN: u8 = 0xA5;
+
+/// A kernel that does nothing, as PTX text (no CUDA compiler needed: the driver JIT-compiles
+/// it for the device, as it does the library's kernels). One block of one thread launched
+/// and timed like an op gives the floor under any op's time: the launch and the two events.
+const EMPTY_KERNEL_PTX: &str = "\
+.version 7.0
+.target sm_80
+.address_size 64
+.visible .entry empty_kernel()
+{
+    ret;
+}
+";
 
 /// Milliseconds per repetition: median, 20% and 80% quantiles.
 #[derive(Clone, Copy, Debug, Serialize)]
@@ -151,6 +165,33 @@ impl Timer {
                 Ok(Quantiles::of(ms))
             }
         }
+    }
+
+    /// The time of an empty kernel's launch, timed like an op: the floor under the latency
+    /// tables. None on the CPU, where there is no launch.
+    pub fn launch_floor(&mut self) -> Result<Option<Quantiles>, BenchError> {
+        let Timer::Gpu(g) = self else {
+            return Ok(None);
+        };
+        let stream = g.stream.clone();
+        let kernel = stream
+            .context()
+            .load_module(Ptx::from_src(EMPTY_KERNEL_PTX))
+            .and_then(|module| module.load_function("empty_kernel"))
+            .during("loading the empty kernel")?;
+        let one_thread = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        self.time(|| {
+            // SAFETY: the kernel takes no parameters and touches no memory; the launch
+            // passes none, with a grid and block the kernel accepts.
+            unsafe { stream.launch_builder(&kernel).launch(one_thread) }
+                .map(drop)
+                .during("launching the empty kernel")
+        })
+        .map(Some)
     }
 
     /// The copy ceiling, timed like everything else: a 1 GiB device-to-device copy on the
