@@ -33,7 +33,7 @@ use sha2::{Digest, Sha256};
 #[allow(dead_code)]
 #[path = "kernels-gpu/layout/registry.rs"]
 mod registry;
-use registry::{Arch, DTYPES, Variant};
+use registry::{Arch, DTYPES, Norm, Variant};
 
 const KERNEL_DIR: &str = "kernels-gpu";
 /// The module of numbers the kernels and the host share, inside the kernel folder.
@@ -377,11 +377,17 @@ fn build_ptx(tc: &Toolchain, module: &Module, manifest: &Path, out: &Path) -> Re
 /// API needed). A kernel the registry does not know, or a registry kernel the module lacks,
 /// stops the build: the table is the one list of kernels.
 fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
-    let mut expected: Vec<(String, Variant, usize)> = Variant::ALL
+    let mut expected: Vec<(String, Variant, usize)> = Norm::ALL
         .iter()
-        .filter(|v| v.in_module(arch))
-        .flat_map(|&v| {
-            (0..DTYPES.len()).map(move |d| (format!("layer_norm_{}_{}", v.stem(), DTYPES[d]), v, d))
+        .flat_map(|&norm| {
+            Variant::ALL
+                .iter()
+                .filter(move |&&v| v.in_module(arch) && norm.has(v))
+                .flat_map(move |&v| {
+                    (0..DTYPES.len()).map(move |d| {
+                        (format!("{}_{}_{}", norm.prefix(), v.stem(), DTYPES[d]), v, d)
+                    })
+                })
         })
         .collect();
     let mut out = String::with_capacity(ptx.len() + 4096);

@@ -23,8 +23,42 @@
 //!
 //! Fewer registers, more blocks resident; `.ci/run`'s ptxas check fails on any spill.
 
-/// Storage types, in kernel-name order: `layer_norm_<stem>_<dtype>`.
+/// Storage types, in kernel-name order: `<norm>_<stem>_<dtype>`.
 pub const DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
+
+/// What a row is normalized by: LayerNorm centers it on its mean and divides by its
+/// standard deviation; RMSNorm divides by its root mean square. The kernels of both are the
+/// same code, compiled once per norm (a const generic), so each has the other's paths and
+/// registers but none of its work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Norm {
+    Layer,
+    Rms,
+}
+
+impl Norm {
+    /// Both norms, in table order.
+    pub const ALL: [Norm; 2] = [Norm::Layer, Norm::Rms];
+
+    /// The first part of its kernels' names: `layer_norm` or `rms_norm`.
+    pub const fn prefix(self) -> &'static str {
+        match self {
+            Norm::Layer => "layer_norm",
+            Norm::Rms => "rms_norm",
+        }
+    }
+
+    /// Whether `norm` has a kernel of `variant` of its own. Stage 2 (column sums of the
+    /// partial rows) is the same for both and exists once, as LayerNorm's.
+    pub const fn has(self, variant: Variant) -> bool {
+        matches!(self, Norm::Layer) || !matches!(variant, Variant::BwdReduce)
+    }
+
+    /// Its index in per-norm tables.
+    pub const fn index(self) -> usize {
+        self as usize
+    }
+}
 
 /// The two PTX modules: sm_80 (every GPU from the A100 on) and sm_90 (Hopper, with the
 /// cluster kernels).
