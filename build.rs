@@ -384,9 +384,8 @@ fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
                 .iter()
                 .filter(move |&&v| v.in_module(arch) && norm.has(v))
                 .flat_map(move |&v| {
-                    (0..DTYPES.len()).map(move |d| {
-                        (format!("{}_{}_{}", norm.prefix(), v.stem(), DTYPES[d]), v, d)
-                    })
+                    (0..DTYPES.len())
+                        .map(move |d| (format!("{}_{}_{}", norm.prefix(), v.stem(), DTYPES[d]), v, d))
                 })
         })
         .collect();

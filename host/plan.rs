@@ -17,7 +17,7 @@
 //!   memory where it fits.
 //! - Backward, locked: the locked kernel of the team.
 
-pub use crate::layout::registry::{Arch, DTYPES, Variant};
+pub use crate::layout::registry::{Arch, DTYPES, Norm, Variant};
 use crate::layout::{
     BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PART_HELD, PIPE_HELD, SCRATCH_BYTES,
 };

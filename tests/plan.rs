@@ -17,7 +17,7 @@ mod layout;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use layernorm_cuda::plan::{Arch, DTYPES, DeviceLimits, Pass, Plan, Variant, plan};
+use layernorm_cuda::plan::{Arch, DTYPES, DeviceLimits, Norm, Pass, Plan, Variant, plan};
 use layernorm_cuda::{Element, bf16, f16};
 
 /// (dtype, pass, n) the GPU tests run on whole tensors (aligned where n is whole packs):
@@ -153,16 +153,20 @@ fn declared(ptx: &str) -> BTreeMap<String, (u32, u32)> {
 }
 
 fn expected(arch: Arch) -> BTreeMap<String, (u32, u32)> {
-    Variant::ALL
+    Norm::ALL
         .iter()
-        .filter(|v| v.in_module(arch))
-        .flat_map(|&v| {
-            DTYPES.iter().enumerate().map(move |(d, ty)| {
-                (
-                    format!("layer_norm_{}_{ty}", v.stem()),
-                    (v.max_threads(arch, d), v.cluster()),
-                )
-            })
+        .flat_map(|&norm| {
+            Variant::ALL
+                .iter()
+                .filter(move |&&v| v.in_module(arch) && norm.has(v))
+                .flat_map(move |&v| {
+                    DTYPES.iter().enumerate().map(move |(d, ty)| {
+                        (
+                            format!("{}_{}_{ty}", norm.prefix(), v.stem()),
+                            (v.max_threads(arch, d), v.cluster()),
+                        )
+                    })
+                })
         })
         .collect()
 }
@@ -178,8 +182,9 @@ fn checked_in_modules_declare_the_registry() {
 fn only_the_sm90_module_has_cluster_kernels() {
     let clusters = |ptx| declared(ptx).values().filter(|(_, c)| *c > 1).count();
     assert_eq!(clusters(SM80), 0);
-    // The general cluster kernel over 8 blocks and the held ones over 2, 4 and 8, in three types.
-    assert_eq!(clusters(SM90), 12);
+    // The general cluster kernel over 8 blocks and the held ones over 2, 4 and 8, in three
+    // types, for each of the two norms.
+    assert_eq!(clusters(SM90), 24);
 }
 
 /// Kernel name -> the bytes of each parameter it declares: `.param .align A .b8 name[B]` (a
@@ -216,14 +221,18 @@ fn declared_params(ptx: &str) -> BTreeMap<String, Vec<usize>> {
 #[test]
 fn checked_in_modules_take_the_parameter_structs() {
     for (arch, ptx) in [(Arch::Sm80, SM80), (Arch::Sm90, SM90)] {
-        let expected: BTreeMap<String, Vec<usize>> = layout::registry::Variant::ALL
+        let expected: BTreeMap<String, Vec<usize>> = layout::registry::Norm::ALL
             .iter()
-            .filter(|v| v.in_module(layout_arch(arch)))
-            .flat_map(|&v| {
-                DTYPES.iter().map(move |ty| {
-                    let bytes = layout::params::param_bytes(v).to_vec();
-                    (format!("layer_norm_{}_{ty}", v.stem()), bytes)
-                })
+            .flat_map(|&norm| {
+                layout::registry::Variant::ALL
+                    .iter()
+                    .filter(move |&&v| v.in_module(layout_arch(arch)) && norm.has(v))
+                    .flat_map(move |&v| {
+                        DTYPES.iter().map(move |ty| {
+                            let bytes = layout::params::param_bytes(v).to_vec();
+                            (format!("{}_{}_{ty}", norm.prefix(), v.stem()), bytes)
+                        })
+                    })
             })
             .collect();
         assert_eq!(declared_params(ptx), expected, "{arch:?} module");

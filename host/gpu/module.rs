@@ -11,7 +11,7 @@ use cudarc::nvrtc::Ptx;
 use crate::element::Element;
 use crate::error::{DriverContext, Result};
 use crate::layout::registry::DTYPES;
-use crate::plan::{Arch, DeviceLimits, Variant};
+use crate::plan::{Arch, DeviceLimits, Norm, Variant};
 
 /// The kernels for sm_80 and later, built from `kernels-gpu/` by build.rs.
 const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/layernorm_kernels.ptx"));
@@ -103,11 +103,12 @@ impl Kernel {
 }
 
 /// Every kernel of the loaded module, as the registry (`crate::layout::registry`) lists
-/// them, by variant and storage type.
+/// them, by norm, variant and storage type.
 pub(crate) struct KernelTable {
-    /// `kernels[variant][dtype]`, in `Variant::ALL` and `DTYPES` order; None where the
-    /// module lacks the kernel (the cluster kernels before sm_90).
-    kernels: Vec<[Option<Kernel>; 3]>,
+    /// `kernels[norm][variant][dtype]`, in `Norm::ALL`, `Variant::ALL` and `DTYPES` order;
+    /// None where the module lacks the kernel (the cluster kernels before sm_90) or the
+    /// norm has none of its own (stage 2, which LayerNorm's serves for both).
+    kernels: [Vec<[Option<Kernel>; 3]>; 2],
     /// What the planner needs of this device: its module, and the dynamic shared memory a
     /// block may have (the opt-in maximum).
     pub(crate) limits: DeviceLimits,
@@ -129,27 +130,36 @@ impl KernelTable {
         let module = ctx
             .load_module(Ptx::from_src(ptx))
             .during("loading the PTX module")?;
-        let kernels = Variant::ALL
-            .iter()
-            .map(|v| {
-                let mut by_type = [None, None, None];
-                if v.in_module(arch) {
-                    for (slot, ty) in by_type.iter_mut().zip(DTYPES) {
-                        let name = format!("layer_norm_{}_{ty}", v.stem());
-                        *slot = Some(Kernel::load(&module, &name, max_smem)?);
+        let of_norm = |norm: Norm| {
+            Variant::ALL
+                .iter()
+                .map(|&v| {
+                    let mut by_type = [None, None, None];
+                    if v.in_module(arch) && norm.has(v) {
+                        for (slot, ty) in by_type.iter_mut().zip(DTYPES) {
+                            let name = format!("{}_{}_{ty}", norm.prefix(), v.stem());
+                            *slot = Some(Kernel::load(&module, &name, max_smem)?);
+                        }
                     }
-                }
-                Ok(by_type)
-            })
-            .collect::<Result<_>>()?;
+                    Ok(by_type)
+                })
+                .collect::<Result<Vec<_>>>()
+        };
+        let kernels = [of_norm(Norm::Layer)?, of_norm(Norm::Rms)?];
         let limits = DeviceLimits { arch, max_smem };
         Ok(KernelTable { kernels, limits })
     }
 
-    /// The kernels of storage type `T`.
+    /// LayerNorm's kernels of storage type `T`.
     pub(crate) fn of<T: Element>(&self) -> TypeKernels<'_> {
+        self.of_norm::<T>(Norm::Layer)
+    }
+
+    /// `norm`'s kernels of storage type `T` (stage 2 is LayerNorm's for both).
+    pub(crate) fn of_norm<T: Element>(&self, norm: Norm) -> TypeKernels<'_> {
         TypeKernels {
             table: self,
+            norm,
             dtype: T::INDEX,
         }
     }
@@ -159,13 +169,15 @@ impl KernelTable {
 #[derive(Clone, Copy)]
 pub(crate) struct TypeKernels<'a> {
     table: &'a KernelTable,
+    norm: Norm,
     dtype: usize,
 }
 
 impl<'a> TypeKernels<'a> {
     /// The kernel, where the loaded module has it.
     pub(crate) fn get(self, v: Variant) -> Option<&'a Kernel> {
-        self.table.kernels[v as usize][self.dtype].as_ref()
+        let norm = if self.norm.has(v) { self.norm } else { Norm::Layer };
+        self.table.kernels[norm.index()][v as usize][self.dtype].as_ref()
     }
 
     /// A kernel every module has.

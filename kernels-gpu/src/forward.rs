@@ -1,11 +1,15 @@
-//! LayerNorm forward over the rows of a row-major `[rows, n]` matrix.
+//! LayerNorm and RMSNorm forward over the rows of a row-major `[rows, n]` matrix.
 //!
 //! Per row, in f32 whatever the storage type:
 //!   mean = sum_j x_j / n
 //!   var  = sum_j (x_j - mean)^2 / n          (biased, as PyTorch)
 //!   rstd = 1 / sqrt(var + eps)
 //!   y_j  = (x_j - mean) * rstd * gamma_j + beta_j
-//! `mean` and `rstd` are written per row for the backward.
+//! `mean` and `rstd` are written per row for the backward. RMSNorm (`CENTERED` = false, the
+//! `rms_norm_fwd_*` kernels) takes the same statistics and normalizes as if the mean were 0:
+//!   rstd = 1 / sqrt(sum_j x_j^2 / n + eps) = 1 / sqrt(var + mean^2 + eps)
+//!   y_j  = x_j * rstd * gamma_j + beta_j     (the host passes zeros for an absent beta)
+//! and writes 0 as the mean, so the backward's xhat is x_j * rstd.
 //!
 //! A row whose sums overflow f32 (|x_j - mean| past about 1.8e19: M2 = inf, or a mean past
 //! f32's range) takes its statistics again on x_j * 2^-81, with var and rstd in f64 (see
@@ -58,6 +62,16 @@ const PART_HELD: usize = crate::layout::PART_HELD as usize;
 /// stay far above f32's smallest normal.
 const HUGE_ROW_SCALE: f32 = 1.0 / (1u128 << 81) as f32;
 
+/// What a row's rstd is the inverse root of: its variance plus eps (LayerNorm, `centered`),
+/// or its mean square plus eps (RMSNorm: x is not centered, as if its mean were 0). The
+/// mean square is var + mean^2 from the same statistics, so both norms share every path
+/// that gathers them.
+#[derive(Clone, Copy)]
+struct RstdOf {
+    eps: f32,
+    centered: bool,
+}
+
 /// How a row is normalized, from its mean and rstd:
 ///   xhat_j = fma(x_j, 1/2, -mean/2) * (2 rstd)
 /// Halving is exact, so for every x_j - mean in f32's normal range this is (x_j - mean) *
@@ -77,11 +91,22 @@ impl RowNorm {
     /// finite: the sums overflowed, or the row holds a NaN or an infinity (whose rows the
     /// scaled statistics leave NaN, as they should be).
     #[inline(always)]
-    fn of(mean: f32, m2: f32, n: u32, eps: f32) -> Option<RowNorm> {
+    fn of(mean: f32, m2: f32, n: u32, rstd_of: RstdOf) -> Option<RowNorm> {
         if !m2.is_finite() {
             return None;
         }
-        let rstd = 1.0 / sqrt_rn(m2 / n as f32 + eps);
+        let (mean, square) = if rstd_of.centered {
+            (mean, m2 / n as f32)
+        } else {
+            // RMSNorm: the mean square, var + mean^2 (two non-negative terms, no
+            // cancellation), and no centering.
+            let square = fma(mean, mean, m2 / n as f32);
+            if !square.is_finite() {
+                return None;
+            }
+            (0.0, square)
+        };
+        let rstd = 1.0 / sqrt_rn(square + rstd_of.eps);
         Some(RowNorm {
             neg_half_mean: -0.5 * mean,
             twice_rstd: 2.0 * rstd,
@@ -93,12 +118,18 @@ impl RowNorm {
     /// in f32, as in any f32 result of such a row. The mean of a row lies within its
     /// values; the clamp undoes a rounding past f32's largest.
     #[inline(always)]
-    fn of_scaled(mean_s: f32, m2_s: f32, n: u32, eps: f32) -> RowNorm {
+    fn of_scaled(mean_s: f32, m2_s: f32, n: u32, rstd_of: RstdOf) -> RowNorm {
         let scale = HUGE_ROW_SCALE as f64;
-        let var = m2_s as f64 / n as f64 / (scale * scale);
-        let rstd = 1.0 / sqrt_f64(var + eps as f64);
+        let (mean, square) = if rstd_of.centered {
+            let mean = (mean_s / HUGE_ROW_SCALE).clamp(f32::MIN, f32::MAX);
+            (mean, m2_s as f64 / n as f64 / (scale * scale))
+        } else {
+            let square_s = m2_s as f64 / n as f64 + mean_s as f64 * mean_s as f64;
+            (0.0, square_s / (scale * scale))
+        };
+        let rstd = 1.0 / sqrt_f64(square + rstd_of.eps as f64);
         RowNorm {
-            neg_half_mean: -0.5 * (mean_s / HUGE_ROW_SCALE).clamp(f32::MIN, f32::MAX),
+            neg_half_mean: -0.5 * mean,
             twice_rstd: (2.0 * rstd) as f32,
         }
     }
@@ -130,9 +161,13 @@ impl RowNorm {
 /// `p.x`, `p.y` hold `rows * n` elements; `p.gamma`, `p.beta` hold `n`; `p.mean`, `p.rstd`
 /// hold `rows`.
 #[inline(always)]
-unsafe fn forward_rows<T: Element, S: StatsTeam>(p: Forward<T>) {
+unsafe fn forward_rows<T: Element, S: StatsTeam, const CENTERED: bool>(p: Forward<T>) {
     let (x, gamma, beta, y) = (p.x.ptr(), p.gamma.ptr(), p.beta.ptr(), p.y.ptr());
-    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
+    let (mean, rstd, rows, n) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n);
+    let rstd_of = RstdOf {
+        eps: p.eps,
+        centered: CENTERED,
+    };
     let staged = Staged::<PART_HELD>::after(SCRATCH_BYTES);
     let mut row = S::id();
     while row < rows {
@@ -146,18 +181,19 @@ unsafe fn forward_rows<T: Element, S: StatsTeam>(p: Forward<T>) {
         // SAFETY: as above; `packed` was checked for every pointer the packed path reads.
         let norm = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
-                forward_row::<T, S, true, FWD_HELD>(x_row, gamma, beta, y_row, n, eps)
+                forward_row::<T, S, true, FWD_HELD>(x_row, gamma, beta, y_row, n, rstd_of)
             } else if packed && S::HOLDS_PART_OF_LONG_ROWS && staged.holds::<T, S>(n) {
-                forward_row_staged::<T, S>(x_row, gamma, beta, y_row, n, eps, staged)
+                forward_row_staged::<T, S>(x_row, gamma, beta, y_row, n, rstd_of, staged)
             } else if packed {
-                forward_row::<T, S, true, 0>(x_row, gamma, beta, y_row, n, eps)
+                forward_row::<T, S, true, 0>(x_row, gamma, beta, y_row, n, rstd_of)
             } else {
-                forward_row::<T, S, false, 0>(x_row, gamma, beta, y_row, n, eps)
+                forward_row::<T, S, false, 0>(x_row, gamma, beta, y_row, n, rstd_of)
             }
         };
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
         unsafe {
-            let norm = norm.unwrap_or_else(|| forward_row_huge::<T, S>(x_row, gamma, beta, y_row, n, eps));
+            let norm =
+                norm.unwrap_or_else(|| forward_row_huge::<T, S>(x_row, gamma, beta, y_row, n, rstd_of));
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         row += S::count();
@@ -178,7 +214,7 @@ unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: 
     beta: *const T,
     y: *mut T,
     n: u32,
-    eps: f32,
+    rstd_of: RstdOf,
 ) -> Option<RowNorm> {
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let held = unsafe { Held::<HELD>::load::<T, S>(x, if PACKED { n / T::PACK as u32 } else { 0 }) };
@@ -206,7 +242,7 @@ unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: 
         let stats = S::reduce_stats(stats);
         (stats.mean, stats.m2)
     };
-    let norm = RowNorm::of(mean, m2, n, eps)?;
+    let norm = RowNorm::of(mean, m2, n, rstd_of)?;
     // SAFETY: as for this function.
     unsafe { write_y::<T, S, PACKED, HELD>(&held, x, gamma, beta, y, n, norm) };
     Some(norm)
@@ -227,7 +263,7 @@ unsafe fn forward_row_huge<T: Element, S: StatsTeam>(
     beta: *const T,
     y: *mut T,
     n: u32,
-    eps: f32,
+    rstd_of: RstdOf,
 ) -> RowNorm {
     // Two plain passes for the statistics (mean, then M2), as the held rows take them: no
     // divisions, and fewer live values than Chan's merges.
@@ -243,7 +279,7 @@ unsafe fn forward_row_huge<T: Element, S: StatsTeam>(
         let d = scaled(j) - mean;
         m2 = fma(d, d, m2);
     });
-    let norm = RowNorm::of_scaled(mean, S::sum2(m2, 0.0).0, n, eps);
+    let norm = RowNorm::of_scaled(mean, S::sum2(m2, 0.0).0, n, rstd_of);
     for_each_chunk::<T, S, false, 0>(n, |j, len, _| {
         // SAFETY: as above; the caller's guarantee for y, gamma and beta.
         unsafe { write_y_chunk(gamma, beta, y, j, len, read(x, j, len), norm) }
@@ -266,7 +302,7 @@ unsafe fn forward_row_staged<T: Element, S: StatsTeam>(
     beta: *const T,
     y: *mut T,
     n: u32,
-    eps: f32,
+    rstd_of: RstdOf,
     staged: Staged<PART_HELD>,
 ) -> Option<RowNorm> {
     // SAFETY: the row is aligned whole packs (its tail elements are read one by one by the
@@ -292,7 +328,7 @@ unsafe fn forward_row_staged<T: Element, S: StatsTeam>(
             }
         })
     };
-    let norm = RowNorm::of(mean, S::sum2(m2, 0.0).0, n, eps)?;
+    let norm = RowNorm::of(mean, S::sum2(m2, 0.0).0, n, rstd_of)?;
     // SAFETY: y holds the row and gamma, beta its n columns (the caller's guarantee), all
     // 16-byte aligned; `held` and the staging hold this row's x.
     unsafe {
@@ -401,9 +437,13 @@ const PIPE_HELD: usize = crate::layout::PIPE_HELD as usize;
 /// As for [`forward_rows`]; x, y, gamma and beta 16-byte aligned, `n` a whole number of
 /// packs that [`fits`] `PIPE_HELD` per rank.
 #[inline(always)]
-unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(p: Forward<T>) {
+unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam, const CENTERED: bool>(p: Forward<T>) {
     let (x, gamma, beta, y) = (p.x.ptr(), p.gamma.ptr(), p.beta.ptr(), p.y.ptr());
-    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
+    let (mean, rstd, rows, n) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n);
+    let rstd_of = RstdOf {
+        eps: p.eps,
+        centered: CENTERED,
+    };
     let row_of = |row: u32| x.wrapping_add(row as usize * n as usize);
     // Past the last row nothing is loaded (the pipeline's end).
     let load = |row: u32| {
@@ -429,12 +469,12 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(p: Forward<T>) {
         // SAFETY: row < rows: the row lies inside y, its statistics inside mean and rstd.
         unsafe {
             let y_row = y.add(row as usize * n as usize);
-            let norm = match RowNorm::of(m, m2, n, eps) {
+            let norm = match RowNorm::of(m, m2, n, rstd_of) {
                 Some(norm) => {
                     write_y::<T, S, true, PIPE_HELD>(&held, x_row, gamma, beta, y_row, n, norm);
                     norm
                 }
-                None => forward_row_huge::<T, S>(x_row, gamma, beta, y_row, n, eps),
+                None => forward_row_huge::<T, S>(x_row, gamma, beta, y_row, n, rstd_of),
             };
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
@@ -443,18 +483,19 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam>(p: Forward<T>) {
     }
 }
 
-/// Exports the warp-per-row and block-per-row forward kernels of one storage type, each
-/// general and pipelined. All take one [`Forward`] (crate::layout::params).
+/// Exports the warp-per-row and block-per-row forward kernels of one norm (`$centered`:
+/// LayerNorm, else RMSNorm) and storage type, each general and pipelined. All take one
+/// [`Forward`] (crate::layout::params).
 macro_rules! forward_kernels {
-    ($t:ty, $warp:ident, $block:ident, $pipe_warp:ident, $pipe_block:ident) => {
-        forward_kernels!(@one $t, $pipe_warp, forward_rows_pipelined, Warp,
+    ($centered:literal, $t:ty, $warp:ident, $block:ident, $pipe_warp:ident, $pipe_block:ident) => {
+        forward_kernels!(@one $centered, $t, $pipe_warp, forward_rows_pipelined, Warp,
             "Forward, one warp per row, two rows in flight (rows of aligned packs, 4 a rank).");
-        forward_kernels!(@one $t, $pipe_block, forward_rows_pipelined, Block,
+        forward_kernels!(@one $centered, $t, $pipe_block, forward_rows_pipelined, Block,
             "Forward, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
-        forward_kernels!(@one $t, $warp, forward_rows, Warp, "Forward, one warp per row (short rows).");
-        forward_kernels!(@one $t, $block, forward_rows, Block, "Forward, one block per row (long rows).");
+        forward_kernels!(@one $centered, $t, $warp, forward_rows, Warp, "Forward, one warp per row (short rows).");
+        forward_kernels!(@one $centered, $t, $block, forward_rows, Block, "Forward, one block per row (long rows).");
     };
-    (@one $t:ty, $name:ident, $rows:ident, $team:ty, $doc:literal) => {
+    (@one $centered:literal, $t:ty, $name:ident, $rows:ident, $team:ty, $doc:literal) => {
         #[doc = $doc]
         ///
         /// # Safety
@@ -463,12 +504,13 @@ macro_rules! forward_kernels {
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(p: Forward<$t>) {
             // SAFETY: the host launches this kernel only as `$rows` requires.
-            unsafe { $rows::<$t, $team>(p) }
+            unsafe { $rows::<$t, $team, $centered>(p) }
         }
     };
 }
 
 forward_kernels!(
+    true,
     f32,
     layer_norm_fwd_warp_f32,
     layer_norm_fwd_block_f32,
@@ -476,6 +518,7 @@ forward_kernels!(
     layer_norm_fwd_pipelined_block_f32
 );
 forward_kernels!(
+    true,
     crate::element::F16,
     layer_norm_fwd_warp_f16,
     layer_norm_fwd_block_f16,
@@ -483,9 +526,34 @@ forward_kernels!(
     layer_norm_fwd_pipelined_block_f16
 );
 forward_kernels!(
+    true,
     crate::element::Bf16,
     layer_norm_fwd_warp_bf16,
     layer_norm_fwd_block_bf16,
     layer_norm_fwd_pipelined_warp_bf16,
     layer_norm_fwd_pipelined_block_bf16
+);
+forward_kernels!(
+    false,
+    f32,
+    rms_norm_fwd_warp_f32,
+    rms_norm_fwd_block_f32,
+    rms_norm_fwd_pipelined_warp_f32,
+    rms_norm_fwd_pipelined_block_f32
+);
+forward_kernels!(
+    false,
+    crate::element::F16,
+    rms_norm_fwd_warp_f16,
+    rms_norm_fwd_block_f16,
+    rms_norm_fwd_pipelined_warp_f16,
+    rms_norm_fwd_pipelined_block_f16
+);
+forward_kernels!(
+    false,
+    crate::element::Bf16,
+    rms_norm_fwd_warp_bf16,
+    rms_norm_fwd_block_bf16,
+    rms_norm_fwd_pipelined_warp_bf16,
+    rms_norm_fwd_pipelined_block_bf16
 );

@@ -1,11 +1,13 @@
-//! LayerNorm backward, in two stages.
+//! LayerNorm and RMSNorm backward, in two stages.
 //!
 //! Per row i, with xhat_j = (x_j - mean_i) * rstd_i and wdy_j = gamma_j * dy_j:
 //!   c1   = sum_j xhat_j * wdy_j / n
-//!   c2   = sum_j wdy_j / n
+//!   c2   = sum_j wdy_j / n                         (RMSNorm: 0, since y does not depend on
+//!                                                   x through a mean)
 //!   dx_j = rstd_i * ((wdy_j - c2) - xhat_j * c1)   (computed in halves, see `Centering`)
 //! and over all rows:
 //!   dgamma_j = sum_i dy_ij * xhat_ij        dbeta_j = sum_i dy_ij
+//! RMSNorm's forward wrote 0 as each row's mean, so its xhat is x_j * rstd_i here.
 //!
 //! Stage 1 writes dx and adds each row's (dy * xhat, dy) into one row of an f32 partial
 //! buffer `[R, n]`. Stage 2 sums the R partial rows per column into dgamma and dbeta.
@@ -92,12 +94,14 @@ pub(crate) struct Rows<T> {
     pub(crate) n: u32,
     /// Columns this team walks.
     pub(crate) cols: u32,
+    /// LayerNorm's rows (dx has the c2 term), or RMSNorm's (it does not).
+    pub(crate) centered: bool,
 }
 
 impl<T> Rows<T> {
     /// A launch's rows, all `n` columns of each.
     #[inline(always)]
-    pub(crate) fn of(p: BackwardRows<T>) -> Self {
+    pub(crate) fn of(p: BackwardRows<T>, centered: bool) -> Self {
         let (x, dy, gamma, dx) = (p.x.ptr(), p.dy.ptr(), p.gamma.ptr(), p.dx.ptr());
         let (mean, rstd) = (p.mean.ptr(), p.rstd.ptr());
         Rows {
@@ -110,6 +114,7 @@ impl<T> Rows<T> {
             rows: p.rows,
             n: p.n,
             cols: p.n,
+            centered,
         }
     }
 }
@@ -166,40 +171,31 @@ pub(crate) struct DxCoefficients {
 }
 
 impl DxCoefficients {
-    /// From the row's sums s1 = sum_j xhat_j * wdy_j and s2 = sum_j wdy_j.
+    /// From the row's sums s1 = sum_j xhat_j * wdy_j and s2 = sum_j wdy_j; c2 is 0 for rows
+    /// that are not `centered` (RMSNorm).
     #[inline(always)]
-    pub(crate) fn new(s1: f32, s2: f32, n: u32) -> Self {
+    pub(crate) fn new(s1: f32, s2: f32, n: u32, centered: bool) -> Self {
         DxCoefficients {
             half_c1: 0.5 * (s1 / n as f32),
-            neg_half_c2: -0.5 * (s2 / n as f32),
+            neg_half_c2: if centered { -0.5 * (s2 / n as f32) } else { 0.0 },
         }
     }
 }
 
-/// Exports the backward kernels of one storage type: stage 1 owned and locked, each for
-/// warp- and block-per-row, and stage 2.
+/// Exports the stage 1 kernels of one norm (`$centered`: LayerNorm, else RMSNorm, whose
+/// rows' `centered` is then a constant the compiler folds) and storage type: owned, held
+/// and locked, each for warp- and block-per-row.
 macro_rules! backward_kernels {
-    ($t:ty, $owned_warp:ident, $owned_block:ident, $held_warp:ident, $held_block:ident, $locked_warp:ident,
-     $locked_block:ident, $reduce:ident) => {
-        backward_kernels!(@owned $t, $owned_warp, Warp);
-        backward_kernels!(@owned $t, $owned_block, Block);
-        backward_kernels!(@held $t, $held_warp, Warp);
-        backward_kernels!(@held $t, $held_block, StackedBlock);
-        backward_kernels!(@locked $t, $locked_warp, Warp);
-        backward_kernels!(@locked $t, $locked_block, Block);
-
-        /// Stage 2: sums `[rows, n]` f32 partials per column into dgamma and dbeta.
-        ///
-        /// # Safety
-        /// Launched by the host with buffers of the documented sizes.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $reduce(p: Reduce<$t>) {
-            let (dgamma, dbeta) = (p.dgamma.ptr(), p.dbeta.ptr());
-            // SAFETY: the host sizes every buffer as `stage2` requires.
-            unsafe { stage2::<$t>(p.part_dgamma.ptr(), p.part_dbeta.ptr(), p.rows, p.n, dgamma, dbeta) }
-        }
+    ($centered:literal, $t:ty, $owned_warp:ident, $owned_block:ident, $held_warp:ident,
+     $held_block:ident, $locked_warp:ident, $locked_block:ident) => {
+        backward_kernels!(@owned $centered, $t, $owned_warp, Warp);
+        backward_kernels!(@owned $centered, $t, $owned_block, Block);
+        backward_kernels!(@held $centered, $t, $held_warp, Warp);
+        backward_kernels!(@held $centered, $t, $held_block, StackedBlock);
+        backward_kernels!(@locked $centered, $t, $locked_warp, Warp);
+        backward_kernels!(@locked $centered, $t, $locked_block, Block);
     };
-    (@owned $t:ty, $name:ident, $team:ty) => {
+    (@owned $centered:literal, $t:ty, $name:ident, $team:ty) => {
         /// Stage 1, owned (deterministic) mode: the partial buffers hold one row per block;
         /// `local` != 0 sums in shared memory first (required for warp teams).
         ///
@@ -208,11 +204,12 @@ macro_rules! backward_kernels {
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, out: Partials, local: u32) {
             let (part_dgamma, part_dbeta) = (out.dgamma.ptr(), out.dbeta.ptr());
+            let r = Rows::of(p, $centered);
             // SAFETY: the host sizes every buffer as `stage1_owned` requires.
-            unsafe { stage1_owned::<$t, $team>(Rows::of(p), part_dgamma, part_dbeta, local != 0) }
+            unsafe { stage1_owned::<$t, $team>(r, part_dgamma, part_dbeta, local != 0) }
         }
     };
-    (@held $t:ty, $name:ident, $team:ty) => {
+    (@held $centered:literal, $t:ty, $name:ident, $team:ty) => {
         /// Stage 1, owned mode, rows all whole aligned packs held in registers: one partial
         /// row per block, whose teams (warps, or block teams stacked along y) all add into
         /// it.
@@ -221,21 +218,22 @@ macro_rules! backward_kernels {
         /// Launched by the host with buffers of the documented sizes, on rows that hold.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, out: Partials) {
-            let (r, part_dgamma, part_dbeta) = (Rows::of(p), out.dgamma.ptr(), out.dbeta.ptr());
+            let r = Rows::of(p, $centered);
+            let (part_dgamma, part_dbeta) = (out.dgamma.ptr(), out.dbeta.ptr());
             let block = device::block_idx();
             // SAFETY: the host launches this kernel only as `stage1_held` requires; block b
             // writes partial row b.
             unsafe { stage1_held::<$t, $team>(r, part_dgamma, part_dbeta, block, SCRATCH_BYTES) }
         }
     };
-    (@locked $t:ty, $name:ident, $team:ty) => {
+    (@locked $centered:literal, $t:ty, $name:ident, $team:ty) => {
         /// Stage 1, locked mode, into `groups` groups under their spinlocks.
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, g: Groups) {
-            let r = Rows::of(p);
+            let r = Rows::of(p, $centered);
             let (dgamma, dbeta, words) = (g.dgamma.ptr(), g.dbeta.ptr(), g.words.ptr());
             let lock = GroupLock { dgamma, dbeta, words, groups: g.groups, n: p.n };
             // SAFETY: the host sizes every buffer as `stage1_locked` requires.
@@ -244,33 +242,91 @@ macro_rules! backward_kernels {
     };
 }
 
+/// Exports stage 2 of one storage type, which both norms use.
+macro_rules! reduce_kernel {
+    ($t:ty, $reduce:ident) => {
+        /// Stage 2: sums `[rows, n]` f32 partials per column into dgamma and dbeta.
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes.
+        #[unsafe(no_mangle)]
+        pub unsafe extern "ptx-kernel" fn $reduce(p: Reduce<$t>) {
+            let (dgamma, dbeta) = (p.dgamma.ptr(), p.dbeta.ptr());
+            // SAFETY: the host sizes every buffer as `stage2` requires.
+            unsafe {
+                stage2::<$t>(
+                    p.part_dgamma.ptr(),
+                    p.part_dbeta.ptr(),
+                    p.rows,
+                    p.n,
+                    dgamma,
+                    dbeta,
+                )
+            }
+        }
+    };
+}
+
 backward_kernels!(
+    true,
     f32,
     layer_norm_bwd_owned_warp_f32,
     layer_norm_bwd_owned_block_f32,
     layer_norm_bwd_held_warp_f32,
     layer_norm_bwd_held_block_f32,
     layer_norm_bwd_locked_warp_f32,
-    layer_norm_bwd_locked_block_f32,
-    layer_norm_bwd_reduce_f32
+    layer_norm_bwd_locked_block_f32
 );
 backward_kernels!(
+    true,
     crate::element::F16,
     layer_norm_bwd_owned_warp_f16,
     layer_norm_bwd_owned_block_f16,
     layer_norm_bwd_held_warp_f16,
     layer_norm_bwd_held_block_f16,
     layer_norm_bwd_locked_warp_f16,
-    layer_norm_bwd_locked_block_f16,
-    layer_norm_bwd_reduce_f16
+    layer_norm_bwd_locked_block_f16
 );
 backward_kernels!(
+    true,
     crate::element::Bf16,
     layer_norm_bwd_owned_warp_bf16,
     layer_norm_bwd_owned_block_bf16,
     layer_norm_bwd_held_warp_bf16,
     layer_norm_bwd_held_block_bf16,
     layer_norm_bwd_locked_warp_bf16,
-    layer_norm_bwd_locked_block_bf16,
-    layer_norm_bwd_reduce_bf16
+    layer_norm_bwd_locked_block_bf16
 );
+backward_kernels!(
+    false,
+    f32,
+    rms_norm_bwd_owned_warp_f32,
+    rms_norm_bwd_owned_block_f32,
+    rms_norm_bwd_held_warp_f32,
+    rms_norm_bwd_held_block_f32,
+    rms_norm_bwd_locked_warp_f32,
+    rms_norm_bwd_locked_block_f32
+);
+backward_kernels!(
+    false,
+    crate::element::F16,
+    rms_norm_bwd_owned_warp_f16,
+    rms_norm_bwd_owned_block_f16,
+    rms_norm_bwd_held_warp_f16,
+    rms_norm_bwd_held_block_f16,
+    rms_norm_bwd_locked_warp_f16,
+    rms_norm_bwd_locked_block_f16
+);
+backward_kernels!(
+    false,
+    crate::element::Bf16,
+    rms_norm_bwd_owned_warp_bf16,
+    rms_norm_bwd_owned_block_bf16,
+    rms_norm_bwd_held_warp_bf16,
+    rms_norm_bwd_held_block_bf16,
+    rms_norm_bwd_locked_warp_bf16,
+    rms_norm_bwd_locked_block_bf16
+);
+reduce_kernel!(f32, layer_norm_bwd_reduce_f32);
+reduce_kernel!(crate::element::F16, layer_norm_bwd_reduce_f16);
+reduce_kernel!(crate::element::Bf16, layer_norm_bwd_reduce_bf16);

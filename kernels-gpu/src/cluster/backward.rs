@@ -102,21 +102,21 @@ unsafe fn stage1_cluster_held<T: Element, const C: u32>(
 use crate::layout::CLUSTER_SIZE;
 use crate::layout::params::{BackwardRows, Partials};
 
-/// Exports the cluster stage 1 kernels (sm_90 module only) of one storage type: the general
+/// Exports the cluster stage 1 kernels (sm_90 module only) of one norm and storage type: the general
 /// one over 8 blocks, and the held one over 2, 4 and 8 (the host takes the fewest blocks
 /// whose slices fit 4 packs a rank: fewer blocks wait at each row's cluster barrier).
 /// build.rs gives each `.reqnctapercluster C` from its name.
 macro_rules! cluster_kernels {
-    ($t:ty, $name:ident, $held2:ident, $held4:ident, $held8:ident) => {
-        cluster_kernels!(@one $t, $held2, stage1_cluster_held, 2,
+    ($centered:literal, $t:ty, $name:ident, $held2:ident, $held4:ident, $held8:ident) => {
+        cluster_kernels!(@one $centered, $t, $held2, stage1_cluster_held, 2,
             "Stage 1, owned mode over a cluster of 2 blocks, slices held (rows of aligned packs).");
-        cluster_kernels!(@one $t, $held4, stage1_cluster_held, 4,
+        cluster_kernels!(@one $centered, $t, $held4, stage1_cluster_held, 4,
             "Stage 1, owned mode over a cluster of 4 blocks, slices held (rows of aligned packs).");
-        cluster_kernels!(@one $t, $held8, stage1_cluster_held, 8,
+        cluster_kernels!(@one $centered, $t, $held8, stage1_cluster_held, 8,
             "Stage 1, owned mode over a cluster of 8 blocks, slices held (rows of aligned packs).");
-        cluster_kernels!(@one $t, $name, stage1_cluster, CLUSTER_SIZE, "Stage 1, owned mode over a cluster of 8 blocks.");
+        cluster_kernels!(@one $centered, $t, $name, stage1_cluster, CLUSTER_SIZE, "Stage 1, owned mode over a cluster of 8 blocks.");
     };
-    (@one $t:ty, $name:ident, $stage:ident, $c:expr, $doc:literal) => {
+    (@one $centered:literal, $t:ty, $name:ident, $stage:ident, $c:expr, $doc:literal) => {
         #[doc = $doc]
         /// The partial buffers hold one row per cluster.
         ///
@@ -127,12 +127,13 @@ macro_rules! cluster_kernels {
         pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, out: Partials) {
             let (part_dgamma, part_dbeta) = (out.dgamma.ptr(), out.dbeta.ptr());
             // SAFETY: the host launches this kernel only as `$stage` requires.
-            unsafe { $stage::<$t, { $c }>(Rows::of(p), part_dgamma, part_dbeta) }
+            unsafe { $stage::<$t, { $c }>(Rows::of(p, $centered), part_dgamma, part_dbeta) }
         }
     };
 }
 
 cluster_kernels!(
+    true,
     f32,
     layer_norm_bwd_cluster8_f32,
     layer_norm_bwd_cluster2_held_f32,
@@ -140,6 +141,7 @@ cluster_kernels!(
     layer_norm_bwd_cluster8_held_f32
 );
 cluster_kernels!(
+    true,
     crate::element::F16,
     layer_norm_bwd_cluster8_f16,
     layer_norm_bwd_cluster2_held_f16,
@@ -147,9 +149,34 @@ cluster_kernels!(
     layer_norm_bwd_cluster8_held_f16
 );
 cluster_kernels!(
+    true,
     crate::element::Bf16,
     layer_norm_bwd_cluster8_bf16,
     layer_norm_bwd_cluster2_held_bf16,
     layer_norm_bwd_cluster4_held_bf16,
     layer_norm_bwd_cluster8_held_bf16
+);
+cluster_kernels!(
+    false,
+    f32,
+    rms_norm_bwd_cluster8_f32,
+    rms_norm_bwd_cluster2_held_f32,
+    rms_norm_bwd_cluster4_held_f32,
+    rms_norm_bwd_cluster8_held_f32
+);
+cluster_kernels!(
+    false,
+    crate::element::F16,
+    rms_norm_bwd_cluster8_f16,
+    rms_norm_bwd_cluster2_held_f16,
+    rms_norm_bwd_cluster4_held_f16,
+    rms_norm_bwd_cluster8_held_f16
+);
+cluster_kernels!(
+    false,
+    crate::element::Bf16,
+    rms_norm_bwd_cluster8_bf16,
+    rms_norm_bwd_cluster2_held_bf16,
+    rms_norm_bwd_cluster4_held_bf16,
+    rms_norm_bwd_cluster8_held_bf16
 );
