@@ -11,10 +11,6 @@ use crate::element::Element;
 use crate::error::Result;
 use crate::tensor::host_vec;
 
-/// Bytes of a page, and half of one: the CPU forward's row buffers sit half a page apart.
-const PAGE: usize = 4096;
-const PAGE_HALF: usize = PAGE / 2;
-
 /// Elements a thread of the CPU forward takes at the least: below that, starting a thread
 /// costs more than the rows it would take.
 const FORWARD_ELEMENTS_PER_THREAD: usize = 1 << 16;
@@ -48,24 +44,16 @@ pub(crate) fn forward<T: Element>(
         .min(rows)
         .min((rows * n / FORWARD_ELEMENTS_PER_THREAD).max(1));
     let chunk = rows.div_ceil(threads.max(1)).max(1);
-    // Each thread's two row buffers in one allocation, ys starting half a page (mod 4 KiB)
-    // after xs: the y pass loads xs[j] while it stores ys[j], and where the two addresses
-    // agree in their low 12 bits (two back-to-back allocations of 16 KiB rows, say) the CPU
-    // takes each load for a read of the pending store and stalls it ("4K aliasing").
-    let gap = (PAGE_HALF + PAGE - (n * 4) % PAGE) % PAGE / 4;
     let mut scratch = Vec::new();
     for _ in 0..threads {
-        scratch.push(zeroed_with::<f32>(2 * n + gap, during)?);
+        scratch.push((zeroed_with::<f32>(n, during)?, zeroed_with::<f32>(n, during)?));
     }
     let parts = x
         .axis_chunks_iter(Axis(0), chunk)
         .zip(y.axis_chunks_iter_mut(Axis(0), chunk))
         .zip(mean.axis_chunks_iter_mut(Axis(0), chunk))
         .zip(rstd.axis_chunks_iter_mut(Axis(0), chunk))
-        .zip(scratch.iter_mut().map(|rows| {
-            let (xs, rest) = rows.split_at_mut(n);
-            (xs, &mut rest[gap..])
-        }));
+        .zip(scratch.iter_mut());
     if threads == 1 {
         // Small problems: no thread to start, the rows run here.
         for ((((x, y), mean), rstd), (xs, ys)) in parts {
