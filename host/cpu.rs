@@ -57,43 +57,69 @@ pub(crate) fn forward<T: Element>(
     if threads == 1 {
         // Small problems: no thread to start, the rows run here.
         for ((((x, y), mean), rstd), (xs, ys)) in parts {
-            forward_rows(x, y, mean, rstd, &gamma, &beta, eps, xs, ys);
+            let (gamma, beta) = (&gamma[..], &beta[..]);
+            forward_rows(RowRun {
+                x,
+                y,
+                mean,
+                rstd,
+                gamma,
+                beta,
+                eps,
+                xs,
+                ys,
+            });
         }
         return Ok(());
     }
     std::thread::scope(|s| {
         for ((((x, y), mean), rstd), (xs, ys)) in parts {
-            let (gamma, beta) = (&gamma, &beta);
-            s.spawn(move || forward_rows(x, y, mean, rstd, gamma, beta, eps, xs, ys));
+            let (gamma, beta) = (&gamma[..], &beta[..]);
+            s.spawn(move || {
+                forward_rows(RowRun {
+                    x,
+                    y,
+                    mean,
+                    rstd,
+                    gamma,
+                    beta,
+                    eps,
+                    xs,
+                    ys,
+                })
+            });
         }
     });
     Ok(())
 }
 
-/// [`forward`] over a run of rows, in `xs` and `ys` (a row each) of scratch. On x86-64 CPUs
-/// with AVX2, FMA and F16C (every x86 server since 2013) the same loops are compiled a second
-/// time for them: twice the lanes of the SSE2 baseline that a portable build targets.
-#[allow(clippy::too_many_arguments)]
-fn forward_rows<T: Element>(
-    x: ArrayView2<'_, T>,
-    y: ArrayViewMut2<'_, T>,
-    mean: ArrayViewMut1<'_, f32>,
-    rstd: ArrayViewMut1<'_, f32>,
-    gamma: &[f32],
-    beta: &[f32],
+/// A run of rows of [`forward`] for one thread, with its scratch `xs` and `ys` (a row each)
+/// and gamma and beta widened.
+struct RowRun<'a, T> {
+    x: ArrayView2<'a, T>,
+    y: ArrayViewMut2<'a, T>,
+    mean: ArrayViewMut1<'a, f32>,
+    rstd: ArrayViewMut1<'a, f32>,
+    gamma: &'a [f32],
+    beta: &'a [f32],
     eps: f32,
-    xs: &mut [f32],
-    ys: &mut [f32],
-) {
+    xs: &'a mut [f32],
+    ys: &'a mut [f32],
+}
+
+/// [`forward`] over a run of rows. On x86-64 CPUs with AVX2, FMA and F16C (every x86 server
+/// since 2013) the same loops are compiled a second time for them: twice the lanes of the
+/// SSE2 baseline that a portable build targets.
+fn forward_rows<T: Element>(run: RowRun<'_, T>) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2")
         && std::arch::is_x86_feature_detected!("fma")
         && std::arch::is_x86_feature_detected!("f16c")
     {
         // SAFETY: the CPU has AVX2, FMA and F16C, checked just above.
-        return unsafe { forward_rows_avx2(x, y, mean, rstd, gamma, beta, eps, xs, ys) };
+        return unsafe { forward_rows_avx2(run) };
     }
-    forward_rows_with(x, y, mean, rstd, gamma, beta, eps, xs, ys, T::widen, T::narrow)
+    forward_rows_with(run, T::widen, T::narrow)
 }
 
 /// [`forward_rows_with`] compiled for AVX2, FMA and F16C, with the conversions built for them.
@@ -102,18 +128,7 @@ fn forward_rows<T: Element>(
 /// The CPU must have AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn forward_rows_avx2<T: Element>(
-    x: ArrayView2<'_, T>,
-    y: ArrayViewMut2<'_, T>,
-    mean: ArrayViewMut1<'_, f32>,
-    rstd: ArrayViewMut1<'_, f32>,
-    gamma: &[f32],
-    beta: &[f32],
-    eps: f32,
-    xs: &mut [f32],
-    ys: &mut [f32],
-) {
+unsafe fn forward_rows_avx2<T: Element>(run: RowRun<'_, T>) {
     let widen = |src: &[T], dst: &mut [f32]| {
         // SAFETY: this function's own contract: the CPU has AVX2, FMA and F16C.
         unsafe { T::widen_avx2(src, dst) }
@@ -122,26 +137,28 @@ unsafe fn forward_rows_avx2<T: Element>(
         // SAFETY: as for `widen`.
         unsafe { T::narrow_avx2(src, dst) }
     };
-    forward_rows_with(x, y, mean, rstd, gamma, beta, eps, xs, ys, widen, narrow)
+    forward_rows_with(run, widen, narrow)
 }
 
 /// The rows of [`forward_rows`], with the row conversions of one instruction set; inlined
 /// into each of its instruction-set variants.
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn forward_rows_with<T: Element>(
-    x: ArrayView2<'_, T>,
-    mut y: ArrayViewMut2<'_, T>,
-    mut mean: ArrayViewMut1<'_, f32>,
-    mut rstd: ArrayViewMut1<'_, f32>,
-    gamma: &[f32],
-    beta: &[f32],
-    eps: f32,
-    xs: &mut [f32],
-    ys: &mut [f32],
+    run: RowRun<'_, T>,
     widen: impl Fn(&[T], &mut [f32]),
     narrow: impl Fn(&[f32], &mut [T]),
 ) {
+    let RowRun {
+        x,
+        mut y,
+        mut mean,
+        mut rstd,
+        gamma,
+        beta,
+        eps,
+        xs,
+        ys,
+    } = run;
     let n = xs.len() as f64;
     for i in 0..x.nrows() {
         let (x, mut y) = (x.row(i), y.row_mut(i));

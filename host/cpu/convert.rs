@@ -16,18 +16,23 @@ pub trait RowConvert: Sized {
     fn widen(src: &[Self], dst: &mut [f32]);
     /// `src` narrowed into `dst` (same lengths), rounding to nearest even.
     fn narrow(src: &[f32], dst: &mut [Self]);
-    /// [`RowConvert::widen`], built for AVX2 and F16C.
+    /// [`RowConvert::widen`], built for AVX2 and F16C (by default the portable one: a copy
+    /// needs no other build).
     ///
     /// # Safety
     /// The CPU must have AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]);
+    unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]) {
+        Self::widen(src, dst)
+    }
     /// [`RowConvert::narrow`], built for AVX2 and F16C; the same results.
     ///
     /// # Safety
     /// The CPU must have AVX2, FMA and F16C.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn narrow_avx2(src: &[f32], dst: &mut [Self]);
+    unsafe fn narrow_avx2(src: &[f32], dst: &mut [Self]) {
+        Self::narrow(src, dst)
+    }
 }
 
 impl RowConvert for f32 {
@@ -35,18 +40,6 @@ impl RowConvert for f32 {
         dst.copy_from_slice(src);
     }
     fn narrow(src: &[f32], dst: &mut [Self]) {
-        dst.copy_from_slice(src);
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn widen_avx2(src: &[Self], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    #[inline]
-    unsafe fn narrow_avx2(src: &[f32], dst: &mut [Self]) {
         dst.copy_from_slice(src);
     }
 }
