@@ -26,7 +26,7 @@ pub(crate) fn forward<T: Element>(
     x: ArrayView2<'_, T>,
     gamma: ArrayView1<'_, T>,
     beta: ArrayView1<'_, T>,
-    eps: f32,
+    norm: Normalization,
     mut y: ArrayViewMut2<'_, T>,
     mut mean: ArrayViewMut1<'_, f32>,
     mut rstd: ArrayViewMut1<'_, f32>,
@@ -65,7 +65,7 @@ pub(crate) fn forward<T: Element>(
                 rstd,
                 gamma,
                 beta,
-                eps,
+                norm,
                 xs,
                 ys,
             });
@@ -83,7 +83,7 @@ pub(crate) fn forward<T: Element>(
                     rstd,
                     gamma,
                     beta,
-                    eps,
+                    norm,
                     xs,
                     ys,
                 })
@@ -102,7 +102,7 @@ struct RowRun<'a, T> {
     rstd: ArrayViewMut1<'a, f32>,
     gamma: &'a [f32],
     beta: &'a [f32],
-    eps: f32,
+    norm: Normalization,
     xs: &'a mut [f32],
     ys: &'a mut [f32],
 }
@@ -155,7 +155,7 @@ fn forward_rows_with<T: Element>(
         mut rstd,
         gamma,
         beta,
-        eps,
+        norm,
         xs,
         ys,
     } = run;
@@ -166,9 +166,15 @@ fn forward_rows_with<T: Element>(
             Some(row) => widen(row, xs),
             None => xs.iter_mut().zip(&x).for_each(|(d, v)| *d = v.to_f32()),
         }
-        let mu = sum_f64(xs, |v| v as f64) / n;
-        let var = sum_f64(xs, |v| (v as f64 - mu) * (v as f64 - mu)) / n;
-        let rs = 1.0 / (var + eps as f64).sqrt();
+        // LayerNorm: mean, then the squared deviations from it. RMSNorm: the mean square,
+        // with the mean taken as 0 (what `mu` is then written as, too).
+        let (mu, var) = if norm.centered {
+            let mu = sum_f64(xs, |v| v as f64) / n;
+            (mu, sum_f64(xs, |v| (v as f64 - mu) * (v as f64 - mu)) / n)
+        } else {
+            (0.0, sum_f64(xs, |v| v as f64 * v as f64) / n)
+        };
+        let rs = 1.0 / (var + norm.eps as f64).sqrt();
         // Every |x - mean| is at most sqrt(n var): where that fits f32, xhat in f32 (half
         // the work of f64, the GPU's arithmetic); else in f64, for rows that span f32's
         // range, where x - mean itself would overflow.
@@ -191,6 +197,14 @@ fn forward_rows_with<T: Element>(
         }
         (mean[i], rstd[i]) = (mu as f32, rs as f32);
     }
+}
+
+/// What a row is divided by: the root of its variance plus eps (LayerNorm, `centered`), or
+/// of its mean square plus eps (RMSNorm).
+#[derive(Clone, Copy)]
+pub(crate) struct Normalization {
+    pub(crate) eps: f32,
+    pub(crate) centered: bool,
 }
 
 /// Partial sums the CPU path keeps apart: independent additions, which the compiler turns into
@@ -224,6 +238,7 @@ pub(crate) fn backward<T: Element>(
     mut dx: ArrayViewMut2<'_, T>,
     mut dgamma: ArrayViewMut1<'_, T>,
     mut dbeta: ArrayViewMut1<'_, T>,
+    centered: bool,
 ) -> Result<()> {
     let n = x.ncols();
     let (mut sum_dgamma, mut sum_dbeta) = (zeroed::<f64>(n)?, zeroed::<f64>(n)?);
@@ -244,6 +259,8 @@ pub(crate) fn backward<T: Element>(
                 sum_dgamma[j] += (dy[j].to_f32() * xhat[j]) as f64;
                 sum_dbeta[j] += dy[j].to_f32() as f64;
             }
+            // RMSNorm's y does not depend on x through a mean: no c2 term.
+            let c2 = if centered { c2 } else { 0.0 };
             let (c1, c2) = ((c1 / n as f64) as f32, (c2 / n as f64) as f32);
             for j in 0..n {
                 dx[j] = T::from_f32(rs * (wdy[j] - (xhat[j] * c1 + c2)));

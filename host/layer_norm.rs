@@ -20,6 +20,7 @@ use crate::element::Element;
 use crate::error::{DriverContext, Error, Result};
 use crate::gpu::launch::{Backward, Forward};
 use crate::gpu::layer_norm as gpu;
+use crate::plan::Norm;
 use crate::tensor::{Data, Tensor};
 
 /// The largest row count and row length: the kernels index rows and columns with u32 and
@@ -117,6 +118,8 @@ pub struct LayerNorm<T: Element> {
     beta: Param<T>,
     eps: f32,
     mode: BackwardMode,
+    /// LayerNorm, or RMSNorm (`crate::rms_norm::RmsNorm` is this op with `Norm::Rms`).
+    norm: Norm,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
@@ -127,28 +130,38 @@ impl<T: Element> LayerNorm<T> {
         let [n] = gamma.dims1("gamma")?;
         beta.expect_shape("beta", &[n])?;
         gamma.device().check("beta", &beta)?;
-        Self::build(n, Param::Given(gamma), Param::Given(beta), eps)
+        Self::build(n, Param::Given(gamma), Param::Given(beta), eps, Norm::Layer)
     }
 
     /// An op with weight `gamma` (`[n]`) and no bias (PyTorch's `bias=False`): y = xhat *
     /// gamma, and the backward's [`Gradients::dbeta`] is `None`.
     pub fn without_bias(gamma: Tensor<T>, eps: f32) -> Result<Self> {
-        let [n] = gamma.dims1("gamma")?;
-        check_config(n, eps)?;
-        let zeros = gamma.device().zeros(&[n])?;
-        Self::build(n, Param::Given(gamma), Param::Absent(zeros), eps)
+        Self::weighted(gamma, eps, Norm::Layer)
     }
 
     /// An op with neither weight nor bias over rows of `n` on `device` (PyTorch's
     /// `elementwise_affine=False`): y = xhat, and the backward returns dx only.
     pub fn without_affine(device: &Device, n: usize, eps: f32) -> Result<Self> {
+        Self::unweighted(device, n, eps, Norm::Layer)
+    }
+
+    /// `norm` over rows of `n` with neither weight nor bias.
+    pub(crate) fn unweighted(device: &Device, n: usize, eps: f32, norm: Norm) -> Result<Self> {
         check_config(n, eps)?;
         let ones = device.full(&[n], T::from_f32(1.0))?;
         let zeros = device.zeros(&[n])?;
-        Self::build(n, Param::Absent(ones), Param::Absent(zeros), eps)
+        Self::build(n, Param::Absent(ones), Param::Absent(zeros), eps, norm)
     }
 
-    fn build(n: usize, gamma: Param<T>, beta: Param<T>, eps: f32) -> Result<Self> {
+    /// `norm` with weight `gamma` and no bias.
+    pub(crate) fn weighted(gamma: Tensor<T>, eps: f32, norm: Norm) -> Result<Self> {
+        let [n] = gamma.dims1("gamma")?;
+        check_config(n, eps)?;
+        let zeros = gamma.device().zeros(&[n])?;
+        Self::build(n, Param::Given(gamma), Param::Absent(zeros), eps, norm)
+    }
+
+    fn build(n: usize, gamma: Param<T>, beta: Param<T>, eps: f32, norm: Norm) -> Result<Self> {
         check_config(n, eps)?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Ok(LayerNorm {
@@ -158,6 +171,7 @@ impl<T: Element> LayerNorm<T> {
             beta,
             eps,
             mode: BackwardMode::default(),
+            norm,
         })
     }
 
@@ -309,7 +323,10 @@ impl<T: Element> LayerNorm<T> {
                 rows_of(x, rows, n),
                 ArrayView1::from(gamma),
                 ArrayView1::from(beta),
-                self.eps,
+                cpu::Normalization {
+                    eps: self.eps,
+                    centered: self.norm == Norm::Layer,
+                },
                 rows_of_mut(y, rows, n),
                 ArrayViewMut1::from(mean),
                 ArrayViewMut1::from(rstd),
@@ -335,6 +352,7 @@ impl<T: Element> LayerNorm<T> {
                     n: n as u32,
                     eps: self.eps,
                     packed,
+                    norm: self.norm,
                 };
                 gpu::forward(g, a)
             }
@@ -489,6 +507,7 @@ impl<T: Element> LayerNorm<T> {
                 rows_of_mut(dx, rows, n),
                 ArrayViewMut1::from(dgamma),
                 ArrayViewMut1::from(dbeta),
+                self.norm == Norm::Layer,
             ),
             (
                 In::Cuda(x),
@@ -512,6 +531,7 @@ impl<T: Element> LayerNorm<T> {
                     rows: rows as u32,
                     n: n as u32,
                     packed,
+                    norm: self.norm,
                 };
                 let reduction = match self.mode {
                     BackwardMode::Deterministic => gpu::Reduction::Owned,

@@ -39,6 +39,7 @@ mod layer_norm;
 #[path = "../kernels-gpu/layout/mod.rs"]
 mod layout;
 pub mod plan;
+mod rms_norm;
 mod tensor;
 
 pub use borrowed::{BorrowedTensor, BorrowedTensorMut};
@@ -49,4 +50,5 @@ pub use element::Element;
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use layer_norm::{BackwardMode, BorrowedGradients, Context, Gradients, LayerNorm, MAX_DIM};
+pub use rms_norm::RmsNorm;
 pub use tensor::Tensor;

@@ -1,4 +1,4 @@
-//! The float64 LayerNorm that layernorm-cuda's outputs are compared with, written from its
+//! The float64 LayerNorm and RMSNorm that layernorm-cuda's outputs are compared with, written from its
 //! definition and independently of the library's CPU path. Its inputs are values already
 //! rounded to the storage type, so that only the computation is compared, not the input
 //! rounding.
@@ -18,6 +18,8 @@ pub struct Row {
     pub var: f64,
     pub rstd: f64,
     pub xhat: Vec<f64>,
+    /// LayerNorm's row (centered on its mean), or RMSNorm's ([`Row::rms`]).
+    pub centered: bool,
 }
 
 impl Row {
@@ -33,6 +35,23 @@ impl Row {
             var,
             rstd,
             xhat,
+            centered: true,
+        }
+    }
+
+    /// The row `x` as RMSNorm normalizes it: not centered (mean 0), var the mean square
+    /// sum x^2 / n, rstd = 1 / sqrt(var + eps), xhat = x * rstd.
+    pub fn rms(x: &[f64], eps: f64) -> Row {
+        let n = x.len() as f64;
+        let var = x.iter().map(|v| v * v).sum::<f64>() / n;
+        let rstd = 1.0 / (var + eps).sqrt();
+        let xhat = x.iter().map(|v| v * rstd).collect();
+        Row {
+            mean: 0.0,
+            var,
+            rstd,
+            xhat,
+            centered: false,
         }
     }
 
@@ -48,10 +67,15 @@ impl Row {
     /// dx for the upstream gradient `dy`, from the closed form with g = gamma * dy:
     /// dx = rstd * ((g - mean_j g) - xhat * mean_j (g * xhat)). Subtracting mean_j g first
     /// gives exactly 0 where it should (n = 1: g equals its own mean, and xhat is 0).
+    /// RMSNorm's rows have no mean_j g term (y does not depend on x through a mean).
     pub fn dx(&self, dy: &[f64], gamma: &[f64]) -> Vec<f64> {
         let n = self.xhat.len() as f64;
         let g: Vec<f64> = dy.iter().zip(gamma).map(|(d, w)| w * d).collect();
-        let mean_g = g.iter().sum::<f64>() / n;
+        let mean_g = if self.centered {
+            g.iter().sum::<f64>() / n
+        } else {
+            0.0
+        };
         let mean_gx = g.iter().zip(&self.xhat).map(|(g, xh)| g * xh).sum::<f64>() / n;
         g.iter()
             .zip(&self.xhat)
@@ -107,4 +131,38 @@ pub fn backward(
     }
     let dx = Array2::from_shape_vec(x.dim(), dx).expect("one dx row per x row");
     (dx, dgamma.into(), dbeta.into())
+}
+
+/// RMSNorm's (y, rstd) of each row of `x` (see [`Row::rms`]): y = xhat * gamma.
+pub fn rms_forward(x: ArrayView2<f64>, gamma: ArrayView1<f64>, eps: f64) -> (Array2<f64>, Array1<f64>) {
+    let gamma = gamma.to_vec();
+    let zeros = vec![0.0; gamma.len()];
+    let (mut y, mut rstd) = (Vec::with_capacity(x.len()), Vec::new());
+    for x_row in x.rows() {
+        let row = Row::rms(&x_row.to_vec(), eps);
+        y.extend(row.y(&gamma, &zeros));
+        rstd.push(row.rstd);
+    }
+    let y = Array2::from_shape_vec(x.dim(), y).expect("one y row per x row");
+    (y, rstd.into())
+}
+
+/// RMSNorm's (dx, dgamma) for upstream gradient `dy`.
+pub fn rms_backward(
+    x: ArrayView2<f64>,
+    dy: ArrayView2<f64>,
+    gamma: ArrayView1<f64>,
+    eps: f64,
+) -> (Array2<f64>, Array1<f64>) {
+    assert_eq!(x.dim(), dy.dim(), "x and dy have the same shape");
+    let gamma = gamma.to_vec();
+    let n = x.ncols();
+    let (mut dx, mut dgamma, mut dbeta) = (Vec::with_capacity(x.len()), vec![0.0; n], vec![0.0; n]);
+    for (x_row, dy_row) in x.rows().into_iter().zip(dy.rows()) {
+        let (row, dy_row) = (Row::rms(&x_row.to_vec(), eps), dy_row.to_vec());
+        dx.extend(row.dx(&dy_row, &gamma));
+        row.add_param_grads(&dy_row, &mut dgamma, &mut dbeta);
+    }
+    let dx = Array2::from_shape_vec(x.dim(), dx).expect("one dx row per x row");
+    (dx, dgamma.into())
 }

@@ -13,7 +13,7 @@ use super::Gpu;
 use super::module::Kernel;
 use crate::element::Element;
 use crate::error::{DriverContext, Error, Result};
-use crate::plan::{Variant, pack_len};
+use crate::plan::{Norm, Variant, pack_len};
 
 // What the kernels and the launches must agree on, from the one crate both compile.
 pub(crate) use crate::layout::{BWD_HELD, CLUSTER_SIZE, SCRATCH_BYTES};
@@ -117,6 +117,8 @@ pub(crate) struct Forward<'a, T> {
     /// Every row of x and y, gamma and beta start 16-byte aligned (aligned views and n a
     /// whole number of packs).
     pub(crate) packed: bool,
+    /// LayerNorm's kernels or RMSNorm's.
+    pub(crate) norm: Norm,
 }
 
 /// Whether `cols` columns of whole packs (a row, or a cluster's slice of one) fit `held`
@@ -180,6 +182,8 @@ pub(crate) struct Backward<'a, T> {
     /// Every row of x, dy and dx, and gamma, start 16-byte aligned (aligned views and n a
     /// whole number of packs).
     pub(crate) packed: bool,
+    /// LayerNorm's kernels or RMSNorm's.
+    pub(crate) norm: Norm,
 }
 
 impl<T: Element> Backward<'_, T> {
@@ -263,7 +267,7 @@ pub(crate) fn backward_owned<T: Element>(
         "owned smem",
     );
     require(local || team == Team::Block, "warp teams sum in shared memory");
-    let k = gpu.kernels.of::<T>();
+    let k = gpu.kernels.of_norm::<T>(a.norm);
     let f = k.any(if team == Team::Warp {
         Variant::BwdOwnedWarp
     } else {
@@ -308,7 +312,7 @@ pub(crate) fn backward_held<T: Element>(
         launch.smem as usize >= held_smem::<T>(launch.threads * launch.stacked),
         "held smem",
     );
-    let k = gpu.kernels.of::<T>();
+    let k = gpu.kernels.of_norm::<T>(a.norm);
     let f = k.any(if team == Team::Warp {
         Variant::BwdHeldWarp
     } else {
@@ -356,7 +360,7 @@ pub(crate) fn backward_cluster<T: Element>(
         part_dgamma.len() >= parts && part_dbeta.len() >= parts,
         "cluster partials",
     );
-    let k = gpu.kernels.of::<T>();
+    let k = gpu.kernels.of_norm::<T>(a.norm);
     let (kernel, smem) = if held {
         let slice = cluster_slice::<T>(a.n, size);
         let slice_fits = a.packed && fits_held::<T>(Team::Block, launch.threads, slice, BWD_HELD);
@@ -423,7 +427,7 @@ pub(crate) fn backward_locked<T: Element>(
     );
     require(words.len() >= 2 * groups as usize, "lock words");
     require(launch.smem >= SCRATCH_BYTES, "scratch");
-    let k = gpu.kernels.of::<T>();
+    let k = gpu.kernels.of_norm::<T>(a.norm);
     let f = k.any(if team == Team::Warp {
         Variant::BwdLockedWarp
     } else {

@@ -62,7 +62,7 @@ fn balanced(launch: Launch, rows: u32, team: Team) -> Launch {
 /// Queues the forward of `[rows, n]` (rows, n >= 1).
 pub(crate) fn forward<T: Element>(gpu: &Gpu, a: Forward<'_, T>) -> Result<()> {
     let plan = plan::<T>(a.n, Pass::Forward, a.packed, gpu.kernels.limits)?;
-    let kernel = gpu.kernels.of::<T>().any(plan.variant);
+    let kernel = gpu.kernels.of_norm::<T>(a.norm).any(plan.variant);
     let launch = resident(gpu, kernel, a.rows, &plan)?;
     launch::forward(gpu, kernel, launch, a)
 }
@@ -105,7 +105,7 @@ pub(crate) fn backward<T: Element>(
     };
     let plan = plan::<T>(n, pass, stage1.packed, gpu.kernels.limits)?;
     let team = team_of(&plan);
-    let kernel = gpu.kernels.of::<T>().any(plan.variant);
+    let kernel = gpu.kernels.of_norm::<T>(stage1.norm).any(plan.variant);
     let (parts_dgamma, parts_dbeta, part_rows) = match (mode, plan.variant) {
         (
             Reduction::Owned,

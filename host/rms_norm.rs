@@ -1,0 +1,116 @@
+//! RMSNorm: per row, rstd = 1 / sqrt(sum_j x_j^2 / n + eps) and y_j = x_j * rstd * gamma_j.
+//!
+//! The same op as [`LayerNorm`], with the rows not centered: the same checks, contexts,
+//! devices and backward modes, and the same kernels compiled for RMSNorm (`rms_norm_*` in
+//! kernels-gpu; the backward drops LayerNorm's mean(gamma * dy) term). This file is the
+//! public face: the constructors RMSNorm has (a weight or none, never a bias), and the calls,
+//! each handed to the shared op.
+
+use ndarray::ArrayView1;
+
+use crate::borrowed::{BorrowedTensor, BorrowedTensorMut};
+use crate::device::Device;
+use crate::element::Element;
+use crate::error::Result;
+use crate::layer_norm::{BackwardMode, BorrowedGradients, Context, Gradients, LayerNorm};
+use crate::plan::Norm;
+use crate::tensor::Tensor;
+
+/// RMSNorm over the last dimension of `[..., n]` inputs, with weight gamma or none
+/// (PyTorch's `torch.nn.RMSNorm`, `elementwise_affine` true or false). Its contexts hold
+/// the per-row rstd, and a mean of 0. Its gradients have no `dbeta`.
+#[derive(Clone, Debug)]
+pub struct RmsNorm<T: Element> {
+    op: LayerNorm<T>,
+}
+
+impl<T: Element> RmsNorm<T> {
+    /// An op with weight `gamma` (`[n]`) and `eps` (finite, > 0).
+    pub fn new(gamma: Tensor<T>, eps: f32) -> Result<Self> {
+        Ok(RmsNorm {
+            op: LayerNorm::weighted(gamma, eps, Norm::Rms)?,
+        })
+    }
+
+    /// An op without weight over rows of `n` on `device`: y = x * rstd, and the backward
+    /// returns dx only.
+    pub fn without_affine(device: &Device, n: usize, eps: f32) -> Result<Self> {
+        Ok(RmsNorm {
+            op: LayerNorm::unweighted(device, n, eps, Norm::Rms)?,
+        })
+    }
+
+    /// Uploads `gamma` to `device`, then as [`RmsNorm::new`].
+    pub fn from_array(device: &Device, gamma: ArrayView1<'_, T>, eps: f32) -> Result<Self> {
+        Self::new(device.upload(gamma)?, eps)
+    }
+
+    /// The same op with backward mode `mode` (as [`LayerNorm::with_backward_mode`]).
+    pub fn with_backward_mode(self, mode: BackwardMode) -> Result<Self> {
+        Ok(RmsNorm {
+            op: self.op.with_backward_mode(mode)?,
+        })
+    }
+
+    /// The device its weight (or its rows) live on.
+    pub fn device(&self) -> &Device {
+        self.op.device()
+    }
+
+    /// Row length.
+    pub fn n(&self) -> usize {
+        self.op.n()
+    }
+
+    /// The weight, where the op has one.
+    pub fn gamma(&self) -> Option<&Tensor<T>> {
+        self.op.gamma()
+    }
+
+    pub fn eps(&self) -> f32 {
+        self.op.eps()
+    }
+
+    pub fn backward_mode(&self) -> BackwardMode {
+        self.op.backward_mode()
+    }
+
+    /// y for `x` (`[..., n]`), and the context the backward needs.
+    pub fn forward(&self, x: &Tensor<T>) -> Result<(Tensor<T>, Context<T>)> {
+        self.op.forward(x)
+    }
+
+    /// As [`RmsNorm::forward`], into `y` (x's shape).
+    pub fn forward_into(&self, x: &Tensor<T>, y: &mut Tensor<T>) -> Result<Context<T>> {
+        self.op.forward_into(x, y)
+    }
+
+    /// As [`LayerNorm::forward_borrowed`]: on memory the caller keeps owning.
+    pub fn forward_borrowed<'x>(
+        &self,
+        x: &BorrowedTensor<'x, T>,
+        y: &mut BorrowedTensorMut<'_, T>,
+    ) -> Result<Context<T, BorrowedTensor<'x, T>>> {
+        self.op.forward_borrowed(x, y)
+    }
+
+    /// dx and, where the op has a weight, dgamma for upstream gradient `dy`.
+    pub fn backward(&self, ctx: &Context<T>, dy: &Tensor<T>) -> Result<Gradients<T>> {
+        self.op.backward(ctx, dy)
+    }
+
+    /// As [`RmsNorm::backward`], into `grads` (its `dbeta` must be `None`).
+    pub fn backward_into(&self, ctx: &Context<T>, dy: &Tensor<T>, grads: &mut Gradients<T>) -> Result<()> {
+        self.op.backward_into(ctx, dy, grads)
+    }
+
+    /// As [`LayerNorm::backward_borrowed`]: on memory the caller keeps owning.
+    pub fn backward_borrowed(
+        &self,
+        ctx: &Context<T, BorrowedTensor<'_, T>>,
+        dy: &BorrowedTensor<'_, T>,
+        grads: &mut BorrowedGradients<'_, T>,
+    ) -> Result<()> {
+        self.op.backward_borrowed(ctx, dy, grads)
+    }
+}
