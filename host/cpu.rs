@@ -48,46 +48,32 @@ pub(crate) fn forward<T: Element>(
     for _ in 0..threads {
         scratch.push((zeroed_with::<f32>(n, during)?, zeroed_with::<f32>(n, during)?));
     }
-    let parts = x
+    let (gamma, beta) = (&gamma[..], &beta[..]);
+    let runs = x
         .axis_chunks_iter(Axis(0), chunk)
         .zip(y.axis_chunks_iter_mut(Axis(0), chunk))
         .zip(mean.axis_chunks_iter_mut(Axis(0), chunk))
         .zip(rstd.axis_chunks_iter_mut(Axis(0), chunk))
-        .zip(scratch.iter_mut());
+        .zip(scratch.iter_mut())
+        .map(|((((x, y), mean), rstd), (xs, ys))| RowRun {
+            x,
+            y,
+            mean,
+            rstd,
+            gamma,
+            beta,
+            norm,
+            xs,
+            ys,
+        });
     if threads == 1 {
         // Small problems: no thread to start, the rows run here.
-        for ((((x, y), mean), rstd), (xs, ys)) in parts {
-            let (gamma, beta) = (&gamma[..], &beta[..]);
-            forward_rows(RowRun {
-                x,
-                y,
-                mean,
-                rstd,
-                gamma,
-                beta,
-                norm,
-                xs,
-                ys,
-            });
-        }
+        runs.for_each(forward_rows);
         return Ok(());
     }
     std::thread::scope(|s| {
-        for ((((x, y), mean), rstd), (xs, ys)) in parts {
-            let (gamma, beta) = (&gamma[..], &beta[..]);
-            s.spawn(move || {
-                forward_rows(RowRun {
-                    x,
-                    y,
-                    mean,
-                    rstd,
-                    gamma,
-                    beta,
-                    norm,
-                    xs,
-                    ys,
-                })
-            });
+        for run in runs {
+            s.spawn(move || forward_rows(run));
         }
     });
     Ok(())
