@@ -62,14 +62,19 @@ const PART_HELD: usize = crate::layout::PART_HELD as usize;
 /// stay far above f32's smallest normal.
 const HUGE_ROW_SCALE: f32 = 1.0 / (1u128 << 81) as f32;
 
-/// What a row's rstd is the inverse root of: its variance plus eps (LayerNorm, `centered`),
-/// or its mean square plus eps (RMSNorm: x is not centered, as if its mean were 0). The
-/// mean square is var + mean^2 from the same statistics, so both norms share every path
-/// that gathers them.
-#[derive(Clone, Copy)]
-struct RstdOf {
-    eps: f32,
-    centered: bool,
+/// The (mean, M2) that [`RowNorm::of`] takes for a row of mean `mean` and M2 `m2`:
+/// themselves for LayerNorm (`CENTERED`); for RMSNorm, a mean of 0 and the sum of squares
+///   sum_j x_j^2 = M2 + n mean^2   (two non-negative terms: no cancellation)
+/// so that rstd = 1 / sqrt(sum_j x_j^2 / n + eps) and xhat_j = x_j rstd, and a sum of
+/// squares past f32's range takes the scaled path as an overflowed M2 does. A plain pair,
+/// not a second form of `of`: each norm's `of` and the `?` after it stay the same code.
+#[inline(always)]
+fn uncentered<const CENTERED: bool>(mean: f32, m2: f32, n: u32) -> (f32, f32) {
+    if CENTERED {
+        (mean, m2)
+    } else {
+        (0.0, fma(mean * n as f32, mean, m2))
+    }
 }
 
 /// How a row is normalized, from its mean and rstd:
@@ -91,22 +96,11 @@ impl RowNorm {
     /// finite: the sums overflowed, or the row holds a NaN or an infinity (whose rows the
     /// scaled statistics leave NaN, as they should be).
     #[inline(always)]
-    fn of(mean: f32, m2: f32, n: u32, rstd_of: RstdOf) -> Option<RowNorm> {
+    fn of(mean: f32, m2: f32, n: u32, eps: f32) -> Option<RowNorm> {
         if !m2.is_finite() {
             return None;
         }
-        let (mean, square) = if rstd_of.centered {
-            (mean, m2 / n as f32)
-        } else {
-            // RMSNorm: the mean square, var + mean^2 (two non-negative terms, no
-            // cancellation), and no centering.
-            let square = fma(mean, mean, m2 / n as f32);
-            if !square.is_finite() {
-                return None;
-            }
-            (0.0, square)
-        };
-        let rstd = 1.0 / sqrt_rn(square + rstd_of.eps);
+        let rstd = 1.0 / sqrt_rn(m2 / n as f32 + eps);
         Some(RowNorm {
             neg_half_mean: -0.5 * mean,
             twice_rstd: 2.0 * rstd,
@@ -118,18 +112,12 @@ impl RowNorm {
     /// in f32, as in any f32 result of such a row. The mean of a row lies within its
     /// values; the clamp undoes a rounding past f32's largest.
     #[inline(always)]
-    fn of_scaled(mean_s: f32, m2_s: f32, n: u32, rstd_of: RstdOf) -> RowNorm {
+    fn of_scaled(mean_s: f32, m2_s: f32, n: u32, eps: f32) -> RowNorm {
         let scale = HUGE_ROW_SCALE as f64;
-        let (mean, square) = if rstd_of.centered {
-            let mean = (mean_s / HUGE_ROW_SCALE).clamp(f32::MIN, f32::MAX);
-            (mean, m2_s as f64 / n as f64 / (scale * scale))
-        } else {
-            let square_s = m2_s as f64 / n as f64 + mean_s as f64 * mean_s as f64;
-            (0.0, square_s / (scale * scale))
-        };
-        let rstd = 1.0 / sqrt_f64(square + rstd_of.eps as f64);
+        let var = m2_s as f64 / n as f64 / (scale * scale);
+        let rstd = 1.0 / sqrt_f64(var + eps as f64);
         RowNorm {
-            neg_half_mean: -0.5 * mean,
+            neg_half_mean: -0.5 * (mean_s / HUGE_ROW_SCALE).clamp(f32::MIN, f32::MAX),
             twice_rstd: (2.0 * rstd) as f32,
         }
     }
@@ -163,11 +151,7 @@ impl RowNorm {
 #[inline(always)]
 unsafe fn forward_rows<T: Element, S: StatsTeam, const CENTERED: bool>(p: Forward<T>) {
     let (x, gamma, beta, y) = (p.x.ptr(), p.gamma.ptr(), p.beta.ptr(), p.y.ptr());
-    let (mean, rstd, rows, n) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n);
-    let rstd_of = RstdOf {
-        eps: p.eps,
-        centered: CENTERED,
-    };
+    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let staged = Staged::<PART_HELD>::after(SCRATCH_BYTES);
     let mut row = S::id();
     while row < rows {
@@ -181,19 +165,19 @@ unsafe fn forward_rows<T: Element, S: StatsTeam, const CENTERED: bool>(p: Forwar
         // SAFETY: as above; `packed` was checked for every pointer the packed path reads.
         let norm = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
-                forward_row::<T, S, true, FWD_HELD>(x_row, gamma, beta, y_row, n, rstd_of)
+                forward_row::<T, S, CENTERED, true, FWD_HELD>(x_row, gamma, beta, y_row, n, eps)
             } else if packed && S::HOLDS_PART_OF_LONG_ROWS && staged.holds::<T, S>(n) {
-                forward_row_staged::<T, S>(x_row, gamma, beta, y_row, n, rstd_of, staged)
+                forward_row_staged::<T, S, CENTERED>(x_row, gamma, beta, y_row, n, eps, staged)
             } else if packed {
-                forward_row::<T, S, true, 0>(x_row, gamma, beta, y_row, n, rstd_of)
+                forward_row::<T, S, CENTERED, true, 0>(x_row, gamma, beta, y_row, n, eps)
             } else {
-                forward_row::<T, S, false, 0>(x_row, gamma, beta, y_row, n, rstd_of)
+                forward_row::<T, S, CENTERED, false, 0>(x_row, gamma, beta, y_row, n, eps)
             }
         };
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
         unsafe {
             let norm =
-                norm.unwrap_or_else(|| forward_row_huge::<T, S>(x_row, gamma, beta, y_row, n, rstd_of));
+                norm.unwrap_or_else(|| forward_row_huge::<T, S, CENTERED>(x_row, gamma, beta, y_row, n, eps));
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         row += S::count();
@@ -208,13 +192,19 @@ unsafe fn forward_rows<T: Element, S: StatsTeam, const CENTERED: bool>(p: Forwar
 /// As for [`forward_rows`], for one row; with
 /// `PACKED`, all four pointers 16-byte aligned; with `HELD` > 0, the row [`fits`].
 #[inline(always)]
-unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
+unsafe fn forward_row<
+    T: Element,
+    S: StatsTeam,
+    const CENTERED: bool,
+    const PACKED: bool,
+    const HELD: usize,
+>(
     x: *const T,
     gamma: *const T,
     beta: *const T,
     y: *mut T,
     n: u32,
-    rstd_of: RstdOf,
+    eps: f32,
 ) -> Option<RowNorm> {
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let held = unsafe { Held::<HELD>::load::<T, S>(x, if PACKED { n / T::PACK as u32 } else { 0 }) };
@@ -242,7 +232,10 @@ unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: 
         let stats = S::reduce_stats(stats);
         (stats.mean, stats.m2)
     };
-    let norm = RowNorm::of(mean, m2, n, rstd_of)?;
+    let norm = {
+        let (mean, m2) = uncentered::<CENTERED>(mean, m2, n);
+        RowNorm::of(mean, m2, n, eps)?
+    };
     // SAFETY: as for this function.
     unsafe { write_y::<T, S, PACKED, HELD>(&held, x, gamma, beta, y, n, norm) };
     Some(norm)
@@ -257,13 +250,13 @@ unsafe fn forward_row<T: Element, S: StatsTeam, const PACKED: bool, const HELD: 
 /// # Safety
 /// As [`forward_row`] requires, without alignment.
 #[inline(always)]
-unsafe fn forward_row_huge<T: Element, S: StatsTeam>(
+unsafe fn forward_row_huge<T: Element, S: StatsTeam, const CENTERED: bool>(
     x: *const T,
     gamma: *const T,
     beta: *const T,
     y: *mut T,
     n: u32,
-    rstd_of: RstdOf,
+    eps: f32,
 ) -> RowNorm {
     // Two plain passes for the statistics (mean, then M2), as the held rows take them: no
     // divisions, and fewer live values than Chan's merges.
@@ -279,7 +272,10 @@ unsafe fn forward_row_huge<T: Element, S: StatsTeam>(
         let d = scaled(j) - mean;
         m2 = fma(d, d, m2);
     });
-    let norm = RowNorm::of_scaled(mean, S::sum2(m2, 0.0).0, n, rstd_of);
+    let norm = {
+        let (mean, m2) = uncentered::<CENTERED>(mean, S::sum2(m2, 0.0).0, n);
+        RowNorm::of_scaled(mean, m2, n, eps)
+    };
     for_each_chunk::<T, S, false, 0>(n, |j, len, _| {
         // SAFETY: as above; the caller's guarantee for y, gamma and beta.
         unsafe { write_y_chunk(gamma, beta, y, j, len, read(x, j, len), norm) }
@@ -296,13 +292,13 @@ unsafe fn forward_row_huge<T: Element, S: StatsTeam>(
 /// As for [`forward_rows`], for one row; all four pointers 16-byte aligned; `staged`
 /// [`Staged::holds`] the row, and its shared memory is this block's one team's.
 #[inline(always)]
-unsafe fn forward_row_staged<T: Element, S: StatsTeam>(
+unsafe fn forward_row_staged<T: Element, S: StatsTeam, const CENTERED: bool>(
     x: *const T,
     gamma: *const T,
     beta: *const T,
     y: *mut T,
     n: u32,
-    rstd_of: RstdOf,
+    eps: f32,
     staged: Staged<PART_HELD>,
 ) -> Option<RowNorm> {
     // SAFETY: the row is aligned whole packs (its tail elements are read one by one by the
@@ -328,7 +324,10 @@ unsafe fn forward_row_staged<T: Element, S: StatsTeam>(
             }
         })
     };
-    let norm = RowNorm::of(mean, S::sum2(m2, 0.0).0, n, rstd_of)?;
+    let norm = {
+        let (mean, m2) = uncentered::<CENTERED>(mean, S::sum2(m2, 0.0).0, n);
+        RowNorm::of(mean, m2, n, eps)?
+    };
     // SAFETY: y holds the row and gamma, beta its n columns (the caller's guarantee), all
     // 16-byte aligned; `held` and the staging hold this row's x.
     unsafe {
@@ -439,11 +438,7 @@ const PIPE_HELD: usize = crate::layout::PIPE_HELD as usize;
 #[inline(always)]
 unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam, const CENTERED: bool>(p: Forward<T>) {
     let (x, gamma, beta, y) = (p.x.ptr(), p.gamma.ptr(), p.beta.ptr(), p.y.ptr());
-    let (mean, rstd, rows, n) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n);
-    let rstd_of = RstdOf {
-        eps: p.eps,
-        centered: CENTERED,
-    };
+    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let row_of = |row: u32| x.wrapping_add(row as usize * n as usize);
     // Past the last row nothing is loaded (the pipeline's end).
     let load = |row: u32| {
@@ -469,12 +464,13 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam, const CENTERED: bool>
         // SAFETY: row < rows: the row lies inside y, its statistics inside mean and rstd.
         unsafe {
             let y_row = y.add(row as usize * n as usize);
-            let norm = match RowNorm::of(m, m2, n, rstd_of) {
+            let (m, m2) = uncentered::<CENTERED>(m, m2, n);
+            let norm = match RowNorm::of(m, m2, n, eps) {
                 Some(norm) => {
                     write_y::<T, S, true, PIPE_HELD>(&held, x_row, gamma, beta, y_row, n, norm);
                     norm
                 }
-                None => forward_row_huge::<T, S>(x_row, gamma, beta, y_row, n, rstd_of),
+                None => forward_row_huge::<T, S, CENTERED>(x_row, gamma, beta, y_row, n, eps),
             };
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }

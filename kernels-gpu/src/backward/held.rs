@@ -186,7 +186,7 @@ pub(crate) unsafe fn backward_row_held<T: Element, S: Team>(
     // SAFETY: as this function requires of every row.
     let upcoming = unsafe { load_held_row::<T, S>(r, next) };
     let (s1, s2) = S::sum2(s1, s2);
-    let coefficients = DxCoefficients::new(s1, s2, r.n, r.centered);
+    let coefficients = DxCoefficients::new(s1, r.s2(s2), r.n);
 
     // Pass 2.
     for_each_chunk::<T, S, true, BWD_HELD>(r.cols, |j, _, slot| {

@@ -99,6 +99,15 @@ pub(crate) struct Rows<T> {
 }
 
 impl<T> Rows<T> {
+    /// The s2 that dx's c2 = s2 / n takes: the row's sum_j wdy_j, or 0 for rows that are not
+    /// `centered` (RMSNorm), whose dx has no c2 term (then fma(wdy, 1/2, -0) is wdy / 2
+    /// exactly). A plain value chosen here, not a branch inside [`DxCoefficients::new`]:
+    /// each norm's kernels then keep the code and registers of their own arm only.
+    #[inline(always)]
+    pub(crate) fn s2(&self, sum_wdy: f32) -> f32 {
+        if self.centered { sum_wdy } else { 0.0 }
+    }
+
     /// A launch's rows, all `n` columns of each.
     #[inline(always)]
     pub(crate) fn of(p: BackwardRows<T>, centered: bool) -> Self {
@@ -171,13 +180,13 @@ pub(crate) struct DxCoefficients {
 }
 
 impl DxCoefficients {
-    /// From the row's sums s1 = sum_j xhat_j * wdy_j and s2 = sum_j wdy_j; c2 is 0 for rows
-    /// that are not `centered` (RMSNorm).
+    /// From the row's sums s1 = sum_j xhat_j * wdy_j and s2 = sum_j wdy_j (see
+    /// [`Rows::s2`]).
     #[inline(always)]
-    pub(crate) fn new(s1: f32, s2: f32, n: u32, centered: bool) -> Self {
+    pub(crate) fn new(s1: f32, s2: f32, n: u32) -> Self {
         DxCoefficients {
             half_c1: 0.5 * (s1 / n as f32),
-            neg_half_c2: if centered { -0.5 * (s2 / n as f32) } else { 0.0 },
+            neg_half_c2: -0.5 * (s2 / n as f32),
         }
     }
 }

@@ -90,7 +90,7 @@ pub(crate) unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const
         }
     });
     let (s1, s2) = S::sum2(s1, s2);
-    let coefficients = DxCoefficients::new(s1, s2, n, r.centered);
+    let coefficients = DxCoefficients::new(s1, r.s2(s2), n);
 
     // Pass 2: dx.
     for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
