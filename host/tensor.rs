@@ -9,8 +9,8 @@ use ndarray::{Array1, Array2, ArrayD, ArrayView, Dimension, IxDyn};
 
 use crate::device::{Device, Kind};
 use crate::element::Element;
-use crate::error::{AllocContext, DriverContext, Error, Result};
-use crate::gpu::storage::CudaStorage;
+use crate::error::{DriverContext, Error, Result};
+use crate::gpu::storage::{CudaStorage, allocate};
 
 /// A dense row-major tensor: a whole allocation, or a view of a run of consecutive elements
 /// of another tensor ([`Tensor::view`], [`Tensor::slice_rows`]). Cloning and views share the
@@ -364,7 +364,9 @@ impl Device {
             Kind::Cuda(g) => {
                 // SAFETY: uninitialized memory, written in full by the copy below before
                 // anything can read it.
-                let mut s = unsafe { g.stream.alloc::<T>(len) }.allocating(len * size_of::<T>(), ALLOC)?;
+                let mut s = allocate(&g.stream, len * size_of::<T>(), ALLOC, || unsafe {
+                    g.stream.alloc::<T>(len)
+                })?;
                 g.stream
                     .memcpy_htod(&host_filled(len, value)?, &mut s)
                     .during("filling a tensor")?;
@@ -379,11 +381,12 @@ impl Device {
         let len = element_count::<T>("tensor", shape)?;
         let data = match &self.kind {
             Kind::Cpu => Data::Host(host_filled(len, T::from_f32(0.0))?),
-            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(
-                g.stream
-                    .alloc_zeros::<T>(len)
-                    .allocating(len * size_of::<T>(), ALLOC)?,
-            )),
+            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(allocate(
+                &g.stream,
+                len * size_of::<T>(),
+                ALLOC,
+                || g.stream.alloc_zeros::<T>(len),
+            )?)),
         };
         Ok(Tensor::new(self.clone(), shape.to_vec(), data))
     }
@@ -395,9 +398,12 @@ impl Device {
             Kind::Cpu => Data::Host(host_filled(len, T::default())?),
             // SAFETY: the memory is uninitialized; every caller hands it to an op that
             // writes each element before anything reads it.
-            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(
-                unsafe { g.stream.alloc::<T>(len) }.allocating(len * size_of::<T>(), ALLOC)?,
-            )),
+            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(allocate(
+                &g.stream,
+                len * size_of::<T>(),
+                ALLOC,
+                || unsafe { g.stream.alloc::<T>(len) },
+            )?)),
         };
         Ok(Tensor::new(self.clone(), shape.to_vec(), data))
     }
@@ -410,11 +416,12 @@ impl Device {
                 v.extend_from_slice(host);
                 Data::Host(v)
             }
-            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(
-                g.stream
-                    .clone_htod(host)
-                    .allocating(size_of_val(host), "copying to the device")?,
-            )),
+            Kind::Cuda(g) => Data::Cuda(CudaStorage::new(allocate(
+                &g.stream,
+                size_of_val(host),
+                "copying to the device",
+                || g.stream.clone_htod(host),
+            )?)),
         })
     }
 

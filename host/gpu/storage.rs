@@ -34,9 +34,33 @@
 use std::mem::ManuallyDrop;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use cudarc::driver::sys::CUresult;
 use cudarc::driver::{CudaSlice, CudaStream, DriverError};
 
-use crate::error::{DriverContext, Result};
+use crate::error::{AllocContext, DriverContext, Result};
+
+/// Device memory of `bytes` from `alloc`, an allocation queued on `stream`.
+///
+/// The stream-ordered pool keeps memory freed in stream order reserved, not free on the
+/// device, until a synchronization hands it back; an allocation larger than what the device
+/// has free then fails although the program holds far less. So where the driver reports out
+/// of memory, this waits for the context's streams (their queued frees run, and the pool
+/// returns what they free) and tries once more before it reports [`crate::Error::OutOfMemory`].
+pub(crate) fn allocate<S>(
+    stream: &CudaStream,
+    bytes: usize,
+    during: &'static str,
+    mut alloc: impl FnMut() -> std::result::Result<S, DriverError>,
+) -> Result<S> {
+    match alloc() {
+        Err(e) if e.0 == CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+            stream.context().synchronize().during(during)?;
+            alloc()
+        }
+        first => first,
+    }
+    .allocating(bytes, during)
+}
 
 /// A device allocation and the record of the streams that have used it.
 pub(crate) struct CudaStorage<T> {

@@ -11,7 +11,8 @@
 
 use cudarc::driver::{CudaSlice, CudaStream, CudaViewMut};
 
-use crate::error::{AllocContext, DriverContext, Result};
+use crate::error::{DriverContext, Result};
+use crate::gpu::storage::allocate;
 
 /// The retained buffers (empty until a backward needs them).
 #[derive(Default)]
@@ -33,8 +34,10 @@ fn at_least<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>
         *buffer = None;
         // SAFETY: uninitialized device memory; every user writes what it reads first (the
         // partial rows are written whole by stage 1, the words are zeroed below).
-        let fresh = unsafe { stream.alloc::<T>(len) };
-        *buffer = Some(fresh.allocating(len * size_of::<T>(), during)?);
+        let fresh = allocate(stream, len * size_of::<T>(), during, || unsafe {
+            stream.alloc::<T>(len)
+        })?;
+        *buffer = Some(fresh);
     }
     let buffer = buffer.as_mut().expect("allocated above");
     Ok(buffer.slice_mut(..len))

@@ -140,6 +140,13 @@ pub fn gpu_or_skip() -> Option<Device> {
     }
 }
 
+/// Whether this process runs under compute-sanitizer, which instruments every memory access
+/// and so makes each kernel hundreds of times slower. (The tool puts its collection library
+/// in `NVTX_INJECTION64_PATH` of the process it starts; checked with CUDA 13.0's tool.)
+pub fn under_compute_sanitizer() -> bool {
+    std::env::var_os("NVTX_INJECTION64_PATH").is_some_and(|path| path.to_string_lossy().contains("sanitizer"))
+}
+
 /// A tensor of `shape` full of NaN, to catch outputs a kernel never wrote.
 pub fn poisoned<T: Element>(device: &Device, shape: &[usize]) -> Tensor<T> {
     device
