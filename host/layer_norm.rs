@@ -244,6 +244,44 @@ impl<T: Element> LayerNorm<T> {
         Ok(self.context(x.clone(), mean, rstd))
     }
 
+    /// As [`LayerNorm::forward_into`], writing the statistics into `ctx`'s own mean and
+    /// rstd, which then becomes this call's context (of x). Where `ctx` came from a forward
+    /// of as many rows and holds its tensors' sole handles, the call allocates nothing and
+    /// asks the driver nothing: the form a captured CUDA graph needs, whose replays write
+    /// the memory the capture saw. Otherwise the statistics go to new tensors, as in
+    /// `forward_into`.
+    ///
+    /// Errors as `forward_into`, and [`Error::ForeignContext`] for a context of another
+    /// op; a call refused for its arguments leaves `ctx` as it was.
+    pub fn forward_into_context(&self, x: &Tensor<T>, y: &mut Tensor<T>, ctx: &mut Context<T>) -> Result<()> {
+        if ctx.op != self.id {
+            return Err(Error::ForeignContext);
+        }
+        let [rows, n] = self.check_input("x", x)?;
+        y.expect_shape("y", x.shape())?;
+        self.device().check("y", y)?;
+        let y = y.data_mut("y")?;
+        let dev = self.device();
+        let writable = |t: &mut Tensor<f32>| t.shape() == [rows] && t.data_mut("").is_ok();
+        let reuse = n > 0 && writable(&mut ctx.mean) && writable(&mut ctx.rstd);
+        let mut fresh = if reuse { None } else { Some(self.stats(rows)?) };
+        let (mean, rstd) = match &mut fresh {
+            Some((mean, rstd)) => (mean, rstd),
+            None => (&mut ctx.mean, &mut ctx.rstd),
+        };
+        if rows > 0 && n > 0 {
+            let (mean_d, rstd_d) = (mean.data_mut("mean")?, rstd.data_mut("rstd")?);
+            let x = input(dev, x)?;
+            let y = output(dev, y)?;
+            self.run_forward(rows, n, x, y, output(dev, mean_d)?, output(dev, rstd_d)?)?;
+        }
+        if let Some((mean, rstd)) = fresh {
+            (ctx.mean, ctx.rstd) = (mean, rstd);
+        }
+        ctx.x = x.clone();
+        Ok(())
+    }
+
     /// As [`LayerNorm::forward_into`], on memory that stays the caller's: x and y are
     /// borrows of `CudaView`s / `CudaViewMut`s in this op's CUDA context (same shape,
     /// `[..., n]`), read and written on this op's device's stream, with no copy and no host

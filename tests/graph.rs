@@ -1,0 +1,171 @@
+//! A forward that writes into an earlier call's context (`forward_into_context`), and the
+//! use it exists for: forward plus backward captured in a CUDA graph and replayed. The
+//! context checks run on the CPU and the GPU; the graph where a GPU is.
+
+mod common;
+
+use common::{Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec};
+use layernorm_cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use layernorm_cuda::{Device, Error, Gradients, LayerNorm, Tensor};
+
+fn devices() -> Vec<Device> {
+    let mut devices = vec![Device::cpu()];
+    devices.extend(gpu_or_skip());
+    devices
+}
+
+/// An op, two inputs x1 and x2 of `[rows, n]` and an upstream gradient, on `device`.
+struct Problem {
+    ln: LayerNorm<f32>,
+    x1: Tensor<f32>,
+    x2: Tensor<f32>,
+    dy: Tensor<f32>,
+}
+
+impl Problem {
+    fn new(device: &Device, rows: usize, n: usize, seed: u64) -> Problem {
+        let mut rng = Rng::new(seed);
+        let gamma = random_vec::<f32>(&mut rng, n, 1.0, 0.5);
+        let beta = random_vec::<f32>(&mut rng, n, 0.0, 0.5);
+        let ln = LayerNorm::new(
+            device.upload(gamma.view()).unwrap(),
+            device.upload(beta.view()).unwrap(),
+            1e-5,
+        )
+        .unwrap();
+        let up = |a: ndarray::Array2<f32>| device.upload(a.view()).unwrap();
+        Problem {
+            ln,
+            x1: up(mixed_matrix(&mut rng, rows, n)),
+            x2: up(mixed_matrix(&mut rng, rows, n)),
+            dy: up(random_matrix(&mut rng, rows, n)),
+        }
+    }
+
+    fn gradients(&self) -> Gradients<f32> {
+        let device = self.ln.device();
+        let n = self.ln.n();
+        Gradients {
+            dx: device.zeros(self.dy.shape()).unwrap(),
+            dgamma: Some(device.zeros(&[n]).unwrap()),
+            dbeta: Some(device.zeros(&[n]).unwrap()),
+        }
+    }
+}
+
+fn host(t: &Tensor<f32>) -> Vec<f32> {
+    t.to_vec().unwrap()
+}
+
+fn host_grads(g: &Gradients<f32>) -> [Vec<f32>; 3] {
+    [
+        host(&g.dx),
+        host(g.dgamma.as_ref().unwrap()),
+        host(g.dbeta.as_ref().unwrap()),
+    ]
+}
+
+/// The statistics and y of x2 written through x1's context equal a fresh forward of x2
+/// bitwise, and the backward from that context equals the fresh one's. A clone of the old
+/// context still holds x1's statistics: a context whose tensors are shared gets new ones.
+#[test]
+fn forward_into_context_equals_a_fresh_forward() {
+    for device in devices() {
+        for (rows, n) in [(7, 3), (33, 769), (9, 4096)] {
+            let p = Problem::new(&device, rows, n, 7 + n as u64);
+            let (y2_fresh, ctx2_fresh) = p.ln.forward(&p.x2).unwrap();
+            let (_, ctx1) = p.ln.forward(&p.x1).unwrap();
+            let mean1 = host(ctx1.mean());
+
+            for shared in [false, true] {
+                let (_, mut ctx) = p.ln.forward(&p.x1).unwrap();
+                let kept = shared.then(|| ctx.clone());
+                let mut y2 = device.zeros::<f32>(&[rows, n]).unwrap();
+                p.ln.forward_into_context(&p.x2, &mut y2, &mut ctx).unwrap();
+                let what = format!("{device:?} [{rows}, {n}] shared {shared}");
+                assert_eq!(host(&y2), host(&y2_fresh), "{what}: y");
+                assert_eq!(host(ctx.mean()), host(ctx2_fresh.mean()), "{what}: mean");
+                assert_eq!(host(ctx.rstd()), host(ctx2_fresh.rstd()), "{what}: rstd");
+                if let Some(kept) = kept {
+                    assert_eq!(
+                        host(kept.mean()),
+                        mean1,
+                        "{what}: the clone's mean was overwritten"
+                    );
+                }
+                let grads = p.ln.backward(&ctx, &p.dy).unwrap();
+                let fresh = p.ln.backward(&ctx2_fresh, &p.dy).unwrap();
+                assert_eq!(host_grads(&grads), host_grads(&fresh), "{what}: gradients");
+            }
+        }
+    }
+}
+
+/// A context of another op, or an x of another width, is a typed error that leaves the
+/// context as it was.
+#[test]
+fn forward_into_context_refuses_bad_arguments() {
+    for device in devices() {
+        let p = Problem::new(&device, 5, 64, 3);
+        let other = Problem::new(&device, 5, 64, 4);
+        let (_, mut ctx) = p.ln.forward(&p.x1).unwrap();
+        let mean = host(ctx.mean());
+        let mut y = device.zeros::<f32>(&[5, 64]).unwrap();
+        let r = other.ln.forward_into_context(&other.x1, &mut y, &mut ctx);
+        assert!(matches!(r, Err(Error::ForeignContext)), "{r:?}");
+        let narrow = device.zeros::<f32>(&[5, 32]).unwrap();
+        let r = p.ln.forward_into_context(&narrow, &mut y, &mut ctx);
+        assert!(matches!(r, Err(Error::Shape { .. })), "{r:?}");
+        assert_eq!(
+            host(ctx.mean()),
+            mean,
+            "{device:?}: ctx changed by a refused call"
+        );
+        assert_eq!(
+            host(&y),
+            vec![0.0; 5 * 64],
+            "{device:?}: y written by a refused call"
+        );
+    }
+}
+
+/// Forward plus backward captured in a CUDA graph: each replay writes y, dx, dgamma and
+/// dbeta for the captured x exactly as the calls did (deterministic mode: bitwise), also
+/// after other calls have overwritten every output in between. Shapes reach the warp and
+/// block kernels and, on Hopper, the cluster ones.
+#[test]
+fn a_captured_forward_and_backward_replay_exactly() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let stream = gpu.cuda_stream().unwrap().clone();
+    for (rows, n) in [(64, 1024), (16, 8192), (4, 65536)] {
+        let p = Problem::new(&gpu, rows, n, 11 + n as u64);
+        let what = format!("[{rows}, {n}]");
+        // Outside the capture: the outputs, the context and the backward's workspace
+        // exist, and the kernels' attributes are cached.
+        let mut y = gpu.zeros::<f32>(&[rows, n]).unwrap();
+        let mut ctx = p.ln.forward_into(&p.x1, &mut y).unwrap();
+        let mut grads = p.gradients();
+        p.ln.backward_into(&ctx, &p.dy, &mut grads).unwrap();
+        let (y_ref, grads_ref) = (host(&y), host_grads(&grads));
+
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let captured =
+            p.ln.forward_into_context(&p.x1, &mut y, &mut ctx)
+                .and_then(|()| p.ln.backward_into(&ctx, &p.dy, &mut grads));
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        captured.unwrap();
+        let graph = graph.unwrap().expect("the capture recorded work");
+
+        for replay in 0..2 {
+            // Every output now holds x2's results.
+            p.ln.forward_into_context(&p.x2, &mut y, &mut ctx).unwrap();
+            p.ln.backward_into(&ctx, &p.dy, &mut grads).unwrap();
+            assert_ne!(host(&y), y_ref, "{what}: x2's y equals x1's");
+            graph.launch().unwrap();
+            assert_eq!(host(&y), y_ref, "{what} replay {replay}: y");
+            assert_eq!(host_grads(&grads), grads_ref, "{what} replay {replay}: gradients");
+        }
+    }
+}
