@@ -85,6 +85,12 @@ impl<T: Element> RmsNorm<T> {
         self.op.forward_into(x, y)
     }
 
+    /// As [`LayerNorm::forward_into_context`]: the statistics into an earlier call's
+    /// context, allocating nothing where it holds them alone (for CUDA graphs).
+    pub fn forward_into_context(&self, x: &Tensor<T>, y: &mut Tensor<T>, ctx: &mut Context<T>) -> Result<()> {
+        self.op.forward_into_context(x, y, ctx)
+    }
+
     /// As [`LayerNorm::forward_borrowed`]: on memory the caller keeps owning.
     pub fn forward_borrowed<'x>(
         &self,
