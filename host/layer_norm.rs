@@ -641,7 +641,7 @@ pub(crate) enum Out<'a, T> {
 }
 
 /// Refuses `n` past [`MAX_DIM`] and eps that is not finite and positive.
-fn check_config(n: usize, eps: f32) -> Result<()> {
+pub(crate) fn check_config(n: usize, eps: f32) -> Result<()> {
     check_dim("n", n)?;
     if eps.is_finite() && eps > 0.0 {
         Ok(())
@@ -663,7 +663,7 @@ fn expect_same_shape(what: &'static str, got: &[usize], expected: &[usize]) -> R
     }
 }
 
-fn check_dim(what: &'static str, value: usize) -> Result<()> {
+pub(crate) fn check_dim(what: &'static str, value: usize) -> Result<()> {
     if value > MAX_DIM {
         Err(Error::TooLarge {
             what,
