@@ -15,9 +15,11 @@ use std::sync::{Arc, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::shape::Dim;
-use candle_core::{
-    CpuStorage, CudaStorage, CustomOp3, D, DType, Error, Layout, Module, Result, Shape, Tensor, WithDType,
-};
+use candle_core::{CpuStorage, CustomOp3, D, DType, Error, Layout, Module, Result, Shape, Tensor, WithDType};
+#[cfg(feature = "candle-cuda")]
+use candle_core::{CudaDevice, CudaStorage, cuda::CudaDType, cuda::DeviceId};
+#[cfg(feature = "candle-cuda")]
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
 use half::{bf16, f16};
 
 use crate::cpu::zeroed_with;
@@ -47,8 +49,8 @@ const BACKWARD: &str = "layernorm-cuda layer_norm backward";
 /// `[n]`, `DeviceMismatchBinaryOp` for tensors on different devices. This crate's own
 /// errors (eps not finite and > 0, sizes past [`crate::MAX_DIM`], memory that cannot be
 /// had, driver failures) come inside `Error::WrappedContext`: [`as_layernorm_error`] finds
-/// them. A CUDA tensor where this crate was built without `candle-cuda` is `Error::Cuda`,
-/// saying so.
+/// them. CUDA tensors need the `candle-cuda` feature: candle's `cuda` links cudarc in a
+/// way this crate compiles with only when that feature is on (README, "From candle").
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result<Tensor> {
     let [_, n] = rows_and_n(x.shape())?;
     check_params(x.dtype(), n, gamma, beta, eps)?;
@@ -184,8 +186,8 @@ enum Stats {
     },
     #[cfg(feature = "candle-cuda")]
     Cuda {
-        mean: cudarc::driver::CudaSlice<f32>,
-        rstd: cudarc::driver::CudaSlice<f32>,
+        mean: CudaSlice<f32>,
+        rstd: CudaSlice<f32>,
     },
 }
 
@@ -199,7 +201,7 @@ impl Stats {
     }
 
     #[cfg(feature = "candle-cuda")]
-    fn cuda(&self) -> Result<(&cudarc::driver::CudaSlice<f32>, &cudarc::driver::CudaSlice<f32>)> {
+    fn cuda(&self) -> Result<(&CudaSlice<f32>, &CudaSlice<f32>)> {
         match self {
             Stats::Cuda { mean, rstd } => Ok((mean, rstd)),
             Stats::Host { .. } => Err(moved()),
@@ -265,19 +267,6 @@ impl CustomOp3 for Forward {
         Ok((y, lx.shape().clone()))
     }
 
-    #[cfg(not(feature = "candle-cuda"))]
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        Err(without_cuda())
-    }
-
     /// dx, dgamma and dbeta by the [`Backward`] op, from the statistics the forward kept.
     fn bwd(
         &self,
@@ -340,30 +329,6 @@ impl CustomOp3 for Backward {
         let (grads, len) = by_dtype!(x.dtype(), backward_cuda(&self.stats, x, lx, gamma, lg, dy, ldy))?;
         Ok((grads, len.into()))
     }
-
-    #[cfg(not(feature = "candle-cuda"))]
-    fn cuda_fwd(
-        &self,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-        _: &CudaStorage,
-        _: &Layout,
-    ) -> Result<(CudaStorage, Shape)> {
-        Err(without_cuda())
-    }
-}
-
-/// What a CUDA tensor meets where candle has CUDA (another crate turned it on) but this
-/// crate was built without it.
-#[cfg(not(feature = "candle-cuda"))]
-fn without_cuda() -> Error {
-    Error::Cuda(
-        format!("{NAME}: layernorm-cuda was built without its `candle-cuda` feature, which runs it on candle's CUDA tensors")
-            .into(),
-    )
-    .bt()
 }
 
 /// Where a layout's elements lie in its storage: candle's `RequiresContiguous` for a
@@ -433,13 +398,14 @@ fn forward_cpu<T: Element + WithDType>(
 }
 
 /// This crate's device on the stream of a candle CUDA device. Made at the first call on
-/// that candle device, which loads the kernels into its context, and kept for the life of
-/// the process (as candle keeps the modules it loads): a later call finds it here, with the
+/// that candle device, which loads the kernels into its context (too slow to do per call),
+/// and kept for the life of the process, since nothing tells this crate when candle drops
+/// the device (programs make their few devices once): a later call finds it here, with the
 /// backward's scratch it keeps between calls.
 #[cfg(feature = "candle-cuda")]
-fn device_of(cuda: &candle_core::CudaDevice) -> Result<Device> {
+fn device_of(cuda: &CudaDevice) -> Result<Device> {
     use std::sync::{Mutex, PoisonError};
-    static DEVICES: Mutex<Vec<(candle_core::cuda::DeviceId, Device)>> = Mutex::new(Vec::new());
+    static DEVICES: Mutex<Vec<(DeviceId, Device)>> = Mutex::new(Vec::new());
     // A panic elsewhere while the list was held leaves it whole: entries are pushed whole.
     let mut devices = DEVICES.lock().unwrap_or_else(PoisonError::into_inner);
     if let Some((_, device)) = devices.iter().find(|(id, _)| *id == cuda.id()) {
@@ -453,12 +419,12 @@ fn device_of(cuda: &candle_core::CudaDevice) -> Result<Device> {
 /// A CUDA operand's elements, in the context of `device` (else this crate's
 /// `ContextMismatch`).
 #[cfg(feature = "candle-cuda")]
-fn cuda_in<'a, T: Element + candle_core::cuda::CudaDType>(
+fn cuda_in<'a, T: Element + CudaDType>(
     device: &Device,
     what: &'static str,
     storage: &'a CudaStorage,
     layout: &Layout,
-) -> Result<cudarc::driver::CudaView<'a, T>> {
+) -> Result<CudaView<'a, T>> {
     let slice = storage.as_cuda_slice::<T>()?;
     device.check_context(what, slice.context()).map_err(wrap)?;
     Ok(slice.slice(span(layout)?))
@@ -466,10 +432,7 @@ fn cuda_in<'a, T: Element + candle_core::cuda::CudaDType>(
 
 /// `len` elements of device memory on `stream`, uninitialized.
 #[cfg(feature = "candle-cuda")]
-fn cuda_out<T: cudarc::driver::DeviceRepr>(
-    stream: &Arc<cudarc::driver::CudaStream>,
-    len: usize,
-) -> Result<cudarc::driver::CudaSlice<T>> {
+fn cuda_out<T: DeviceRepr>(stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<T>> {
     let during = "allocating a candle tensor";
     // SAFETY: nothing reads an element before a kernel or a memset on `stream` wrote it:
     // the forward writes all of y, mean and rstd (where n = 0, y is empty and mean and
@@ -481,7 +444,7 @@ fn cuda_out<T: cudarc::driver::DeviceRepr>(
 }
 
 #[cfg(feature = "candle-cuda")]
-fn forward_cuda<T: Element + candle_core::cuda::CudaDType>(
+fn forward_cuda<T: Element + CudaDType>(
     eps: f32,
     x: &CudaStorage,
     lx: &Layout,
@@ -543,7 +506,7 @@ fn backward_cpu<T: Element + WithDType>(
 }
 
 #[cfg(feature = "candle-cuda")]
-fn backward_cuda<T: Element + candle_core::cuda::CudaDType>(
+fn backward_cuda<T: Element + CudaDType>(
     stats: &Stats,
     x: &CudaStorage,
     lx: &Layout,

@@ -209,19 +209,22 @@ fn module_forward_is_layer_norm() {
 }
 
 /// M = 0: empty y and dx, zero dgamma and dbeta (sums over no rows). N = 0: all empty.
-#[test]
-fn empty_inputs() {
-    let cpu = candle_core::Device::Cpu;
+fn check_empty(device: &candle_core::Device) {
     for (shape, n) in [((0, 5), 5), ((3, 0), 0)] {
-        let x = Var::zeros(shape, DType::F32, &cpu).unwrap();
-        let gamma = Var::ones(n, DType::F32, &cpu).unwrap();
-        let beta = Var::ones(n, DType::F32, &cpu).unwrap();
-        let w = Tensor::ones(shape, DType::F32, &cpu).unwrap();
+        let x = Var::zeros(shape, DType::F32, device).unwrap();
+        let gamma = Var::ones(n, DType::F32, device).unwrap();
+        let beta = Var::ones(n, DType::F32, device).unwrap();
+        let w = Tensor::ones(shape, DType::F32, device).unwrap();
         let [y, dx, dgamma, dbeta] = by_layer_norm::<f32>(&x, &gamma, &beta, &w);
-        assert!(y.is_empty() && dx.is_empty(), "{shape:?}");
-        assert_eq!(dgamma, vec![0.0; n], "{shape:?}");
-        assert_eq!(dbeta, vec![0.0; n], "{shape:?}");
+        assert!(y.is_empty() && dx.is_empty(), "{shape:?} on {device:?}");
+        assert_eq!(dgamma, vec![0.0; n], "{shape:?} on {device:?}");
+        assert_eq!(dbeta, vec![0.0; n], "{shape:?} on {device:?}");
     }
+}
+
+#[test]
+fn cpu_empty_inputs() {
+    check_empty(&candle_core::Device::Cpu);
 }
 
 /// candle's error inside any backtrace wrapper.
@@ -315,6 +318,15 @@ fn gpu_strided_and_offset_inputs() {
         return;
     };
     check_views(&candle);
+}
+
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn gpu_empty_inputs() {
+    let Some((candle, _)) = candle_gpu_or_skip() else {
+        return;
+    };
+    check_empty(&candle);
 }
 
 /// A CPU tensor beside a CUDA one is candle's device mismatch, not a panic.
