@@ -267,7 +267,7 @@ fn zeroed<F: Copy + Default>(n: usize) -> Result<Vec<F>> {
 }
 
 /// `n` zeros, or [`crate::Error::OutOfMemory`] naming `during`.
-fn zeroed_with<F: Copy + Default>(n: usize, during: &'static str) -> Result<Vec<F>> {
+pub(crate) fn zeroed_with<F: Copy + Default>(n: usize, during: &'static str) -> Result<Vec<F>> {
     let mut v = host_vec(n, during)?;
     v.resize(n, F::default());
     Ok(v)

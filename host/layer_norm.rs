@@ -335,8 +335,8 @@ impl<T: Element> LayerNorm<T> {
         Ok((stats()?, stats()?))
     }
 
-    /// The forward of `[rows, n]` (both >= 1) on memory already checked and ordered for
-    /// the op's stream.
+    /// The forward of `[rows, n]` (both >= 1) with this op's parameters, on memory already
+    /// checked and ordered for the op's stream.
     fn run_forward(
         &self,
         rows: usize,
@@ -348,54 +348,15 @@ impl<T: Element> LayerNorm<T> {
     ) -> Result<()> {
         let dev = self.device();
         let (gamma, beta) = (input(dev, self.gamma.tensor())?, input(dev, self.beta.tensor())?);
-        match (x, gamma, beta, y, mean, rstd, &dev.kind) {
-            (
-                In::Host(x),
-                In::Host(gamma),
-                In::Host(beta),
-                Out::Host(y),
-                Out::Host(mean),
-                Out::Host(rstd),
-                _,
-            ) => cpu::forward(
-                rows_of(x, rows, n),
-                ArrayView1::from(gamma),
-                ArrayView1::from(beta),
-                cpu::Normalization {
-                    eps: self.eps,
-                    centered: self.norm == Norm::Layer,
-                },
-                rows_of_mut(y, rows, n),
-                ArrayViewMut1::from(mean),
-                ArrayViewMut1::from(rstd),
-            ),
-            (
-                In::Cuda(x),
-                In::Cuda(gamma),
-                In::Cuda(beta),
-                Out::Cuda(y),
-                Out::Cuda(mean),
-                Out::Cuda(rstd),
-                Kind::Cuda(g),
-            ) => {
-                let packed = packed_rows::<T>(n, &g.stream, &[&x, &gamma, &beta], &y);
-                let a = Forward {
-                    x,
-                    gamma,
-                    beta,
-                    y,
-                    mean,
-                    rstd,
-                    rows: rows as u32,
-                    n: n as u32,
-                    eps: self.eps,
-                    packed,
-                    norm: self.norm,
-                };
-                gpu::forward(g, a)
-            }
-            _ => unreachable!("checked: every operand lives on the op's device"),
-        }
+        let o = ForwardOperands {
+            x,
+            gamma,
+            beta,
+            y,
+            mean,
+            rstd,
+        };
+        forward_rows(dev, self.norm, self.eps, rows, n, o)
     }
 
     /// dx, and dgamma and dbeta for the parameters the op has, for upstream gradient `dy`
@@ -440,12 +401,16 @@ impl<T: Element> LayerNorm<T> {
         if n == 0 {
             return Ok(());
         }
-        self.run_backward(
+        backward_rows(
+            dev,
+            self.norm,
+            self.mode,
             rows,
             n,
             BackwardOperands {
                 x: input(dev, &ctx.x)?,
                 dy: input(dev, dy)?,
+                gamma: input(dev, self.gamma.tensor())?,
                 mean: input(dev, &ctx.mean)?,
                 rstd: input(dev, &ctx.rstd)?,
                 dx: output(dev, dx)?,
@@ -484,12 +449,16 @@ impl<T: Element> LayerNorm<T> {
         if n == 0 {
             return Ok(());
         }
-        self.run_backward(
+        backward_rows(
+            dev,
+            self.norm,
+            self.mode,
             rows,
             n,
             BackwardOperands {
                 x: In::Cuda(ctx.x.view()),
                 dy: In::Cuda(dy.view()),
+                gamma: input(dev, self.gamma.tensor())?,
                 mean: input(dev, &ctx.mean)?,
                 rstd: input(dev, &ctx.rstd)?,
                 dx: Out::Cuda(grads.dx.view_mut()),
@@ -497,90 +466,6 @@ impl<T: Element> LayerNorm<T> {
                 dbeta: grads.dbeta.as_mut().map(|t| Out::Cuda(t.view_mut())),
             },
         )
-    }
-
-    /// The backward of `[rows, n]` (n >= 1) on memory already checked and ordered for the
-    /// op's stream. An absent parameter's gradient is summed into scratch and dropped (the
-    /// kernels always write both sums).
-    fn run_backward(&self, rows: usize, n: usize, o: BackwardOperands<'_, T>) -> Result<()> {
-        let dev = self.device();
-        let (mut gamma_sums, mut beta_sums);
-        let dgamma = match o.dgamma {
-            Some(d) => d,
-            None => {
-                gamma_sums = dev.empty::<T>(&[n])?;
-                output(dev, gamma_sums.data_mut("dgamma scratch")?)?
-            }
-        };
-        let dbeta = match o.dbeta {
-            Some(d) => d,
-            None => {
-                beta_sums = dev.empty::<T>(&[n])?;
-                output(dev, beta_sums.data_mut("dbeta scratch")?)?
-            }
-        };
-        if rows == 0 {
-            // Sums over no rows.
-            zero(dev, dgamma)?;
-            return zero(dev, dbeta);
-        }
-        let gamma = input(dev, self.gamma.tensor())?;
-        match (o.x, o.dy, gamma, o.mean, o.rstd, o.dx, dgamma, dbeta, &dev.kind) {
-            (
-                In::Host(x),
-                In::Host(dy),
-                In::Host(gamma),
-                In::Host(mean),
-                In::Host(rstd),
-                Out::Host(dx),
-                Out::Host(dgamma),
-                Out::Host(dbeta),
-                _,
-            ) => cpu::backward(
-                rows_of(x, rows, n),
-                rows_of(dy, rows, n),
-                ArrayView1::from(gamma),
-                ArrayView1::from(mean),
-                ArrayView1::from(rstd),
-                rows_of_mut(dx, rows, n),
-                ArrayViewMut1::from(dgamma),
-                ArrayViewMut1::from(dbeta),
-                self.norm == Norm::Layer,
-            ),
-            (
-                In::Cuda(x),
-                In::Cuda(dy),
-                In::Cuda(gamma),
-                In::Cuda(mean),
-                In::Cuda(rstd),
-                Out::Cuda(dx),
-                Out::Cuda(dgamma),
-                Out::Cuda(dbeta),
-                Kind::Cuda(g),
-            ) => {
-                let packed = packed_rows::<T>(n, &g.stream, &[&x, &dy, &gamma], &dx);
-                let a = Backward {
-                    x,
-                    dy,
-                    gamma,
-                    mean,
-                    rstd,
-                    dx,
-                    rows: rows as u32,
-                    n: n as u32,
-                    packed,
-                    norm: self.norm,
-                };
-                let reduction = match self.mode {
-                    BackwardMode::Deterministic => gpu::Reduction::Owned,
-                    BackwardMode::Locked { groups } => gpu::Reduction::Locked {
-                        groups: groups.unwrap_or_else(|| gpu::default_groups(n)),
-                    },
-                };
-                gpu::backward(g, reduction, a, dgamma, dbeta)
-            }
-            _ => unreachable!("checked: every operand lives on the op's device"),
-        }
     }
 
     /// `[rows, n]` of an input `[..., n]`, on this op's device.
@@ -629,32 +514,196 @@ impl<T: Element> LayerNorm<T> {
     }
 }
 
-/// The operands of a backward, checked and ordered for the op's stream.
-struct BackwardOperands<'a, T> {
-    x: In<'a, T>,
-    dy: In<'a, T>,
-    mean: In<'a, f32>,
-    rstd: In<'a, f32>,
-    dx: Out<'a, T>,
-    dgamma: Option<Out<'a, T>>,
-    dbeta: Option<Out<'a, T>>,
+/// The forward of `[rows, n]` (both >= 1) on memory already checked and ordered for the
+/// stream of `dev`: the op's core, shared by [`LayerNorm`] and the candle ops, which check
+/// their operands each their own way.
+pub(crate) fn forward_rows<T: Element>(
+    dev: &Device,
+    norm: Norm,
+    eps: f32,
+    rows: usize,
+    n: usize,
+    o: ForwardOperands<'_, T>,
+) -> Result<()> {
+    let ForwardOperands {
+        x,
+        gamma,
+        beta,
+        y,
+        mean,
+        rstd,
+    } = o;
+    match (x, gamma, beta, y, mean, rstd, &dev.kind) {
+        (In::Host(x), In::Host(gamma), In::Host(beta), Out::Host(y), Out::Host(mean), Out::Host(rstd), _) => {
+            cpu::forward(
+                rows_of(x, rows, n),
+                ArrayView1::from(gamma),
+                ArrayView1::from(beta),
+                cpu::Normalization {
+                    eps,
+                    centered: norm == Norm::Layer,
+                },
+                rows_of_mut(y, rows, n),
+                ArrayViewMut1::from(mean),
+                ArrayViewMut1::from(rstd),
+            )
+        }
+        (
+            In::Cuda(x),
+            In::Cuda(gamma),
+            In::Cuda(beta),
+            Out::Cuda(y),
+            Out::Cuda(mean),
+            Out::Cuda(rstd),
+            Kind::Cuda(g),
+        ) => {
+            let packed = packed_rows::<T>(n, &g.stream, &[&x, &gamma, &beta], &y);
+            let a = Forward {
+                x,
+                gamma,
+                beta,
+                y,
+                mean,
+                rstd,
+                rows: rows as u32,
+                n: n as u32,
+                eps,
+                packed,
+                norm,
+            };
+            gpu::forward(g, a)
+        }
+        _ => unreachable!("checked: every operand lives on the op's device"),
+    }
+}
+
+/// The backward of `[rows, n]` (n >= 1) on memory already checked and ordered for the
+/// stream of `dev`, with dgamma and dbeta summed as `mode` says. An absent parameter's
+/// gradient is summed into scratch and dropped (the kernels always write both sums).
+pub(crate) fn backward_rows<T: Element>(
+    dev: &Device,
+    norm: Norm,
+    mode: BackwardMode,
+    rows: usize,
+    n: usize,
+    o: BackwardOperands<'_, T>,
+) -> Result<()> {
+    let (mut gamma_sums, mut beta_sums);
+    let dgamma = match o.dgamma {
+        Some(d) => d,
+        None => {
+            gamma_sums = dev.empty::<T>(&[n])?;
+            output(dev, gamma_sums.data_mut("dgamma scratch")?)?
+        }
+    };
+    let dbeta = match o.dbeta {
+        Some(d) => d,
+        None => {
+            beta_sums = dev.empty::<T>(&[n])?;
+            output(dev, beta_sums.data_mut("dbeta scratch")?)?
+        }
+    };
+    if rows == 0 {
+        // Sums over no rows.
+        zero(dev, dgamma)?;
+        return zero(dev, dbeta);
+    }
+    match (o.x, o.dy, o.gamma, o.mean, o.rstd, o.dx, dgamma, dbeta, &dev.kind) {
+        (
+            In::Host(x),
+            In::Host(dy),
+            In::Host(gamma),
+            In::Host(mean),
+            In::Host(rstd),
+            Out::Host(dx),
+            Out::Host(dgamma),
+            Out::Host(dbeta),
+            _,
+        ) => cpu::backward(
+            rows_of(x, rows, n),
+            rows_of(dy, rows, n),
+            ArrayView1::from(gamma),
+            ArrayView1::from(mean),
+            ArrayView1::from(rstd),
+            rows_of_mut(dx, rows, n),
+            ArrayViewMut1::from(dgamma),
+            ArrayViewMut1::from(dbeta),
+            norm == Norm::Layer,
+        ),
+        (
+            In::Cuda(x),
+            In::Cuda(dy),
+            In::Cuda(gamma),
+            In::Cuda(mean),
+            In::Cuda(rstd),
+            Out::Cuda(dx),
+            Out::Cuda(dgamma),
+            Out::Cuda(dbeta),
+            Kind::Cuda(g),
+        ) => {
+            let packed = packed_rows::<T>(n, &g.stream, &[&x, &dy, &gamma], &dx);
+            let a = Backward {
+                x,
+                dy,
+                gamma,
+                mean,
+                rstd,
+                dx,
+                rows: rows as u32,
+                n: n as u32,
+                packed,
+                norm,
+            };
+            let reduction = match mode {
+                BackwardMode::Deterministic => gpu::Reduction::Owned,
+                BackwardMode::Locked { groups } => gpu::Reduction::Locked {
+                    groups: groups.unwrap_or_else(|| gpu::default_groups(n)),
+                },
+            };
+            gpu::backward(g, reduction, a, dgamma, dbeta)
+        }
+        _ => unreachable!("checked: every operand lives on the op's device"),
+    }
+}
+
+/// The operands of a forward, checked and ordered for the op's stream.
+pub(crate) struct ForwardOperands<'a, T> {
+    pub(crate) x: In<'a, T>,
+    pub(crate) gamma: In<'a, T>,
+    pub(crate) beta: In<'a, T>,
+    pub(crate) y: Out<'a, T>,
+    pub(crate) mean: Out<'a, f32>,
+    pub(crate) rstd: Out<'a, f32>,
+}
+
+/// The operands of a backward, checked and ordered for the op's stream. dgamma and dbeta
+/// are `None` for the parameters the op lacks.
+pub(crate) struct BackwardOperands<'a, T> {
+    pub(crate) x: In<'a, T>,
+    pub(crate) dy: In<'a, T>,
+    pub(crate) gamma: In<'a, T>,
+    pub(crate) mean: In<'a, f32>,
+    pub(crate) rstd: In<'a, f32>,
+    pub(crate) dx: Out<'a, T>,
+    pub(crate) dgamma: Option<Out<'a, T>>,
+    pub(crate) dbeta: Option<Out<'a, T>>,
 }
 
 /// An input's elements, ordered for the op's stream: host memory (CPU ops) or a device
 /// view (CUDA ops).
-enum In<'a, T> {
+pub(crate) enum In<'a, T> {
     Host(&'a [T]),
     Cuda(CudaView<'a, T>),
 }
 
 /// An output's elements, ordered for the op's stream.
-enum Out<'a, T> {
+pub(crate) enum Out<'a, T> {
     Host(&'a mut [T]),
     Cuda(CudaViewMut<'a, T>),
 }
 
 /// Refuses `n` past [`MAX_DIM`] and eps that is not finite and positive.
-fn check_config(n: usize, eps: f32) -> Result<()> {
+pub(crate) fn check_config(n: usize, eps: f32) -> Result<()> {
     check_dim("n", n)?;
     if eps.is_finite() && eps > 0.0 {
         Ok(())
@@ -676,7 +725,7 @@ fn expect_same_shape(what: &'static str, got: &[usize], expected: &[usize]) -> R
     }
 }
 
-fn check_dim(what: &'static str, value: usize) -> Result<()> {
+pub(crate) fn check_dim(what: &'static str, value: usize) -> Result<()> {
     if value > MAX_DIM {
         Err(Error::TooLarge {
             what,

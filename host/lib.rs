@@ -23,9 +23,12 @@
 //! `Device` methods that make them), `borrowed` (shaped borrows of CUDA memory that stays
 //! the caller's), `layer_norm` (the op and its checks),
 //! `cpu` (the ndarray path), `plan` (which kernel and block a call takes, a pure function),
-//! `gpu` (CUDA: context, kernel launches, grid sizing).
+//! `gpu` (CUDA: context, kernel launches, grid sizing), and with the `candle` feature
+//! `candle` (the op on candle tensors, with candle's autograd).
 
 mod borrowed;
+#[cfg(feature = "candle")]
+pub mod candle;
 mod cpu;
 mod device;
 mod element;

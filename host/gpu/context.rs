@@ -22,12 +22,26 @@ pub(crate) struct Gpu {
     pub(crate) workspace: Mutex<Workspace>,
 }
 
+/// Whether libcuda can be loaded, asked before any CUDA call: cudarc panics inside its
+/// loader when it is missing.
+#[cfg(not(feature = "candle-cuda"))]
+fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen libcuda; no CUDA call is made.
+    unsafe { sys::is_culib_present() }
+}
+
+/// With `candle-cuda`, candle's CUDA backend has cudarc link libcuda into the program when
+/// it is built (cudarc's `dynamic-linking`, which has no loader to ask): a program that
+/// runs has the driver's library.
+#[cfg(feature = "candle-cuda")]
+fn driver_present() -> bool {
+    true
+}
+
 impl Gpu {
     /// Opens device `ordinal` and loads the kernels.
     pub(crate) fn open(ordinal: usize) -> Result<Gpu> {
-        // cudarc panics inside its loader when libcuda is missing; ask first.
-        // SAFETY: only tries to dlopen libcuda; no CUDA call is made.
-        if !unsafe { sys::is_culib_present() } {
+        if !driver_present() {
             return Err(Error::NoDriver);
         }
         let count = CudaContext::device_count().during("counting devices")?.max(0) as usize;

@@ -1,0 +1,550 @@
+//! LayerNorm on candle tensors (feature `candle`): [`layer_norm`] and the [`LayerNorm`]
+//! layer, whose backward candle's autograd runs (`loss.backward()` gives dx, dgamma and
+//! dbeta). CPU storage runs this crate's CPU path on candle's memory; with the
+//! `candle-cuda` feature, CUDA storage runs this crate's kernels on candle's stream, reading
+//! and writing candle's memory without a copy.
+//!
+//! candle's custom ops return one tensor, and their backward is handed only the inputs, the
+//! output and its gradient. So the forward op keeps its per-row mean and rstd itself (each
+//! call applies an op of its own, and candle's graph holds it until the backward), and the
+//! backward is a second op whose one output holds dx, dgamma and dbeta end to end, which
+//! candle then views as three tensors (`narrow`, no copy).
+
+use std::ops::Range;
+use std::sync::{Arc, OnceLock};
+
+use candle_core::backend::BackendStorage;
+use candle_core::shape::Dim;
+use candle_core::{CpuStorage, CustomOp3, D, DType, Error, Layout, Module, Result, Shape, Tensor, WithDType};
+#[cfg(feature = "candle-cuda")]
+use candle_core::{CudaDevice, CudaStorage, cuda::CudaDType, cuda::DeviceId};
+#[cfg(feature = "candle-cuda")]
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
+use half::{bf16, f16};
+
+use crate::cpu::zeroed_with;
+use crate::device::Device;
+use crate::element::Element;
+use crate::layer_norm::{
+    BackwardMode, BackwardOperands, ForwardOperands, In, Out, backward_rows, check_config, check_dim,
+    forward_rows,
+};
+use crate::plan::Norm;
+
+/// The forward op's name in candle's errors.
+const NAME: &str = "layernorm-cuda layer_norm";
+/// The backward op's name.
+const BACKWARD: &str = "layernorm-cuda layer_norm backward";
+
+/// y = LayerNorm(x) over the last dimension of x `[..., n]`, with weight `gamma` and bias
+/// `beta` (`[n]`, x's dtype) and `eps` (finite, > 0); f32, f16 or bf16. Where x, gamma or
+/// beta are variables of candle's graph, `backward()` of a loss built on y gives their
+/// gradients (as this crate's deterministic backward computes them).
+///
+/// Strided inputs are made contiguous first (candle's `contiguous`, a copy); contiguous
+/// ones, at any offset in their storage, are read where they lie.
+///
+/// Errors (candle's `Error`, before anything runs): `DimOutOfRange` for a 0-dimensional x,
+/// `UnsupportedDTypeForOp` for dtypes other than f32, f16 and bf16, `DTypeMismatchBinaryOp`
+/// where gamma or beta has another dtype than x, `UnexpectedShape` where either is not
+/// `[n]`, `DeviceMismatchBinaryOp` for tensors on different devices. This crate's own
+/// errors (eps not finite and > 0, sizes past [`crate::MAX_DIM`], memory that cannot be
+/// had, driver failures) come inside `Error::WrappedContext`: [`as_layernorm_error`] finds
+/// them. CUDA tensors need the `candle-cuda` feature: candle's `cuda` links cudarc in a
+/// way this crate compiles with only when that feature is on (README, "From candle").
+pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result<Tensor> {
+    let [_, n] = rows_and_n(x.shape())?;
+    check_params(x.dtype(), n, gamma, beta, eps)?;
+    let op = Forward {
+        eps,
+        stats: OnceLock::new(),
+    };
+    x.contiguous()?
+        .apply_op3(&gamma.contiguous()?, &beta.contiguous()?, op)
+}
+
+/// LayerNorm as a candle layer: weight and bias `[n]`, applied by [`layer_norm`] to the
+/// last dimension of its input.
+#[derive(Clone, Debug)]
+pub struct LayerNorm {
+    weight: Tensor,
+    bias: Tensor,
+    eps: f32,
+}
+
+impl LayerNorm {
+    /// A layer with `weight` `[n]` (f32, f16 or bf16), `bias` of its shape and dtype, and
+    /// `eps` (finite, > 0); refused as [`layer_norm`] would refuse them, here rather than
+    /// at the first forward. candle-nn's `LayerNorm::new(weight, bias, eps)`, that is.
+    pub fn new(weight: Tensor, bias: Tensor, eps: f32) -> Result<LayerNorm> {
+        let n = weight.dims1()?;
+        check_params(weight.dtype(), n, &weight, &bias, eps)?;
+        Ok(LayerNorm { weight, bias, eps })
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> &Tensor {
+        &self.bias
+    }
+
+    pub fn eps(&self) -> f32 {
+        self.eps
+    }
+}
+
+impl Module for LayerNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        layer_norm(x, &self.weight, &self.bias, self.eps)
+    }
+}
+
+/// This crate's error inside a candle error of [`layer_norm`] (looking through candle's
+/// backtrace and context wrappers), or `None` for candle's own errors.
+pub fn as_layernorm_error(e: &Error) -> Option<&crate::Error> {
+    match e {
+        Error::WrappedContext { wrapped, .. } => wrapped.downcast_ref(),
+        Error::WithBacktrace { inner, .. } | Error::Context { inner, .. } | Error::WithPath { inner, .. } => {
+            as_layernorm_error(inner)
+        }
+        _ => None,
+    }
+}
+
+/// This crate's error as a candle error: the typed error boxed in `WrappedContext` (which
+/// [`as_layernorm_error`] unwraps), its message the context.
+fn wrap(e: crate::Error) -> Error {
+    let context = format!("{NAME}: {e}");
+    Error::WrappedContext {
+        wrapped: Box::new(e),
+        context,
+    }
+    .bt()
+}
+
+/// `[rows, n]` of x `[..., n]`, rows the product of the leading dimensions: candle's
+/// error for a 0-dimensional x, this crate's where rows or n pass [`crate::MAX_DIM`] (a
+/// product that overflows counts as past it).
+fn rows_and_n(shape: &Shape) -> Result<[usize; 2]> {
+    let dims = shape.dims();
+    let n = dims[D::Minus1.to_index(shape, NAME)?];
+    let leading = &dims[..dims.len() - 1];
+    let rows = leading
+        .iter()
+        .try_fold(1usize, |rows, &d| rows.checked_mul(d))
+        .unwrap_or(usize::MAX);
+    check_dim("rows", rows).and(check_dim("n", n)).map_err(wrap)?;
+    Ok([rows, n])
+}
+
+/// Refuses dtypes other than f32, f16 and bf16, parameters that are not `[n]` of that
+/// dtype, and eps that is not finite and > 0.
+fn check_params(dtype: DType, n: usize, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result<()> {
+    if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(Error::UnsupportedDTypeForOp(dtype, NAME).bt());
+    }
+    for (what, p) in [("gamma", gamma), ("beta", beta)] {
+        if p.dtype() != dtype {
+            return Err(Error::DTypeMismatchBinaryOp {
+                lhs: dtype,
+                rhs: p.dtype(),
+                op: NAME,
+            }
+            .bt());
+        }
+        if p.dims() != [n] {
+            return Err(Error::UnexpectedShape {
+                msg: format!("{NAME}: {what} must be [n], n being the normalized (last) dimension"),
+                expected: n.into(),
+                got: p.shape().clone(),
+            }
+            .bt());
+        }
+    }
+    check_config(n, eps).map_err(wrap)
+}
+
+/// Runs `f::<T>(args)` for the element type T of `dtype` (f32, f16, bf16), else candle's
+/// unsupported-dtype error.
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::BF16 => $f::<bf16>($($arg),*),
+            dtype => Err(Error::UnsupportedDTypeForOp(dtype, NAME).bt()),
+        }
+    };
+}
+
+/// The per-row mean and rstd of a forward, in the memory of the storage it ran on.
+enum Stats {
+    Host {
+        mean: Vec<f32>,
+        rstd: Vec<f32>,
+    },
+    #[cfg(feature = "candle-cuda")]
+    Cuda {
+        mean: CudaSlice<f32>,
+        rstd: CudaSlice<f32>,
+    },
+}
+
+impl Stats {
+    fn host(&self) -> Result<(&[f32], &[f32])> {
+        match self {
+            Stats::Host { mean, rstd } => Ok((mean, rstd)),
+            #[cfg(feature = "candle-cuda")]
+            Stats::Cuda { .. } => Err(moved()),
+        }
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda(&self) -> Result<(&CudaSlice<f32>, &CudaSlice<f32>)> {
+        match self {
+            Stats::Cuda { mean, rstd } => Ok((mean, rstd)),
+            Stats::Host { .. } => Err(moved()),
+        }
+    }
+}
+
+/// A backward on other storage than its forward's (x is the forward's own tensor, so
+/// candle's graph does not do this).
+#[cfg(feature = "candle-cuda")]
+fn moved() -> Error {
+    Error::Msg(format!("{BACKWARD}: x is not on the device its forward ran on")).bt()
+}
+
+/// The forward op over (x, gamma, beta), contiguous and checked by [`layer_norm`], and the
+/// statistics it leaves for its backward.
+struct Forward {
+    eps: f32,
+    /// Set by the forward, which runs once: each call of [`layer_norm`] applies an op of
+    /// its own.
+    stats: OnceLock<Arc<Stats>>,
+}
+
+impl Forward {
+    fn keep(&self, stats: Stats) -> Result<()> {
+        self.stats
+            .set(Arc::new(stats))
+            .map_err(|_| Error::Msg(format!("{NAME}: an op applied twice")).bt())
+    }
+}
+
+impl CustomOp3 for Forward {
+    fn name(&self) -> &'static str {
+        NAME
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        gamma: &CpuStorage,
+        lg: &Layout,
+        beta: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (y, stats) = by_dtype!(x.dtype(), forward_cpu(self.eps, x, lx, gamma, lg, beta, lb))?;
+        self.keep(stats)?;
+        Ok((y, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        gamma: &CudaStorage,
+        lg: &Layout,
+        beta: &CudaStorage,
+        lb: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (y, stats) = by_dtype!(x.dtype(), forward_cuda(self.eps, x, lx, gamma, lg, beta, lb))?;
+        self.keep(stats)?;
+        Ok((y, lx.shape().clone()))
+    }
+
+    /// dx, dgamma and dbeta by the [`Backward`] op, from the statistics the forward kept.
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        _beta: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let stats = self
+            .stats
+            .get()
+            .cloned()
+            .ok_or_else(|| Error::Msg(format!("{BACKWARD}: the forward has not run")).bt())?;
+        // dy often comes strided (the gradient of a sum is a broadcast).
+        let grads = x.apply_op3(gamma, &dy.contiguous()?, Backward { stats })?;
+        let (len, n) = (x.elem_count(), gamma.elem_count());
+        let dx = grads.narrow(0, 0, len)?.reshape(x.shape())?;
+        let dgamma = grads.narrow(0, len, n)?;
+        let dbeta = grads.narrow(0, len + n, n)?;
+        Ok((Some(dx), Some(dgamma), Some(dbeta)))
+    }
+}
+
+/// The backward op over (x, gamma, dy), with the statistics of x's forward: one 1-D output
+/// of `rows * n + 2n` elements, dx (x's shape) then dgamma then dbeta. Its own backward
+/// (a second derivative) is candle's `BackwardNotSupported`.
+struct Backward {
+    stats: Arc<Stats>,
+}
+
+impl CustomOp3 for Backward {
+    fn name(&self) -> &'static str {
+        BACKWARD
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        gamma: &CpuStorage,
+        lg: &Layout,
+        dy: &CpuStorage,
+        ldy: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (grads, len) = by_dtype!(x.dtype(), backward_cpu(&self.stats, x, lx, gamma, lg, dy, ldy))?;
+        Ok((grads, len.into()))
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        gamma: &CudaStorage,
+        lg: &Layout,
+        dy: &CudaStorage,
+        ldy: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (grads, len) = by_dtype!(x.dtype(), backward_cuda(&self.stats, x, lx, gamma, lg, dy, ldy))?;
+        Ok((grads, len.into()))
+    }
+}
+
+/// Where a layout's elements lie in its storage: candle's `RequiresContiguous` for a
+/// strided one (the ops' operands are made contiguous before they are applied).
+fn span(layout: &Layout) -> Result<Range<usize>> {
+    match layout.contiguous_offsets() {
+        Some((start, end)) => Ok(start..end),
+        None => Err(Error::RequiresContiguous { op: NAME }.bt()),
+    }
+}
+
+/// Refuses a dy whose shape is not x's (candle hands the backward a gradient of y's shape,
+/// which is x's).
+fn same_shape(lx: &Layout, ldy: &Layout) -> Result<()> {
+    if lx.shape() == ldy.shape() {
+        Ok(())
+    } else {
+        Err(Error::ShapeMismatchBinaryOp {
+            lhs: lx.shape().clone(),
+            rhs: ldy.shape().clone(),
+            op: BACKWARD,
+        }
+        .bt())
+    }
+}
+
+// The ops' bodies, CPU beside CUDA: each takes its operands in candle's memory, allocates
+// its outputs there, and runs this crate's core (`forward_rows`, `backward_rows`) on them.
+// Empty inputs run nothing: y and dx are then empty, and dgamma and dbeta are zeros (CPU:
+// allocated so; CUDA: `backward_rows` zeroes them for rows = 0, and n = 0 leaves them
+// empty).
+
+/// `len` zeros in host memory, or this crate's out-of-memory error.
+fn zeroed<F: Copy + Default>(len: usize) -> Result<Vec<F>> {
+    zeroed_with(len, "allocating a candle tensor").map_err(wrap)
+}
+
+/// A CPU operand's elements.
+fn host<'a, T: WithDType>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'a [T]> {
+    Ok(&storage.as_slice::<T>()?[span(layout)?])
+}
+
+fn forward_cpu<T: Element + WithDType>(
+    eps: f32,
+    x: &CpuStorage,
+    lx: &Layout,
+    gamma: &CpuStorage,
+    lg: &Layout,
+    beta: &CpuStorage,
+    lb: &Layout,
+) -> Result<(CpuStorage, Stats)> {
+    let [rows, n] = rows_and_n(lx.shape())?;
+    let mut y = zeroed::<T>(rows * n)?;
+    let (mut mean, mut rstd) = (zeroed(rows)?, zeroed(rows)?);
+    if rows > 0 && n > 0 {
+        let o = ForwardOperands {
+            x: In::Host(host(x, lx)?),
+            gamma: In::Host(host(gamma, lg)?),
+            beta: In::Host(host(beta, lb)?),
+            y: Out::Host(&mut y),
+            mean: Out::Host(&mut mean),
+            rstd: Out::Host(&mut rstd),
+        };
+        forward_rows(&Device::cpu(), Norm::Layer, eps, rows, n, o).map_err(wrap)?;
+    }
+    Ok((T::to_cpu_storage_owned(y), Stats::Host { mean, rstd }))
+}
+
+/// This crate's device on the stream of a candle CUDA device. Made at the first call on
+/// that candle device, which loads the kernels into its context (too slow to do per call),
+/// and kept for the life of the process, since nothing tells this crate when candle drops
+/// the device (programs make their few devices once): a later call finds it here, with the
+/// backward's scratch it keeps between calls.
+#[cfg(feature = "candle-cuda")]
+fn device_of(cuda: &CudaDevice) -> Result<Device> {
+    use std::sync::{Mutex, PoisonError};
+    static DEVICES: Mutex<Vec<(DeviceId, Device)>> = Mutex::new(Vec::new());
+    // A panic elsewhere while the list was held leaves it whole: entries are pushed whole.
+    let mut devices = DEVICES.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some((_, device)) = devices.iter().find(|(id, _)| *id == cuda.id()) {
+        return Ok(device.clone());
+    }
+    let device = Device::from_cuda_stream(cuda.cuda_stream()).map_err(wrap)?;
+    devices.push((cuda.id(), device.clone()));
+    Ok(device)
+}
+
+/// A CUDA operand's elements, in the context of `device` (else this crate's
+/// `ContextMismatch`).
+#[cfg(feature = "candle-cuda")]
+fn cuda_in<'a, T: Element + CudaDType>(
+    device: &Device,
+    what: &'static str,
+    storage: &'a CudaStorage,
+    layout: &Layout,
+) -> Result<CudaView<'a, T>> {
+    let slice = storage.as_cuda_slice::<T>()?;
+    device.check_context(what, slice.context()).map_err(wrap)?;
+    Ok(slice.slice(span(layout)?))
+}
+
+/// `len` elements of device memory on `stream`, uninitialized.
+#[cfg(feature = "candle-cuda")]
+fn cuda_out<T: DeviceRepr>(stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<T>> {
+    let during = "allocating a candle tensor";
+    // SAFETY: nothing reads an element before a kernel or a memset on `stream` wrote it:
+    // the forward writes all of y, mean and rstd (where n = 0, y is empty and mean and
+    // rstd are never read), the backward all of dx, dgamma and dbeta.
+    crate::gpu::storage::allocate(stream, len * size_of::<T>(), during, || unsafe {
+        stream.alloc::<T>(len)
+    })
+    .map_err(wrap)
+}
+
+#[cfg(feature = "candle-cuda")]
+fn forward_cuda<T: Element + CudaDType>(
+    eps: f32,
+    x: &CudaStorage,
+    lx: &Layout,
+    gamma: &CudaStorage,
+    lg: &Layout,
+    beta: &CudaStorage,
+    lb: &Layout,
+) -> Result<(CudaStorage, Stats)> {
+    let [rows, n] = rows_and_n(lx.shape())?;
+    let device = device_of(&x.device)?;
+    let stream = x.device.cuda_stream();
+    let mut y = cuda_out::<T>(&stream, rows * n)?;
+    let (mut mean, mut rstd) = (cuda_out(&stream, rows)?, cuda_out(&stream, rows)?);
+    if rows > 0 && n > 0 {
+        let o = ForwardOperands {
+            x: In::Cuda(cuda_in(&device, "x", x, lx)?),
+            gamma: In::Cuda(cuda_in(&device, "gamma", gamma, lg)?),
+            beta: In::Cuda(cuda_in(&device, "beta", beta, lb)?),
+            y: Out::Cuda(y.as_view_mut()),
+            mean: Out::Cuda(mean.as_view_mut()),
+            rstd: Out::Cuda(rstd.as_view_mut()),
+        };
+        forward_rows(&device, Norm::Layer, eps, rows, n, o).map_err(wrap)?;
+    }
+    let y = CudaStorage::wrap_cuda_slice(y, x.device.clone());
+    Ok((y, Stats::Cuda { mean, rstd }))
+}
+
+fn backward_cpu<T: Element + WithDType>(
+    stats: &Stats,
+    x: &CpuStorage,
+    lx: &Layout,
+    gamma: &CpuStorage,
+    lg: &Layout,
+    dy: &CpuStorage,
+    ldy: &Layout,
+) -> Result<(CpuStorage, usize)> {
+    let [rows, n] = rows_and_n(lx.shape())?;
+    same_shape(lx, ldy)?;
+    let (mean, rstd) = stats.host()?;
+    let len = rows * n;
+    let mut grads = zeroed::<T>(len + 2 * n)?;
+    if n > 0 {
+        let (dx, params) = grads.split_at_mut(len);
+        let (dgamma, dbeta) = params.split_at_mut(n);
+        let o = BackwardOperands {
+            x: In::Host(host(x, lx)?),
+            dy: In::Host(host(dy, ldy)?),
+            gamma: In::Host(host(gamma, lg)?),
+            mean: In::Host(mean),
+            rstd: In::Host(rstd),
+            dx: Out::Host(dx),
+            dgamma: Some(Out::Host(dgamma)),
+            dbeta: Some(Out::Host(dbeta)),
+        };
+        backward_rows(
+            &Device::cpu(),
+            Norm::Layer,
+            BackwardMode::Deterministic,
+            rows,
+            n,
+            o,
+        )
+        .map_err(wrap)?;
+    }
+    Ok((T::to_cpu_storage_owned(grads), len + 2 * n))
+}
+
+#[cfg(feature = "candle-cuda")]
+fn backward_cuda<T: Element + CudaDType>(
+    stats: &Stats,
+    x: &CudaStorage,
+    lx: &Layout,
+    gamma: &CudaStorage,
+    lg: &Layout,
+    dy: &CudaStorage,
+    ldy: &Layout,
+) -> Result<(CudaStorage, usize)> {
+    let [rows, n] = rows_and_n(lx.shape())?;
+    same_shape(lx, ldy)?;
+    let (mean, rstd) = stats.cuda()?;
+    let device = device_of(&x.device)?;
+    let len = rows * n;
+    let mut grads = cuda_out::<T>(&x.device.cuda_stream(), len + 2 * n)?;
+    if n > 0 {
+        let (dx, mut params) = grads.split_at_mut(len);
+        let (dgamma, dbeta) = params.split_at_mut(n);
+        let o = BackwardOperands {
+            x: In::Cuda(cuda_in(&device, "x", x, lx)?),
+            dy: In::Cuda(cuda_in(&device, "dy", dy, ldy)?),
+            gamma: In::Cuda(cuda_in(&device, "gamma", gamma, lg)?),
+            mean: In::Cuda(mean.as_view()),
+            rstd: In::Cuda(rstd.as_view()),
+            dx: Out::Cuda(dx),
+            dgamma: Some(Out::Cuda(dgamma)),
+            dbeta: Some(Out::Cuda(dbeta)),
+        };
+        backward_rows(&device, Norm::Layer, BackwardMode::Deterministic, rows, n, o).map_err(wrap)?;
+    }
+    let grads = CudaStorage::wrap_cuda_slice(grads, x.device.clone());
+    Ok((grads, len + 2 * n))
+}

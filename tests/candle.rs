@@ -1,0 +1,343 @@
+//! The candle integration (feature `candle`): `layer_norm` on candle tensors, its gradients
+//! through candle's autograd (`loss.backward()`), against the same math built from candle
+//! ops in f64 within the dtype's tolerance, and bitwise against this crate's own API on the
+//! same device (the same path runs underneath). Strided and offset inputs, the `Module`
+//! layer, empty inputs and every refusal as a typed candle error. The CPU tests run
+//! everywhere; with `candle-cuda`, the same checks run on candle's CUDA tensors where a GPU
+//! is (`LAYERNORM_REQUIRE_GPU=1` makes a missing GPU a failure).
+
+mod common;
+
+use candle_core::{D, DType, Error, Module, Tensor, Var, WithDType};
+use common::{Rng, mixed_matrix, random_matrix, random_vec, rel_err, tolerance};
+use layernorm_cuda::candle::{LayerNorm, as_layernorm_error, layer_norm};
+use layernorm_cuda::{Element, bf16, f16};
+use ndarray::ArrayView1;
+
+const EPS: f32 = 1e-5;
+
+/// Shapes `[..., n]`: 1-D, 3-D, n = 1, odd n (no 16-byte packs), whole packs, a long row.
+const SHAPES: &[&[usize]] = &[&[7], &[2, 3, 64], &[5, 1], &[7, 3], &[9, 1024], &[3, 4097]];
+
+/// x, gamma, beta, and w (dy: the loss is sum(y * w)) for `shape`, in T.
+struct Problem<T> {
+    shape: Vec<usize>,
+    x: Vec<T>,
+    gamma: Vec<T>,
+    beta: Vec<T>,
+    w: Vec<T>,
+}
+
+impl<T: Element + WithDType> Problem<T> {
+    fn new(shape: &[usize], seed: u64) -> Problem<T> {
+        let mut rng = Rng::new(seed);
+        let (&n, leading) = shape.split_last().expect("a shape [..., n]");
+        let rows = leading.iter().product();
+        Problem {
+            shape: shape.to_vec(),
+            x: mixed_matrix(&mut rng, rows, n).into_iter().collect(),
+            w: random_matrix(&mut rng, rows, n).into_iter().collect(),
+            gamma: random_vec(&mut rng, n, 1.0, 0.5).to_vec(),
+            beta: random_vec(&mut rng, n, 0.0, 0.5).to_vec(),
+        }
+    }
+
+    fn n(&self) -> usize {
+        *self.shape.last().unwrap()
+    }
+
+    /// x, gamma and beta as variables, and w, on `device`.
+    fn tensors(&self, device: &candle_core::Device) -> (Var, Var, Var, Tensor) {
+        let n = self.n();
+        let x = Var::from_slice(&self.x, self.shape.as_slice(), device).unwrap();
+        let gamma = Var::from_slice(&self.gamma, n, device).unwrap();
+        let beta = Var::from_slice(&self.beta, n, device).unwrap();
+        let w = Tensor::from_slice(&self.w, self.shape.as_slice(), device).unwrap();
+        (x, gamma, beta, w)
+    }
+}
+
+/// y, dx, dgamma, dbeta of `layer_norm` and candle's backward of sum(y * w), on the host.
+fn by_layer_norm<T: WithDType>(x: &Var, gamma: &Var, beta: &Var, w: &Tensor) -> [Vec<T>; 4] {
+    let y = layer_norm(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), EPS).unwrap();
+    let grads = (&y * w).unwrap().sum_all().unwrap().backward().unwrap();
+    let grad = |v: &Var| grads.get(v.as_tensor()).expect("a gradient for every variable");
+    [&y, grad(x), grad(gamma), grad(beta)].map(host)
+}
+
+fn host<T: WithDType>(t: &Tensor) -> Vec<T> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// The same as [`by_layer_norm`] by candle's own ops and autograd, in f64 on the CPU from
+/// the problem's (rounded) T values: the reference.
+fn by_candle_ops<T: Element + WithDType>(p: &Problem<T>) -> [Vec<f64>; 4] {
+    let cpu = candle_core::Device::Cpu;
+    let f64s = |v: &[T], shape: &[usize]| {
+        let v: Vec<f64> = v.iter().map(|e| e.to_f32() as f64).collect();
+        Var::from_vec(v, shape, &cpu).unwrap()
+    };
+    let n = p.n();
+    let (x, gamma, beta) = (f64s(&p.x, &p.shape), f64s(&p.gamma, &[n]), f64s(&p.beta, &[n]));
+    let w = f64s(&p.w, &p.shape).into_inner();
+    let mean = x.mean_keepdim(D::Minus1).unwrap();
+    let centered = x.broadcast_sub(&mean).unwrap();
+    let var = centered.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+    let std = (var + EPS as f64).unwrap().sqrt().unwrap();
+    let y = centered
+        .broadcast_div(&std)
+        .unwrap()
+        .broadcast_mul(&gamma)
+        .unwrap()
+        .broadcast_add(&beta)
+        .unwrap();
+    let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let grad = |v: &Var| grads.get(v.as_tensor()).unwrap().clone();
+    [&y, &grad(&x), &grad(&gamma), &grad(&beta)].map(host)
+}
+
+/// Each of y, dx, dgamma, dbeta within T's tolerance of the reference (twice that for the
+/// gradients, as tests/backward.rs allows).
+fn assert_near<T: Element>(got: &[Vec<T>; 4], reference: &[Vec<f64>; 4], what: &str) {
+    for (i, name) in ["y", "dx", "dgamma", "dbeta"].iter().enumerate() {
+        let tol = if i == 0 { 1.0 } else { 2.0 } * tolerance::<T>();
+        let err = rel_err(ArrayView1::from(&got[i]), ArrayView1::from(&reference[i]));
+        assert!(err <= tol, "{what}: {name} relative error {err:e} > {tol:e}");
+    }
+}
+
+/// y, dx, dgamma, dbeta by this crate's own `LayerNorm` on `device`, dy = w.
+fn by_this_crate<T: Element>(p: &Problem<T>, device: &layernorm_cuda::Device) -> [Vec<T>; 4] {
+    let up = |v: &[T]| device.upload(ArrayView1::from(v)).unwrap();
+    let ln = layernorm_cuda::LayerNorm::new(up(&p.gamma), up(&p.beta), EPS).unwrap();
+    let (y, ctx) = ln.forward(&up(&p.x).view(0, &p.shape).unwrap()).unwrap();
+    let g = ln.backward(&ctx, &up(&p.w).view(0, &p.shape).unwrap()).unwrap();
+    [y, g.dx, g.dgamma.unwrap(), g.dbeta.unwrap()].map(|t| t.to_vec().unwrap())
+}
+
+fn bits<T: Element>(v: &[T]) -> Vec<u32> {
+    v.iter().map(|e| e.to_f32().to_bits()).collect()
+}
+
+fn assert_bitwise<T: Element>(got: &[Vec<T>; 4], expected: &[Vec<T>; 4], what: &str) {
+    for (i, name) in ["y", "dx", "dgamma", "dbeta"].iter().enumerate() {
+        assert_eq!(bits(&got[i]), bits(&expected[i]), "{what}: {name}");
+    }
+}
+
+/// For each shape: gradients near the candle-ops reference, and this crate's bits.
+fn check_device<T: Element + WithDType>(candle: &candle_core::Device, ours: &layernorm_cuda::Device) {
+    for (i, shape) in SHAPES.iter().enumerate() {
+        let p = Problem::<T>::new(shape, 9000 + i as u64);
+        let (x, gamma, beta, w) = p.tensors(candle);
+        let got = by_layer_norm::<T>(&x, &gamma, &beta, &w);
+        let what = format!("{} {shape:?} on {candle:?}", T::NAME);
+        assert_near(&got, &by_candle_ops(&p), &what);
+        assert_bitwise(&got, &by_this_crate(&p, ours), &what);
+    }
+}
+
+#[test]
+fn cpu_gradients_match_candle_ops_and_this_crates_cpu_path() {
+    let (candle, ours) = (candle_core::Device::Cpu, layernorm_cuda::Device::cpu());
+    check_device::<f32>(&candle, &ours);
+    check_device::<f16>(&candle, &ours);
+    check_device::<bf16>(&candle, &ours);
+}
+
+/// A strided x (a transpose, made contiguous by a copy) and an x at an offset in its
+/// storage (rows of a larger variable, read where they lie) give the results of a
+/// contiguous copy, and their gradients reach the variables they were taken from.
+fn check_views(device: &candle_core::Device) {
+    let p = Problem::<f32>::new(&[6, 77], 9100);
+    let (x, gamma, beta, w) = p.tensors(device);
+    let expected = by_layer_norm::<f32>(&x, &gamma, &beta, &w);
+    let what = format!("on {device:?}");
+
+    // x^T as a variable [77, 6]; its transpose is p's x, strided.
+    let xt = Var::from_tensor(&x.as_tensor().t().unwrap().contiguous().unwrap()).unwrap();
+    let y = layer_norm(&xt.t().unwrap(), gamma.as_tensor(), beta.as_tensor(), EPS).unwrap();
+    let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let dxt = grads.get(xt.as_tensor()).unwrap();
+    assert_eq!(dxt.dims(), &[77, 6], "{what}");
+    assert_eq!(bits(&host::<f32>(&y)), bits(&expected[0]), "{what}: strided y");
+    assert_eq!(
+        bits(&host::<f32>(&dxt.t().unwrap())),
+        bits(&expected[1]),
+        "{what}: strided dx"
+    );
+
+    // Rows 1..7 of a variable [8, 77]: a contiguous x at an offset of 77 elements.
+    let n = p.n();
+    let mut padded = vec![1000.0f32; n];
+    padded.extend(&p.x);
+    padded.extend(vec![-1000.0f32; n]);
+    let big = Var::from_vec(padded, (8, n), device).unwrap();
+    let y = layer_norm(
+        &big.narrow(0, 1, 6).unwrap(),
+        gamma.as_tensor(),
+        beta.as_tensor(),
+        EPS,
+    )
+    .unwrap();
+    let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let dbig = host::<f32>(grads.get(big.as_tensor()).unwrap());
+    assert_eq!(bits(&host::<f32>(&y)), bits(&expected[0]), "{what}: offset y");
+    assert_eq!(bits(&dbig[n..7 * n]), bits(&expected[1]), "{what}: offset dx");
+    assert!(
+        dbig[..n].iter().chain(&dbig[7 * n..]).all(|&d| d == 0.0),
+        "{what}: rows outside the view get no gradient"
+    );
+}
+
+#[test]
+fn cpu_strided_and_offset_inputs() {
+    check_views(&candle_core::Device::Cpu);
+}
+
+/// The layer gives `layer_norm`'s bits, without variables (no graph) too.
+#[test]
+fn module_forward_is_layer_norm() {
+    let p = Problem::<bf16>::new(&[4, 96], 9200);
+    let (x, gamma, beta, _) = p.tensors(&candle_core::Device::Cpu);
+    let layer = LayerNorm::new(gamma.as_detached_tensor(), beta.as_detached_tensor(), EPS).unwrap();
+    assert_eq!(layer.eps(), EPS);
+    assert_eq!(layer.weight().dims(), &[96]);
+    let y = layer.forward(&x.as_detached_tensor()).unwrap();
+    let direct = layer_norm(x.as_tensor(), layer.weight(), layer.bias(), EPS).unwrap();
+    assert_eq!(bits(&host::<bf16>(&y)), bits(&host::<bf16>(&direct)));
+}
+
+/// M = 0: empty y and dx, zero dgamma and dbeta (sums over no rows). N = 0: all empty.
+fn check_empty(device: &candle_core::Device) {
+    for (shape, n) in [((0, 5), 5), ((3, 0), 0)] {
+        let x = Var::zeros(shape, DType::F32, device).unwrap();
+        let gamma = Var::ones(n, DType::F32, device).unwrap();
+        let beta = Var::ones(n, DType::F32, device).unwrap();
+        let w = Tensor::ones(shape, DType::F32, device).unwrap();
+        let [y, dx, dgamma, dbeta] = by_layer_norm::<f32>(&x, &gamma, &beta, &w);
+        assert!(y.is_empty() && dx.is_empty(), "{shape:?} on {device:?}");
+        assert_eq!(dgamma, vec![0.0; n], "{shape:?} on {device:?}");
+        assert_eq!(dbeta, vec![0.0; n], "{shape:?} on {device:?}");
+    }
+}
+
+#[test]
+fn cpu_empty_inputs() {
+    check_empty(&candle_core::Device::Cpu);
+}
+
+/// candle's error inside any backtrace wrapper.
+fn bare(e: &Error) -> &Error {
+    match e {
+        Error::WithBacktrace { inner, .. } => bare(inner),
+        e => e,
+    }
+}
+
+#[test]
+fn refusals_are_typed_candle_errors() {
+    let cpu = candle_core::Device::Cpu;
+    let t = |shape: &[usize], dtype| Tensor::zeros(shape, dtype, &cpu).unwrap();
+    let (x, w) = (t(&[2, 4], DType::F32), t(&[4], DType::F32));
+
+    let e = layer_norm(&t(&[2, 4], DType::F64), &w, &w, EPS).unwrap_err();
+    assert!(
+        matches!(bare(&e), Error::UnsupportedDTypeForOp(DType::F64, _)),
+        "{e}"
+    );
+
+    let e = layer_norm(&x, &t(&[4], DType::F16), &w, EPS).unwrap_err();
+    assert!(
+        matches!(
+            bare(&e),
+            Error::DTypeMismatchBinaryOp {
+                lhs: DType::F32,
+                rhs: DType::F16,
+                ..
+            }
+        ),
+        "{e}"
+    );
+
+    let e = layer_norm(&x, &w, &t(&[5], DType::F32), EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::UnexpectedShape { .. }), "{e}");
+    assert!(e.to_string().contains("beta"), "{e}");
+
+    let scalar = Tensor::new(1.0f32, &cpu).unwrap();
+    let e = layer_norm(&scalar, &w, &w, EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::DimOutOfRange { .. }), "{e}");
+
+    for eps in [0.0, -1e-5, f32::NAN, f32::INFINITY] {
+        let e = layer_norm(&x, &w, &w, eps).unwrap_err();
+        assert!(
+            matches!(as_layernorm_error(&e), Some(layernorm_cuda::Error::BadEps(_))),
+            "eps {eps}: {e}"
+        );
+        let e = LayerNorm::new(w.clone(), w.clone(), eps).unwrap_err();
+        assert!(
+            matches!(as_layernorm_error(&e), Some(layernorm_cuda::Error::BadEps(_))),
+            "eps {eps}: {e}"
+        );
+    }
+    // candle's own errors hold none of this crate's.
+    assert!(as_layernorm_error(&layer_norm(&scalar, &w, &w, EPS).unwrap_err()).is_none());
+
+    let e = LayerNorm::new(t(&[2, 4], DType::F32), w.clone(), EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::UnexpectedNumberOfDims { .. }), "{e}");
+    let e = LayerNorm::new(w.clone(), t(&[4], DType::BF16), EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::DTypeMismatchBinaryOp { .. }), "{e}");
+}
+
+/// candle's CUDA device 0 where a GPU is (the rule of `common::gpu_or_skip`), with this
+/// crate's device on it for the bitwise comparison.
+#[cfg(feature = "candle-cuda")]
+fn candle_gpu_or_skip() -> Option<(candle_core::Device, layernorm_cuda::Device)> {
+    let ours = common::gpu_or_skip()?;
+    Some((
+        candle_core::Device::new_cuda(0).expect("candle's CUDA device 0"),
+        ours,
+    ))
+}
+
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn gpu_gradients_match_candle_ops_and_this_crates_kernels() {
+    let Some((candle, ours)) = candle_gpu_or_skip() else {
+        return;
+    };
+    check_device::<f32>(&candle, &ours);
+    check_device::<f16>(&candle, &ours);
+    check_device::<bf16>(&candle, &ours);
+}
+
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn gpu_strided_and_offset_inputs() {
+    let Some((candle, _)) = candle_gpu_or_skip() else {
+        return;
+    };
+    check_views(&candle);
+}
+
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn gpu_empty_inputs() {
+    let Some((candle, _)) = candle_gpu_or_skip() else {
+        return;
+    };
+    check_empty(&candle);
+}
+
+/// A CPU tensor beside a CUDA one is candle's device mismatch, not a panic.
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn gpu_mixed_devices_are_refused() {
+    let Some((candle, _)) = candle_gpu_or_skip() else {
+        return;
+    };
+    let x = Tensor::zeros((2, 4), DType::F32, &candle).unwrap();
+    let w = Tensor::ones(4, DType::F32, &candle_core::Device::Cpu).unwrap();
+    let e = layer_norm(&x, &w, &w, EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::DeviceMismatchBinaryOp { .. }), "{e}");
+}
