@@ -29,17 +29,19 @@ fn at_least<'a, T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>
     len: usize,
     during: &'static str,
 ) -> Result<CudaViewMut<'a, T>> {
-    if buffer.as_ref().is_none_or(|b| b.len() < len) {
-        // The old buffer is freed first (in stream order), so its memory can serve the new.
-        *buffer = None;
-        // SAFETY: uninitialized device memory; every user writes what it reads first (the
-        // partial rows are written whole by stage 1, the words are zeroed below).
-        let fresh = allocate(stream, len * size_of::<T>(), during, || unsafe {
-            stream.alloc::<T>(len)
-        })?;
-        *buffer = Some(fresh);
-    }
-    let buffer = buffer.as_mut().expect("allocated above");
+    let buffer = match buffer.take() {
+        Some(kept) if kept.len() >= len => buffer.insert(kept),
+        smaller => {
+            // The old buffer is freed first (in stream order), so its memory can serve the new.
+            drop(smaller);
+            // SAFETY: uninitialized device memory; every user writes what it reads first (the
+            // partial rows are written whole by stage 1, the words are zeroed below).
+            let fresh = allocate(stream, len * size_of::<T>(), during, || unsafe {
+                stream.alloc::<T>(len)
+            })?;
+            buffer.insert(fresh)
+        }
+    };
     Ok(buffer.slice_mut(..len))
 }
 
