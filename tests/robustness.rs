@@ -137,7 +137,7 @@ fn two_streams_on_one_gpu_run_concurrently() {
                 let gamma = random_vec::<f32>(&mut rng, n, 1.0, 0.5);
                 let beta = random_vec::<f32>(&mut rng, n, 0.0, 0.5);
                 let ln = op(&device, &gamma, &beta);
-                for round in 0..20 {
+                for round in 0..plain_or_sanitized(20, 2) {
                     let x = mixed_matrix::<f32>(&mut rng, rows, n);
                     let dy = random_matrix::<f32>(&mut rng, rows, n);
                     let (y, ctx) = ln.forward(&device.upload(x.view()).unwrap()).unwrap();
@@ -184,7 +184,7 @@ fn tensors_move_between_streams_in_order() {
     let Some(gpu) = gpu_or_skip() else { return };
     let (a, b) = (gpu.with_new_stream().unwrap(), gpu.with_new_stream().unwrap());
     let mut rng = Rng::new(90);
-    let (rows, n) = (2048, 4096);
+    let (rows, n) = (plain_or_sanitized(2048, 256), 4096);
     let gamma = random_vec::<f32>(&mut rng, n, 1.0, 0.5);
     let beta = random_vec::<f32>(&mut rng, n, 0.0, 0.5);
     let (ln_a, ln_b) = (op(&a, &gamma, &beta), op(&b, &gamma, &beta));
@@ -204,7 +204,7 @@ fn tensors_move_between_streams_in_order() {
     );
     // Some milliseconds of work on one stream.
     let keep_busy = |ln: &LayerNorm<f32>, input: &Tensor<f32>, out: &mut Tensor<f32>| {
-        for _ in 0..30 {
+        for _ in 0..plain_or_sanitized(30, 2) {
             ln.forward_into(input, out).unwrap();
         }
     };
@@ -229,17 +229,27 @@ fn tensors_move_between_streams_in_order() {
 
 /// Queues tens of milliseconds of work on `device`'s stream and returns without waiting
 /// for it: forwards over 256 MB of f32, each about 0.15 to 0.2 ms at an H200's or H100's
-/// bandwidth. Under compute-sanitizer the 200 took over 100 s per test in racecheck (H200,
-/// 2026-11-23); there the run checks memory use, not the ordering, which the plain run
-/// shows, and two forwards still take every path of the test.
+/// bandwidth (smaller under compute-sanitizer, see [`plain_or_sanitized`]).
 fn queue_long_work(device: &Device) {
-    let (rows, n) = (8192, 8192);
+    let (rows, n) = (plain_or_sanitized(8192, 256), 8192);
     let zeros = |shape: &[usize]| device.zeros::<f32>(shape).unwrap();
     let ln = LayerNorm::new(zeros(&[n]), zeros(&[n]), 1e-5).unwrap();
     let (x, mut y) = (zeros(&[rows, n]), zeros(&[rows, n]));
-    let forwards = if common::under_compute_sanitizer() { 2 } else { 200 };
-    for _ in 0..forwards {
+    for _ in 0..plain_or_sanitized(200, 2) {
         ln.forward_into(&x, &mut y).unwrap();
+    }
+}
+
+/// `plain` in an ordinary run, `sanitized` under compute-sanitizer. The stream tests size
+/// their busy work to keep a stream occupied for tens of milliseconds; the sanitizer makes
+/// each kernel hundreds of times slower (the plain sizes took over 250 s of racecheck on an
+/// H200, 2026-11-23), and a run under it checks memory use, not timing-dependent ordering,
+/// which the plain run shows. The small sizes still take every path of these tests.
+fn plain_or_sanitized(plain: usize, sanitized: usize) -> usize {
+    if common::under_compute_sanitizer() {
+        sanitized
+    } else {
+        plain
     }
 }
 
@@ -261,7 +271,7 @@ fn three_streams() -> Option<ThreeStreams> {
     let gpu = gpu_or_skip()?;
     let [a, b, c] = [(); 3].map(|_| gpu.with_new_stream().unwrap());
     let mut rng = Rng::new(91);
-    let (rows, n) = (2048, 2048);
+    let (rows, n) = (plain_or_sanitized(2048, 256), 2048);
     let gamma = random_vec::<f32>(&mut rng, n, 1.0, 0.5);
     let beta = random_vec::<f32>(&mut rng, n, 0.0, 0.5);
     let [ln_a, ln_b, ln_c] = [&a, &b, &c].map(|d| op(d, &gamma, &beta));
