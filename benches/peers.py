@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""The peers' LayerNorm, timed as ln-bench times ours, and a merged table per (mode, dtype, M)
-with ours / theirs. Peers: PyTorch (eager, and under torch.compile), Liger Kernel's
-LigerLayerNormFunction, and the Triton tutorial's kernels (its forward and its locked
-backward with atomic-CAS spinlocks over G groups; rows up to 64 KB).
+"""The peers' LayerNorm (or RMSNorm), timed as ln-bench times ours, and a merged table per
+(mode, dtype, M) with ours / theirs. Peers: PyTorch (eager, and under torch.compile), Liger
+Kernel's LigerLayerNormFunction, and the Triton tutorial's kernels (its forward and its locked
+backward with atomic-CAS spinlocks over G groups; rows up to 64 KB). With --norm rms:
+F.rms_norm (eager and compiled) and Liger's LigerRMSNormFunction; the tutorial has no RMSNorm.
 
     python3 benches/peers.py --ours ours.json [--json peers.json]
     python3 benches/peers.py --ours ours.json --theirs peers.json   # merge saved results only
     python3 benches/peers.py --preset llm --json peers.json \
         --triton-tutorial PATH/05-layer-norm.py                     # before ln-bench --peers
+    python3 benches/peers.py --norm rms --quick --ours rms.json     # ln-bench --norm rms --json
 
 Liger Kernel: `pip install liger-kernel` (0.8.5 measured; a pure-Python wheel, so on a machine
 without network `pip download --no-deps liger-kernel==0.8.5` elsewhere, then `pip install
@@ -41,6 +43,7 @@ QUICK_NS = [1024, 4096, 8192, 32768]
 DTYPES = ["f16", "bf16", "f32"]
 MODES = ["fwd", "bwd"]
 PEERS = ["torch", "torch-compile", "liger", "triton-tutorial"]
+NORMS = ["layer", "rms"]
 PRESETS = {
     "llm": {"dtypes": ["bf16"], "rows": [16384, 65536], "ns": [768, 1024, 2048, 4096, 5120, 8192]},
     "latency": {"dtypes": ["bf16"], "rows": [1, 8, 64, 512], "ns": [4096, 8192]},
@@ -127,25 +130,40 @@ def import_definitions(path, name):
     return module
 
 
+def torch_norm(F, norm, n):
+    """PyTorch's functional norm over rows of n: layer_norm(x, w, b) or rms_norm(x, w)."""
+    if norm == "layer":
+        return lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS)
+    return lambda x, w: F.rms_norm(x, (n,), w, EPS)
+
+
 def torch_eager(args, torch, F):
-    return lambda n: lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS)
+    return lambda n: torch_norm(F, args.norm, n)
 
 
 def torch_compiled(args, torch, F):
     def for_rows_of(n):
         torch._dynamo.reset()  # a fresh static compile per size, no recompile limit
-        return torch.compile(lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS), dynamic=False)
+        return torch.compile(torch_norm(F, args.norm, n), dynamic=False)
 
     return for_rows_of
 
 
 def liger(args, torch, F):
-    from liger_kernel.ops import LigerLayerNormFunction
+    if args.norm == "layer":
+        from liger_kernel.ops import LigerLayerNormFunction
 
-    return lambda n: lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
+        return lambda n: lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, EPS)
+    from liger_kernel.ops import LigerRMSNormFunction
+
+    # offset 0 and Liger's default casting ("llama"); in_place=False, because in place its
+    # backward writes dx over dy, which every repetition here reuses.
+    return lambda n: lambda x, w: LigerRMSNormFunction.apply(x, w, EPS, 0.0, "llama", False)
 
 
 def triton_tutorial(args, torch, F):
+    if args.norm != "layer":
+        raise NotImplementedError("the Triton tutorial has LayerNorm only")
     if not args.triton_tutorial:
         raise FileNotFoundError(
             "no --triton-tutorial PATH given (python/tutorials/05-layer-norm.py of github.com/triton-lang/triton)"
@@ -174,7 +192,7 @@ def import_peers(args, torch, F):
 # --- measuring (needs torch) ---------------------------------------------------------------
 
 
-def measure(torch, F, mode, dtype, m, n, peer, for_rows_of, warmup, reps, seed):
+def measure(torch, F, norm, mode, dtype, m, n, peer, for_rows_of, warmup, reps, seed):
     """One configuration: check against float64, then time. Returns a result record."""
     tdtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -187,14 +205,15 @@ def measure(torch, F, mode, dtype, m, n, peer, for_rows_of, warmup, reps, seed):
     record = {"mode": mode, "dtype": dtype, "provider": peer, "m": m, "n": n, "tolerance": tolerance(dtype)}
 
     try:
-        layer_norm = for_rows_of(n)
-        leaves = [t.detach().requires_grad_(mode == "bwd") for t in (x, w, b)]
-        y = layer_norm(*leaves)
-        ref_leaves = [t.detach().double().requires_grad_(mode == "bwd") for t in (x, w, b)]
-        y_ref = F.layer_norm(ref_leaves[0], (n,), ref_leaves[1], ref_leaves[2], EPS)
+        normalize = for_rows_of(n)
+        operands = (x, w, b) if norm == "layer" else (x, w)
+        leaves = [t.detach().requires_grad_(mode == "bwd") for t in operands]
+        y = normalize(*leaves)
+        ref_leaves = [t.detach().double().requires_grad_(mode == "bwd") for t in operands]
+        y_ref = torch_norm(F, norm, n)(*ref_leaves)
         if mode == "fwd":
             err = rel_err(y, y_ref)
-            op = lambda: layer_norm(*leaves)  # noqa: E731
+            op = lambda: normalize(*leaves)  # noqa: E731
             before = None
         else:
             y.backward(dy, retain_graph=True)
@@ -233,6 +252,7 @@ def measure_all(args, sizes):
     del src, dst
     peers, missing = import_peers(args, torch, F)
     run = {
+        "norm": args.norm,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -248,7 +268,7 @@ def measure_all(args, sizes):
         print(f"peers: {peer} is missing: {why}", file=sys.stderr)
     for i, (mode, dtype, m, n) in enumerate(sizes):
         for peer, for_rows_of in peers.items():
-            r = measure(torch, F, mode, dtype, m, n, peer, for_rows_of, args.warmup, args.reps, args.seed)
+            r = measure(torch, F, args.norm, mode, dtype, m, n, peer, for_rows_of, args.warmup, args.reps, args.seed)
             run["results"].append(r)
             shown = f"{r['gbps']:.1f} GB/s" if r["status"] == "ok" else r["status"] + " " + r.get("failure", "")
             print(f"[{i + 1}/{len(sizes)}] {mode} {dtype} M={m} N={n} {peer}: {shown}", file=sys.stderr)
@@ -268,7 +288,7 @@ def cell(record, latency):
     return "FAILED" if record["status"] == "failed" else "n/a"
 
 
-def merged_tables(ours, theirs, sizes, latency):
+def merged_tables(ours, theirs, sizes, latency, norm):
     """One table per (mode, dtype, M) in GB/s, or per (mode, dtype) in median microseconds
     for the latency preset: ours and the peers, then each of ours over the best peer (its
     speed over the fastest peer's at that shape: above 1, ours is faster)."""
@@ -298,7 +318,7 @@ def merged_tables(ours, theirs, sizes, latency):
                         ratios.append(f"{best / r['median_ms']:.2f}" if ok and best else "-")
                     shape = [str(m), str(n)] if latency else [str(n)]
                     lines.append([str(i)] + shape + [cell(get(p), latency) for p in ours_providers + peers] + ratios)
-                name = f"layer-norm-{'forward' if mode == 'fwd' else 'backward'}"
+                name = f"{norm}-norm-{'forward' if mode == 'fwd' else 'backward'}"
                 if latency:
                     unit = "median microseconds" + (f"; empty kernel {floor['median_ms'] * 1e3:.2f}" if floor else "")
                     title = f"{name} ({dtype}), {unit}:"
@@ -353,6 +373,7 @@ def main():
     p.add_argument("--rows", type=comma_list(kind=int), help="comma list of M (default: the preset's, else 4096)")
     p.add_argument("--n", type=comma_list(kind=int), help="comma list of N (default: as in --ours, else the preset's)")
     p.add_argument("--quick", action="store_true", help="N = 1024,4096,8192,32768")
+    p.add_argument("--norm", choices=NORMS, default="layer", help="layer (LayerNorm) or rms (RMSNorm)")
     p.add_argument("--mode", type=comma_list(MODES), default=MODES)
     p.add_argument("--dtype", type=comma_list(DTYPES), help="default: the preset's, else f16,bf16,f32")
     p.add_argument("--peers", type=comma_list(PEERS), default=PEERS, help=f"peers to measure (default: {','.join(PEERS)})")
@@ -372,11 +393,15 @@ def main():
         p.error("--quick and --preset choose N both: give one")
 
     def load(path):
+        """A saved run of this norm (files from before --norm hold LayerNorm)."""
         try:
             with open(path) as f:
-                return json.load(f)
+                doc = json.load(f)
         except (OSError, ValueError) as e:
             p.error(f"cannot read {path}: {e}")
+        if doc.get("norm", "layer") != args.norm:
+            p.error(f"{path} measured {doc.get('norm', 'layer')}-norm, not {args.norm}-norm (--norm)")
+        return doc
 
     ours = load(args.ours) if args.ours else None
     sizes = sizes_of(args, ours)
@@ -392,7 +417,7 @@ def main():
     if ours and theirs and ours["device"].split("(")[-1].rstrip(")") != theirs["device"]:
         print("note: the two runs name different devices; ratios compare different machines")
     latency = "latency" in (args.preset, (ours or {}).get("preset"), theirs.get("preset"))
-    for table in merged_tables(ours, theirs, sizes, latency):
+    for table in merged_tables(ours, theirs, sizes, latency, args.norm):
         print("\n" + table)
     failed = [r for r in theirs["results"] if r["status"] == "failed"]
     return 1 if failed else 0

@@ -6,9 +6,9 @@ use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
 use layernorm_cuda::MAX_DIM;
 
-use crate::config::{Dtype, Mode, Preset};
+use crate::config::{Dtype, Mode, Norm, Preset};
 
-/// LayerNorm forward and backward bandwidth on the GPU (GB/s against N at fixed M), each
+/// LayerNorm (or RMSNorm) forward and backward bandwidth on the GPU (GB/s against N at fixed M), each
 /// configuration checked against a float64 reference before it is timed. Without a CUDA
 /// device it runs the CPU path on smaller sizes instead.
 #[derive(Parser, Debug)]
@@ -33,6 +33,11 @@ pub struct Args {
     /// A short list of N for a smoke run: 1024, 4096, 8192, 32768.
     #[arg(long)]
     pub quick: bool,
+
+    /// The normalization: `layer` (LayerNorm with gamma and beta) or `rms` (RMSNorm with
+    /// gamma).
+    #[arg(long, value_enum, default_value_t = Norm::Layer)]
+    pub norm: Norm,
 
     /// Passes to measure.
     #[arg(long, value_delimiter = ',', default_values = ["fwd", "bwd"])]

@@ -8,6 +8,7 @@ use layernorm_cuda::Element;
 use layernorm_reference::Row;
 use ndarray::{Array1, Array2, ArrayView1, Axis};
 
+use crate::config::Norm;
 use crate::inputs::Inputs;
 use crate::parallel::map_ranges;
 
@@ -34,8 +35,9 @@ struct Partial {
 }
 
 impl Reference {
-    /// y, dx, dgamma and dbeta of LayerNorm with `eps`, in float64 throughout.
-    pub fn compute<T: Element>(inputs: &Inputs<T>, eps: f64) -> Reference {
+    /// y, dx, dgamma and dbeta of `norm` with `eps`, in float64 throughout. RMSNorm has no
+    /// beta: its y is taken with beta = 0, and its dbeta is never compared.
+    pub fn compute<T: Element>(inputs: &Inputs<T>, eps: f64, norm: Norm) -> Reference {
         let (rows, n) = inputs.x.dim();
         let sample: Vec<usize> = if rows <= SAMPLE_ROWS {
             (0..rows).collect()
@@ -45,7 +47,10 @@ impl Reference {
                 .collect()
         };
         let gamma = f64s(inputs.gamma.view());
-        let beta = f64s(inputs.beta.view());
+        let beta = match norm {
+            Norm::Layer => f64s(inputs.beta.view()),
+            Norm::Rms => vec![0.0; n],
+        };
         let partials = map_ranges(rows, |block| {
             let mut part = Partial {
                 dgamma: vec![0.0; n],
@@ -54,7 +59,11 @@ impl Reference {
             };
             for r in block {
                 let dy = f64s(inputs.dy.row(r));
-                let row = Row::new(&f64s(inputs.x.row(r)), eps);
+                let x = f64s(inputs.x.row(r));
+                let row = match norm {
+                    Norm::Layer => Row::new(&x, eps),
+                    Norm::Rms => Row::rms(&x, eps),
+                };
                 row.add_param_grads(&dy, &mut part.dgamma, &mut part.dbeta);
                 if sample.binary_search(&r).is_ok() {
                     part.sampled.push((row.y(&gamma, &beta), row.dx(&dy, &gamma)));
@@ -87,12 +96,15 @@ impl Reference {
         Check::worst([self.sampled("y", y, &self.y)])
     }
 
-    /// The backward's dx (`[rows, n]`), dgamma and dbeta (`[n]`).
-    pub fn check_backward<T: Element>(&self, dx: &[T], dgamma: &[T], dbeta: &[T]) -> Check {
+    /// The backward's dx (`[rows, n]`), dgamma and dbeta (`[n]`; RMSNorm has none).
+    pub fn check_backward<T: Element>(&self, dx: &[T], dgamma: &[T], dbeta: Option<&[T]>) -> Check {
         Check::worst([
             self.sampled("dx", dx, &self.dx),
             whole("dgamma", dgamma, self.dgamma.view()),
-            whole("dbeta", dbeta, self.dbeta.view()),
+            match dbeta {
+                Some(dbeta) => whole("dbeta", dbeta, self.dbeta.view()),
+                None => Check::from_sums("dbeta", 0.0, 0.0),
+            },
         ])
     }
 

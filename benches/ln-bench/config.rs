@@ -39,6 +39,26 @@ impl Preset {
     }
 }
 
+/// The normalization measured: LayerNorm (centered rows, gamma and beta) or RMSNorm (rows
+/// not centered, gamma only). Its bytes are counted the same way: each of x, dy, y and dx
+/// once; the weights and row statistics are small beside them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Norm {
+    Layer,
+    Rms,
+}
+
+impl Norm {
+    /// The name the tables use: "layer-norm" or "rms-norm", as in the peers' tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Norm::Layer => "layer-norm",
+            Norm::Rms => "rms-norm",
+        }
+    }
+}
+
 /// The pass measured.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -1,5 +1,6 @@
-//! ln-bench: LayerNorm forward and backward bandwidth against N, each configuration checked
-//! against float64 before it is timed, with the device's copy bandwidth as the ceiling.
+//! ln-bench: LayerNorm (or, with `--norm rms`, RMSNorm) forward and backward bandwidth
+//! against N, each configuration checked against float64 before it is timed, with the
+//! device's copy bandwidth as the ceiling.
 //!
 //! Exit code: 0 when every configuration passed its check, 1 when one failed (or the run
 //! could not finish), 2 for bad flags.
@@ -77,6 +78,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     };
     let preset = args.preset;
     let plan = Plan {
+        norm: args.norm,
         rows: match (&args.rows, preset) {
             (Some(rows), _) => rows.clone(),
             (None, Some(preset)) => preset.rows().to_vec(),
@@ -100,13 +102,18 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     let (reps, warmup) = (args.reps.unwrap_or(reps), args.warmup.unwrap_or(warmup));
     args::check_sizes(&plan.rows, &plan.ns);
     // Read before anything is measured, so that a wrong path costs no GPU time.
-    let peers = args.peers.as_deref().map(PeerRun::read).transpose()?;
+    let peers = args
+        .peers
+        .as_deref()
+        .map(|path| PeerRun::read(path, args.norm))
+        .transpose()?;
 
     let (mut timer, memory) = match device.cuda_stream() {
         Some(stream) => (Timer::gpu(stream, warmup, reps)?, memory_of(stream.context())),
         None => (Timer::Cpu { warmup, reps }, None),
     };
     let run = Run {
+        norm: plan.norm,
         device: device.name(),
         date: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
         memory,

@@ -6,13 +6,16 @@ use std::path::Path;
 
 use serde::Deserialize;
 
-use crate::config::{Dtype, Mode};
+use crate::config::{Dtype, Mode, Norm};
 use crate::error::BenchError;
 
 /// What peers.py measured: the fields ln-bench shows; the rest of its JSON is ignored.
 #[derive(Deserialize)]
 pub struct PeerRun {
     pub device: String,
+    /// The norm the peers ran; files written before RMSNorm was measured hold LayerNorm.
+    #[serde(default = "layer_norm")]
+    pub norm: Norm,
     pub results: Vec<PeerRecord>,
     /// Peers that could not be imported, with the reason.
     #[serde(default)]
@@ -33,14 +36,28 @@ pub struct PeerRecord {
     pub gbps: Option<f64>,
 }
 
+fn layer_norm() -> Norm {
+    Norm::Layer
+}
+
 impl PeerRun {
-    pub fn read(path: &Path) -> Result<PeerRun, BenchError> {
+    /// The peers' run at `path`, which must have measured `norm`: another norm's numbers
+    /// beside ours would compare different operations.
+    pub fn read(path: &Path, norm: Norm) -> Result<PeerRun, BenchError> {
         let unreadable = |reason: String| BenchError::Peers {
             path: path.to_path_buf(),
             reason,
         };
         let text = fs::read_to_string(path).map_err(|e| unreadable(e.to_string()))?;
-        serde_json::from_str(&text).map_err(|e| unreadable(e.to_string()))
+        let run: PeerRun = serde_json::from_str(&text).map_err(|e| unreadable(e.to_string()))?;
+        if run.norm != norm {
+            return Err(unreadable(format!(
+                "it measured {}, this run measures {} (peers.py --norm)",
+                run.norm.name(),
+                norm.name()
+            )));
+        }
+        Ok(run)
     }
 
     /// The peers measured in `mode` (in any, for None), in the order peers.py ran them.

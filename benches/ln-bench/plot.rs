@@ -10,7 +10,7 @@ use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::{FontStyle, register_font};
 
-use crate::config::{Dtype, Mode};
+use crate::config::{Dtype, Mode, Norm};
 use crate::error::BenchError;
 use crate::peers::PeerRun;
 use crate::report::Run;
@@ -172,8 +172,12 @@ impl Figure<'_> {
             Mode::Fwd => "forward",
             Mode::Bwd => "backward",
         };
+        let norm = match run.norm {
+            Norm::Layer => "LayerNorm",
+            Norm::Rms => "RMSNorm",
+        };
         let mut chart = ChartBuilder::on(area)
-            .caption(format!("{pass}, {dtype}, M = {rows}"), ("sans-serif", 22))
+            .caption(format!("{norm} {pass}, {dtype}, M = {rows}"), ("sans-serif", 22))
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)

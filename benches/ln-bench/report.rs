@@ -9,7 +9,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::config::{Dtype, Mode, Preset, Provider};
+use crate::config::{Dtype, Mode, Norm, Preset, Provider};
 use crate::error::BenchError;
 use crate::peers::PeerRun;
 use crate::sweep::{Measurement, Outcome, Plan};
@@ -18,6 +18,7 @@ use crate::timing::{CopyBandwidth, Quantiles};
 /// Where and how the run measured: the header, and the top of the JSON.
 #[derive(Serialize)]
 pub struct Run {
+    pub norm: Norm,
     /// "cuda:0 (NVIDIA H200)" or "cpu".
     pub device: String,
     /// UTC, RFC 3339 ("2026-11-22T10:11:12Z").
@@ -43,7 +44,11 @@ pub struct Memory {
 
 impl Run {
     pub fn print_header(&self, plan: &Plan, l2_flush: bool, peers: Option<&PeerRun>) {
-        println!("ln-bench: LayerNorm bandwidth, {}", self.date);
+        let norm = match self.norm {
+            Norm::Layer => "LayerNorm",
+            Norm::Rms => "RMSNorm",
+        };
+        println!("ln-bench: {norm} bandwidth, {}", self.date);
         print!("device: {}", self.device);
         match self.memory {
             Some(m) => println!(
@@ -156,7 +161,7 @@ impl Run {
         }
         format!(
             "{} ({dtype}, M={rows}), GB/s:\n{}{}",
-            title(mode),
+            title(self.norm, mode),
             aligned(&header, &lines),
             check_line(results, mode, dtype, Some(rows))
         )
@@ -206,7 +211,7 @@ impl Run {
         };
         format!(
             "{} ({dtype}), median microseconds{floor}:\n{}{}",
-            title(mode),
+            title(self.norm, mode),
             aligned(&header, &lines),
             check_line(results, mode, dtype, None)
         )
@@ -292,11 +297,13 @@ impl Run {
     }
 }
 
-fn title(mode: Mode) -> &'static str {
-    match mode {
-        Mode::Fwd => "layer-norm-forward",
-        Mode::Bwd => "layer-norm-backward",
-    }
+/// "layer-norm-forward", "rms-norm-backward", ...: the peers' table names.
+fn title(norm: Norm, mode: Mode) -> String {
+    let pass = match mode {
+        Mode::Fwd => "forward",
+        Mode::Bwd => "backward",
+    };
+    format!("{}-{pass}", norm.name())
 }
 
 /// The largest check error of ours in (mode, dtype), at M = `rows` or at every M.

@@ -1,20 +1,23 @@
 //! The sweep: for each dtype and N, random inputs and their float64 reference, then each
-//! (mode, provider) checked and, if right, timed.
+//! (mode, provider) checked and, if right, timed. One norm per run (LayerNorm or RMSNorm).
 
 use indicatif::ProgressBar;
-use layernorm_cuda::{Device, Element, Gradients, LayerNorm, Tensor, bf16, f16};
+use layernorm_cuda::{
+    BackwardMode, Context, Device, Element, Gradients, LayerNorm, RmsNorm, Tensor, bf16, f16,
+};
 
 use crate::check::{Check, Reference};
-use crate::config::{Dtype, Mode, Provider};
+use crate::config::{Dtype, Mode, Norm, Provider};
 use crate::error::BenchError;
 use crate::inputs::Inputs;
 use crate::timing::{Quantiles, Timer};
 
-/// LayerNorm's eps, as in the peers' benchmarks.
+/// The norms' eps, as in the peers' benchmarks.
 const EPS: f32 = 1e-5;
 
 /// What to measure.
 pub struct Plan {
+    pub norm: Norm,
     pub rows: Vec<usize>,
     pub ns: Vec<usize>,
     pub modes: Vec<Mode>,
@@ -97,7 +100,7 @@ impl Sweep<'_> {
             self.dtype, self.n
         ));
         let inputs = Inputs::<T>::random(rows, self.n, self.plan.seed);
-        let reference = Reference::compute(&inputs, EPS as f64);
+        let reference = Reference::compute(&inputs, EPS as f64, self.plan.norm);
         let uploaded = self
             .device
             .upload(inputs.x.view())
@@ -134,52 +137,55 @@ impl Sweep<'_> {
         dy: &Tensor<T>,
         reference: &Reference,
     ) -> (Option<f64>, Outcome) {
-        let measured = LayerNorm::from_arrays(self.device, inputs.gamma.view(), inputs.beta.view(), EPS)
-            .and_then(|ln| ln.with_backward_mode(provider.backward_mode()))
+        let measured = Op::new(self.plan.norm, self.device, inputs, provider.backward_mode())
             .map_err(BenchError::from)
-            .and_then(|ln| match mode {
-                Mode::Fwd => self.forward(&ln, x, reference),
-                Mode::Bwd => self.backward(&ln, x, dy, reference),
+            .and_then(|op| match mode {
+                Mode::Fwd => self.forward(&op, x, reference),
+                Mode::Bwd => self.backward(&op, x, dy, reference),
             });
         measured.unwrap_or_else(|e| (None, Outcome::Failed(e.to_string())))
     }
 
     fn forward<T: Element>(
         &mut self,
-        ln: &LayerNorm<T>,
+        op: &Op<T>,
         x: &Tensor<T>,
         reference: &Reference,
     ) -> Result<(Option<f64>, Outcome), BenchError> {
         let mut y = poisoned(self.device, x.shape())?;
-        ln.forward_into(x, &mut y)?;
+        op.forward_into(x, &mut y)?;
         let check = reference.check_forward(&y.to_vec()?);
         Ok(self.time_if_right(check, || {
-            ln.forward_into(x, &mut y)?;
+            op.forward_into(x, &mut y)?;
             Ok(())
         }))
     }
 
     fn backward<T: Element>(
         &mut self,
-        ln: &LayerNorm<T>,
+        op: &Op<T>,
         x: &Tensor<T>,
         dy: &Tensor<T>,
         reference: &Reference,
     ) -> Result<(Option<f64>, Outcome), BenchError> {
-        let (_, ctx) = ln.forward(x)?;
-        // The op has gamma and beta (`LayerNorm::new`), so both sums are asked for.
+        let ctx = op.forward(x)?;
+        // Every parameter the op has gets its gradient: gamma always, beta for LayerNorm.
         let mut grads = Gradients {
             dx: poisoned(self.device, x.shape())?,
             dgamma: Some(poisoned(self.device, &[self.n])?),
-            dbeta: Some(poisoned(self.device, &[self.n])?),
+            dbeta: match op {
+                Op::Layer(_) => Some(poisoned(self.device, &[self.n])?),
+                Op::Rms(_) => None,
+            },
         };
-        ln.backward_into(&ctx, dy, &mut grads)?;
-        let (Some(dgamma), Some(dbeta)) = (&grads.dgamma, &grads.dbeta) else {
+        op.backward_into(&ctx, dy, &mut grads)?;
+        let Some(dgamma) = &grads.dgamma else {
             unreachable!("backward_into refuses gradients that do not match the op's parameters")
         };
-        let check = reference.check_backward(&grads.dx.to_vec()?, &dgamma.to_vec()?, &dbeta.to_vec()?);
-        // dgamma and dbeta are part of the op: the whole call is timed.
-        Ok(self.time_if_right(check, || Ok(ln.backward_into(&ctx, dy, &mut grads)?)))
+        let dbeta = grads.dbeta.as_ref().map(Tensor::to_vec).transpose()?;
+        let check = reference.check_backward(&grads.dx.to_vec()?, &dgamma.to_vec()?, dbeta.as_deref());
+        // The parameters' gradients are part of the op: the whole call is timed.
+        Ok(self.time_if_right(check, || Ok(op.backward_into(&ctx, dy, &mut grads)?)))
     }
 
     /// Times `op` if `check` passed; a wrong kernel gets no time.
@@ -196,6 +202,58 @@ impl Sweep<'_> {
             },
         };
         (Some(check.error), outcome)
+    }
+}
+
+/// The op measured, built from the inputs' weights: LayerNorm with gamma and beta, or RMSNorm
+/// with gamma.
+enum Op<T: Element> {
+    Layer(LayerNorm<T>),
+    Rms(RmsNorm<T>),
+}
+
+impl<T: Element> Op<T> {
+    fn new(
+        norm: Norm,
+        device: &Device,
+        inputs: &Inputs<T>,
+        mode: BackwardMode,
+    ) -> layernorm_cuda::Result<Op<T>> {
+        Ok(match norm {
+            Norm::Layer => Op::Layer(
+                LayerNorm::from_arrays(device, inputs.gamma.view(), inputs.beta.view(), EPS)?
+                    .with_backward_mode(mode)?,
+            ),
+            Norm::Rms => {
+                Op::Rms(RmsNorm::from_array(device, inputs.gamma.view(), EPS)?.with_backward_mode(mode)?)
+            }
+        })
+    }
+
+    fn forward_into(&self, x: &Tensor<T>, y: &mut Tensor<T>) -> layernorm_cuda::Result<Context<T>> {
+        match self {
+            Op::Layer(op) => op.forward_into(x, y),
+            Op::Rms(op) => op.forward_into(x, y),
+        }
+    }
+
+    fn forward(&self, x: &Tensor<T>) -> layernorm_cuda::Result<Context<T>> {
+        match self {
+            Op::Layer(op) => op.forward(x).map(|(_, ctx)| ctx),
+            Op::Rms(op) => op.forward(x).map(|(_, ctx)| ctx),
+        }
+    }
+
+    fn backward_into(
+        &self,
+        ctx: &Context<T>,
+        dy: &Tensor<T>,
+        grads: &mut Gradients<T>,
+    ) -> layernorm_cuda::Result<()> {
+        match self {
+            Op::Layer(op) => op.backward_into(ctx, dy, grads),
+            Op::Rms(op) => op.backward_into(ctx, dy, grads),
+        }
     }
 }
 
