@@ -1,25 +1,29 @@
-//! LayerNorm on candle tensors (feature `candle`): [`layer_norm`] and the [`LayerNorm`]
-//! layer, whose backward candle's autograd runs (`loss.backward()` gives dx, dgamma and
-//! dbeta). CPU storage runs this crate's CPU path on candle's memory; with the
-//! `candle-cuda` feature, CUDA storage runs this crate's kernels on candle's stream, reading
-//! and writing candle's memory without a copy.
+//! LayerNorm and RMSNorm on candle tensors (feature `candle`): [`layer_norm`] and the
+//! [`LayerNorm`] layer, [`rms_norm`] and the [`RmsNorm`] layer, whose backward candle's
+//! autograd runs (`loss.backward()` gives dx, dgamma and, for LayerNorm, dbeta). CPU storage
+//! runs this crate's CPU path on candle's memory; with the `candle-cuda` feature, CUDA
+//! storage runs this crate's kernels on candle's stream, reading and writing candle's memory
+//! without a copy.
 //!
 //! candle's custom ops return one tensor, and their backward is handed only the inputs, the
 //! output and its gradient. So the forward op keeps its per-row mean and rstd itself (each
 //! call applies an op of its own, and candle's graph holds it until the backward), and the
 //! backward is a second op whose one output holds dx, dgamma and dbeta end to end, which
-//! candle then views as three tensors (`narrow`, no copy).
+//! candle then views as separate tensors (`narrow`, no copy). LayerNorm's forward is a
+//! `CustomOp3` over (x, gamma, beta), RMSNorm's the same op as a `CustomOp2` over (x, gamma).
 
 use std::ops::Range;
 use std::sync::{Arc, OnceLock};
 
 use candle_core::backend::BackendStorage;
 use candle_core::shape::Dim;
-use candle_core::{CpuStorage, CustomOp3, D, DType, Error, Layout, Module, Result, Shape, Tensor, WithDType};
+use candle_core::{
+    CpuStorage, CustomOp2, CustomOp3, D, DType, Error, Layout, Module, Result, Shape, Tensor, WithDType,
+};
 #[cfg(feature = "candle-cuda")]
 use candle_core::{CudaDevice, CudaStorage, cuda::CudaDType, cuda::DeviceId};
 #[cfg(feature = "candle-cuda")]
-use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr};
+use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
 use crate::cpu::zeroed_with;
@@ -32,9 +36,20 @@ use crate::layer_norm::{
 use crate::plan::Norm;
 
 /// The forward op's name in candle's errors.
-const NAME: &str = "layernorm-cuda layer_norm";
+fn op_name(norm: Norm) -> &'static str {
+    match norm {
+        Norm::Layer => "layernorm-cuda layer_norm",
+        Norm::Rms => "layernorm-cuda rms_norm",
+    }
+}
+
 /// The backward op's name.
-const BACKWARD: &str = "layernorm-cuda layer_norm backward";
+fn backward_name(norm: Norm) -> &'static str {
+    match norm {
+        Norm::Layer => "layernorm-cuda layer_norm backward",
+        Norm::Rms => "layernorm-cuda rms_norm backward",
+    }
+}
 
 /// y = LayerNorm(x) over the last dimension of x `[..., n]`, with weight `gamma` and bias
 /// `beta` (`[n]`, x's dtype) and `eps` (finite, > 0); f32, f16 or bf16. Where x, gamma or
@@ -53,14 +68,23 @@ const BACKWARD: &str = "layernorm-cuda layer_norm backward";
 /// them. CUDA tensors need the `candle-cuda` feature: candle's `cuda` links cudarc in a
 /// way this crate compiles with only when that feature is on (README, "From candle").
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result<Tensor> {
-    let [_, n] = rows_and_n(x.shape())?;
-    check_params(x.dtype(), n, gamma, beta, eps)?;
-    let op = Forward {
-        eps,
-        stats: OnceLock::new(),
-    };
+    let norm = Norm::Layer;
+    let [_, n] = rows_and_n(norm, x.shape())?;
+    check_params(norm, x.dtype(), n, &[("gamma", gamma), ("beta", beta)], eps)?;
     x.contiguous()?
-        .apply_op3(&gamma.contiguous()?, &beta.contiguous()?, op)
+        .apply_op3(&gamma.contiguous()?, &beta.contiguous()?, Forward::new(norm, eps))
+}
+
+/// y = RMSNorm(x) over the last dimension of x `[..., n]`: y = x * rstd * gamma with
+/// rstd = 1 / sqrt(mean(x^2) + eps), weight `gamma` (`[n]`, x's dtype); f32, f16 or bf16.
+/// Where x or gamma are variables of candle's graph, `backward()` of a loss built on y gives
+/// their gradients. Inputs and errors as [`layer_norm`]'s.
+pub fn rms_norm(x: &Tensor, gamma: &Tensor, eps: f32) -> Result<Tensor> {
+    let norm = Norm::Rms;
+    let [_, n] = rows_and_n(norm, x.shape())?;
+    check_params(norm, x.dtype(), n, &[("gamma", gamma)], eps)?;
+    x.contiguous()?
+        .apply_op2(&gamma.contiguous()?, Forward::new(norm, eps))
 }
 
 /// LayerNorm as a candle layer: weight and bias `[n]`, applied by [`layer_norm`] to the
@@ -78,7 +102,8 @@ impl LayerNorm {
     /// at the first forward. candle-nn's `LayerNorm::new(weight, bias, eps)`, that is.
     pub fn new(weight: Tensor, bias: Tensor, eps: f32) -> Result<LayerNorm> {
         let n = weight.dims1()?;
-        check_params(weight.dtype(), n, &weight, &bias, eps)?;
+        let params = [("gamma", &weight), ("beta", &bias)];
+        check_params(Norm::Layer, weight.dtype(), n, &params, eps)?;
         Ok(LayerNorm { weight, bias, eps })
     }
 
@@ -101,7 +126,40 @@ impl Module for LayerNorm {
     }
 }
 
-/// This crate's error inside a candle error of [`layer_norm`] (looking through candle's
+/// RMSNorm as a candle layer: weight `[n]`, applied by [`rms_norm`] to the last dimension
+/// of its input.
+#[derive(Clone, Debug)]
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    /// A layer with `weight` `[n]` (f32, f16 or bf16) and `eps` (finite, > 0); refused as
+    /// [`rms_norm`] would refuse them, here rather than at the first forward. candle-nn's
+    /// `RmsNorm::new(weight, eps)`, that is.
+    pub fn new(weight: Tensor, eps: f32) -> Result<RmsNorm> {
+        let n = weight.dims1()?;
+        check_params(Norm::Rms, weight.dtype(), n, &[("gamma", &weight)], eps)?;
+        Ok(RmsNorm { weight, eps })
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn eps(&self) -> f32 {
+        self.eps
+    }
+}
+
+impl Module for RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        rms_norm(x, &self.weight, self.eps)
+    }
+}
+
+/// This crate's error inside a candle error of [`layer_norm`] or [`rms_norm`] (looking through candle's
 /// backtrace and context wrappers), or `None` for candle's own errors.
 pub fn as_layernorm_error(e: &Error) -> Option<&crate::Error> {
     match e {
@@ -115,8 +173,12 @@ pub fn as_layernorm_error(e: &Error) -> Option<&crate::Error> {
 
 /// This crate's error as a candle error: the typed error boxed in `WrappedContext` (which
 /// [`as_layernorm_error`] unwraps), its message the context.
-fn wrap(e: crate::Error) -> Error {
-    let context = format!("{NAME}: {e}");
+fn wrap(norm: Norm) -> impl Fn(crate::Error) -> Error {
+    move |e| wrap_in(op_name(norm), e)
+}
+
+fn wrap_in(name: &str, e: crate::Error) -> Error {
+    let context = format!("{name}: {e}");
     Error::WrappedContext {
         wrapped: Box::new(e),
         context,
@@ -127,54 +189,57 @@ fn wrap(e: crate::Error) -> Error {
 /// `[rows, n]` of x `[..., n]`, rows the product of the leading dimensions: candle's
 /// error for a 0-dimensional x, this crate's where rows or n pass [`crate::MAX_DIM`] (a
 /// product that overflows counts as past it).
-fn rows_and_n(shape: &Shape) -> Result<[usize; 2]> {
+fn rows_and_n(norm: Norm, shape: &Shape) -> Result<[usize; 2]> {
     let dims = shape.dims();
-    let n = dims[D::Minus1.to_index(shape, NAME)?];
+    let n = dims[D::Minus1.to_index(shape, op_name(norm))?];
     let leading = &dims[..dims.len() - 1];
     let rows = leading
         .iter()
         .try_fold(1usize, |rows, &d| rows.checked_mul(d))
         .unwrap_or(usize::MAX);
-    check_dim("rows", rows).and(check_dim("n", n)).map_err(wrap)?;
+    check_dim("rows", rows)
+        .and(check_dim("n", n))
+        .map_err(wrap(norm))?;
     Ok([rows, n])
 }
 
-/// Refuses dtypes other than f32, f16 and bf16, parameters that are not `[n]` of that
-/// dtype, and eps that is not finite and > 0.
-fn check_params(dtype: DType, n: usize, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result<()> {
+/// Refuses dtypes other than f32, f16 and bf16, parameters (named) that are not `[n]` of
+/// that dtype, and eps that is not finite and > 0.
+fn check_params(norm: Norm, dtype: DType, n: usize, params: &[(&str, &Tensor)], eps: f32) -> Result<()> {
+    let name = op_name(norm);
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-        return Err(Error::UnsupportedDTypeForOp(dtype, NAME).bt());
+        return Err(Error::UnsupportedDTypeForOp(dtype, name).bt());
     }
-    for (what, p) in [("gamma", gamma), ("beta", beta)] {
+    for &(what, p) in params {
         if p.dtype() != dtype {
             return Err(Error::DTypeMismatchBinaryOp {
                 lhs: dtype,
                 rhs: p.dtype(),
-                op: NAME,
+                op: name,
             }
             .bt());
         }
         if p.dims() != [n] {
             return Err(Error::UnexpectedShape {
-                msg: format!("{NAME}: {what} must be [n], n being the normalized (last) dimension"),
+                msg: format!("{name}: {what} must be [n], n being the normalized (last) dimension"),
                 expected: n.into(),
                 got: p.shape().clone(),
             }
             .bt());
         }
     }
-    check_config(n, eps).map_err(wrap)
+    check_config(n, eps).map_err(wrap(norm))
 }
 
 /// Runs `f::<T>(args)` for the element type T of `dtype` (f32, f16, bf16), else candle's
-/// unsupported-dtype error.
+/// unsupported-dtype error for the op named `name`.
 macro_rules! by_dtype {
-    ($dtype:expr, $f:ident($($arg:expr),* $(,)?)) => {
+    ($name:expr, $dtype:expr, $f:ident($($arg:expr),* $(,)?)) => {
         match $dtype {
             DType::F32 => $f::<f32>($($arg),*),
             DType::F16 => $f::<f16>($($arg),*),
             DType::BF16 => $f::<bf16>($($arg),*),
-            dtype => Err(Error::UnsupportedDTypeForOp(dtype, NAME).bt()),
+            dtype => Err(Error::UnsupportedDTypeForOp(dtype, $name).bt()),
         }
     };
 }
@@ -214,29 +279,62 @@ impl Stats {
 /// candle's graph does not do this).
 #[cfg(feature = "candle-cuda")]
 fn moved() -> Error {
-    Error::Msg(format!("{BACKWARD}: x is not on the device its forward ran on")).bt()
+    Error::Msg("layernorm-cuda backward: x is not on the device its forward ran on".into()).bt()
 }
 
-/// The forward op over (x, gamma, beta), contiguous and checked by [`layer_norm`], and the
-/// statistics it leaves for its backward.
+/// The forward op over (x, gamma, beta) for LayerNorm or (x, gamma) for RMSNorm, contiguous
+/// and checked by [`layer_norm`] or [`rms_norm`], and the statistics it leaves for its
+/// backward.
 struct Forward {
+    norm: Norm,
     eps: f32,
-    /// Set by the forward, which runs once: each call of [`layer_norm`] applies an op of
-    /// its own.
+    /// Set by the forward, which runs once: each call of [`layer_norm`] or [`rms_norm`]
+    /// applies an op of its own.
     stats: OnceLock<Arc<Stats>>,
 }
 
 impl Forward {
+    fn new(norm: Norm, eps: f32) -> Forward {
+        Forward {
+            norm,
+            eps,
+            stats: OnceLock::new(),
+        }
+    }
+
     fn keep(&self, stats: Stats) -> Result<()> {
         self.stats
             .set(Arc::new(stats))
-            .map_err(|_| Error::Msg(format!("{NAME}: an op applied twice")).bt())
+            .map_err(|_| Error::Msg(format!("{}: an op applied twice", op_name(self.norm))).bt())
+    }
+
+    /// dx, dgamma and (LayerNorm's) dbeta by the [`Backward`] op, from the statistics the
+    /// forward kept.
+    fn grads(&self, x: &Tensor, gamma: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let stats = self.stats.get().cloned().ok_or_else(|| {
+            Error::Msg(format!("{}: the forward has not run", backward_name(self.norm))).bt()
+        })?;
+        let op = Backward {
+            norm: self.norm,
+            stats,
+        };
+        // dy often comes strided (the gradient of a sum is a broadcast).
+        let grads = x.apply_op3(gamma, &dy.contiguous()?, op)?;
+        let (len, n) = (x.elem_count(), gamma.elem_count());
+        let dx = grads.narrow(0, 0, len)?.reshape(x.shape())?;
+        let dgamma = grads.narrow(0, len, n)?;
+        let dbeta = match self.norm {
+            Norm::Layer => Some(grads.narrow(0, len + n, n)?),
+            Norm::Rms => None,
+        };
+        Ok((dx, dgamma, dbeta))
     }
 }
 
+/// LayerNorm's forward over (x, gamma, beta).
 impl CustomOp3 for Forward {
     fn name(&self) -> &'static str {
-        NAME
+        op_name(self.norm)
     }
 
     fn cpu_fwd(
@@ -248,7 +346,12 @@ impl CustomOp3 for Forward {
         beta: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (y, stats) = by_dtype!(x.dtype(), forward_cpu(self.eps, x, lx, gamma, lg, beta, lb))?;
+        let beta = Some((beta, lb));
+        let (y, stats) = by_dtype!(
+            op_name(self.norm),
+            x.dtype(),
+            forward_cpu(self.norm, self.eps, x, lx, gamma, lg, beta)
+        )?;
         self.keep(stats)?;
         Ok((y, lx.shape().clone()))
     }
@@ -263,12 +366,16 @@ impl CustomOp3 for Forward {
         beta: &CudaStorage,
         lb: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (y, stats) = by_dtype!(x.dtype(), forward_cuda(self.eps, x, lx, gamma, lg, beta, lb))?;
+        let beta = Some((beta, lb));
+        let (y, stats) = by_dtype!(
+            op_name(self.norm),
+            x.dtype(),
+            forward_cuda(self.norm, self.eps, x, lx, gamma, lg, beta)
+        )?;
         self.keep(stats)?;
         Ok((y, lx.shape().clone()))
     }
 
-    /// dx, dgamma and dbeta by the [`Backward`] op, from the statistics the forward kept.
     fn bwd(
         &self,
         x: &Tensor,
@@ -277,31 +384,81 @@ impl CustomOp3 for Forward {
         _y: &Tensor,
         dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let stats = self
-            .stats
-            .get()
-            .cloned()
-            .ok_or_else(|| Error::Msg(format!("{BACKWARD}: the forward has not run")).bt())?;
-        // dy often comes strided (the gradient of a sum is a broadcast).
-        let grads = x.apply_op3(gamma, &dy.contiguous()?, Backward { stats })?;
-        let (len, n) = (x.elem_count(), gamma.elem_count());
-        let dx = grads.narrow(0, 0, len)?.reshape(x.shape())?;
-        let dgamma = grads.narrow(0, len, n)?;
-        let dbeta = grads.narrow(0, len + n, n)?;
-        Ok((Some(dx), Some(dgamma), Some(dbeta)))
+        let (dx, dgamma, dbeta) = self.grads(x, gamma, dy)?;
+        Ok((Some(dx), Some(dgamma), dbeta))
+    }
+}
+
+/// RMSNorm's forward over (x, gamma).
+impl CustomOp2 for Forward {
+    fn name(&self) -> &'static str {
+        op_name(self.norm)
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        gamma: &CpuStorage,
+        lg: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (y, stats) = by_dtype!(
+            op_name(self.norm),
+            x.dtype(),
+            forward_cpu(self.norm, self.eps, x, lx, gamma, lg, None)
+        )?;
+        self.keep(stats)?;
+        Ok((y, lx.shape().clone()))
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        gamma: &CudaStorage,
+        lg: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (y, stats) = by_dtype!(
+            op_name(self.norm),
+            x.dtype(),
+            forward_cuda(self.norm, self.eps, x, lx, gamma, lg, None)
+        )?;
+        self.keep(stats)?;
+        Ok((y, lx.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (dx, dgamma, _) = self.grads(x, gamma, dy)?;
+        Ok((Some(dx), Some(dgamma)))
     }
 }
 
 /// The backward op over (x, gamma, dy), with the statistics of x's forward: one 1-D output
-/// of `rows * n + 2n` elements, dx (x's shape) then dgamma then dbeta. Its own backward
-/// (a second derivative) is candle's `BackwardNotSupported`.
+/// of `rows * n + params * n` elements, dx (x's shape) then dgamma then, for LayerNorm,
+/// dbeta. Its own backward (a second derivative) is candle's `BackwardNotSupported`.
 struct Backward {
+    norm: Norm,
     stats: Arc<Stats>,
+}
+
+/// The parameters whose gradients `norm`'s backward returns: gamma and beta, or gamma.
+fn params(norm: Norm) -> usize {
+    match norm {
+        Norm::Layer => 2,
+        Norm::Rms => 1,
+    }
 }
 
 impl CustomOp3 for Backward {
     fn name(&self) -> &'static str {
-        BACKWARD
+        backward_name(self.norm)
     }
 
     fn cpu_fwd(
@@ -313,7 +470,11 @@ impl CustomOp3 for Backward {
         dy: &CpuStorage,
         ldy: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (grads, len) = by_dtype!(x.dtype(), backward_cpu(&self.stats, x, lx, gamma, lg, dy, ldy))?;
+        let (grads, len) = by_dtype!(
+            self.name(),
+            x.dtype(),
+            backward_cpu(self.norm, &self.stats, x, lx, gamma, lg, dy, ldy)
+        )?;
         Ok((grads, len.into()))
     }
 
@@ -327,7 +488,11 @@ impl CustomOp3 for Backward {
         dy: &CudaStorage,
         ldy: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (grads, len) = by_dtype!(x.dtype(), backward_cuda(&self.stats, x, lx, gamma, lg, dy, ldy))?;
+        let (grads, len) = by_dtype!(
+            self.name(),
+            x.dtype(),
+            backward_cuda(self.norm, &self.stats, x, lx, gamma, lg, dy, ldy)
+        )?;
         Ok((grads, len.into()))
     }
 }
@@ -337,20 +502,20 @@ impl CustomOp3 for Backward {
 fn span(layout: &Layout) -> Result<Range<usize>> {
     match layout.contiguous_offsets() {
         Some((start, end)) => Ok(start..end),
-        None => Err(Error::RequiresContiguous { op: NAME }.bt()),
+        None => Err(Error::RequiresContiguous { op: "layernorm-cuda" }.bt()),
     }
 }
 
 /// Refuses a dy whose shape is not x's (candle hands the backward a gradient of y's shape,
 /// which is x's).
-fn same_shape(lx: &Layout, ldy: &Layout) -> Result<()> {
+fn same_shape(norm: Norm, lx: &Layout, ldy: &Layout) -> Result<()> {
     if lx.shape() == ldy.shape() {
         Ok(())
     } else {
         Err(Error::ShapeMismatchBinaryOp {
             lhs: lx.shape().clone(),
             rhs: ldy.shape().clone(),
-            op: BACKWARD,
+            op: backward_name(norm),
         }
         .bt())
     }
@@ -360,11 +525,11 @@ fn same_shape(lx: &Layout, ldy: &Layout) -> Result<()> {
 // its outputs there, and runs this crate's core (`forward_rows`, `backward_rows`) on them.
 // Empty inputs run nothing: y and dx are then empty, and dgamma and dbeta are zeros (CPU:
 // allocated so; CUDA: `backward_rows` zeroes them for rows = 0, and n = 0 leaves them
-// empty).
+// empty). RMSNorm's forward runs the common core with beta = 0, made per call (n elements).
 
 /// `len` zeros in host memory, or this crate's out-of-memory error.
-fn zeroed<F: Copy + Default>(len: usize) -> Result<Vec<F>> {
-    zeroed_with(len, "allocating a candle tensor").map_err(wrap)
+fn zeroed<F: Copy + Default>(norm: Norm, len: usize) -> Result<Vec<F>> {
+    zeroed_with(len, "allocating a candle tensor").map_err(wrap(norm))
 }
 
 /// A CPU operand's elements.
@@ -372,28 +537,39 @@ fn host<'a, T: WithDType>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'
     Ok(&storage.as_slice::<T>()?[span(layout)?])
 }
 
+/// An operand's storage and layout.
+type Operand<'a, S> = (&'a S, &'a Layout);
+
 fn forward_cpu<T: Element + WithDType>(
+    norm: Norm,
     eps: f32,
     x: &CpuStorage,
     lx: &Layout,
     gamma: &CpuStorage,
     lg: &Layout,
-    beta: &CpuStorage,
-    lb: &Layout,
+    beta: Option<Operand<'_, CpuStorage>>,
 ) -> Result<(CpuStorage, Stats)> {
-    let [rows, n] = rows_and_n(lx.shape())?;
-    let mut y = zeroed::<T>(rows * n)?;
-    let (mut mean, mut rstd) = (zeroed(rows)?, zeroed(rows)?);
+    let [rows, n] = rows_and_n(norm, lx.shape())?;
+    let mut y = zeroed::<T>(norm, rows * n)?;
+    let (mut mean, mut rstd) = (zeroed(norm, rows)?, zeroed(norm, rows)?);
     if rows > 0 && n > 0 {
+        let no_beta;
+        let beta = match beta {
+            Some((beta, lb)) => host(beta, lb)?,
+            None => {
+                no_beta = zeroed::<T>(norm, n)?;
+                &no_beta
+            }
+        };
         let o = ForwardOperands {
             x: In::Host(host(x, lx)?),
             gamma: In::Host(host(gamma, lg)?),
-            beta: In::Host(host(beta, lb)?),
+            beta: In::Host(beta),
             y: Out::Host(&mut y),
             mean: Out::Host(&mut mean),
             rstd: Out::Host(&mut rstd),
         };
-        forward_rows(&Device::cpu(), Norm::Layer, eps, rows, n, o).map_err(wrap)?;
+        forward_rows(&Device::cpu(), norm, eps, rows, n, o).map_err(wrap(norm))?;
     }
     Ok((T::to_cpu_storage_owned(y), Stats::Host { mean, rstd }))
 }
@@ -404,7 +580,7 @@ fn forward_cpu<T: Element + WithDType>(
 /// the device (programs make their few devices once): a later call finds it here, with the
 /// backward's scratch it keeps between calls.
 #[cfg(feature = "candle-cuda")]
-fn device_of(cuda: &CudaDevice) -> Result<Device> {
+fn device_of(norm: Norm, cuda: &CudaDevice) -> Result<Device> {
     use std::sync::{Mutex, PoisonError};
     static DEVICES: Mutex<Vec<(DeviceId, Device)>> = Mutex::new(Vec::new());
     // A panic elsewhere while the list was held leaves it whole: entries are pushed whole.
@@ -412,7 +588,7 @@ fn device_of(cuda: &CudaDevice) -> Result<Device> {
     if let Some((_, device)) = devices.iter().find(|(id, _)| *id == cuda.id()) {
         return Ok(device.clone());
     }
-    let device = Device::from_cuda_stream(cuda.cuda_stream()).map_err(wrap)?;
+    let device = Device::from_cuda_stream(cuda.cuda_stream()).map_err(wrap(norm))?;
     devices.push((cuda.id(), device.clone()));
     Ok(device)
 }
@@ -422,18 +598,18 @@ fn device_of(cuda: &CudaDevice) -> Result<Device> {
 #[cfg(feature = "candle-cuda")]
 fn cuda_in<'a, T: Element + CudaDType>(
     device: &Device,
+    norm: Norm,
     what: &'static str,
-    storage: &'a CudaStorage,
-    layout: &Layout,
+    (storage, layout): Operand<'a, CudaStorage>,
 ) -> Result<CudaView<'a, T>> {
     let slice = storage.as_cuda_slice::<T>()?;
-    device.check_context(what, slice.context()).map_err(wrap)?;
+    device.check_context(what, slice.context()).map_err(wrap(norm))?;
     Ok(slice.slice(span(layout)?))
 }
 
 /// `len` elements of device memory on `stream`, uninitialized.
 #[cfg(feature = "candle-cuda")]
-fn cuda_out<T: DeviceRepr>(stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<T>> {
+fn cuda_out<T: DeviceRepr>(norm: Norm, stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<T>> {
     let during = "allocating a candle tensor";
     // SAFETY: nothing reads an element before a kernel or a memset on `stream` wrote it:
     // the forward writes all of y, mean and rstd (where n = 0, y is empty and mean and
@@ -441,40 +617,64 @@ fn cuda_out<T: DeviceRepr>(stream: &Arc<CudaStream>, len: usize) -> Result<CudaS
     crate::gpu::storage::allocate(stream, len * size_of::<T>(), during, || unsafe {
         stream.alloc::<T>(len)
     })
-    .map_err(wrap)
+    .map_err(wrap(norm))
+}
+
+/// `len` zeros of device memory on `stream`.
+#[cfg(feature = "candle-cuda")]
+fn cuda_zeros<T: DeviceRepr + ValidAsZeroBits>(
+    norm: Norm,
+    stream: &Arc<CudaStream>,
+    len: usize,
+) -> Result<CudaSlice<T>> {
+    let during = "allocating RMSNorm's zero beta";
+    crate::gpu::storage::allocate(stream, len * size_of::<T>(), during, || {
+        stream.alloc_zeros::<T>(len)
+    })
+    .map_err(wrap(norm))
 }
 
 #[cfg(feature = "candle-cuda")]
-fn forward_cuda<T: Element + CudaDType>(
+fn forward_cuda<T: Element + CudaDType + ValidAsZeroBits>(
+    norm: Norm,
     eps: f32,
     x: &CudaStorage,
     lx: &Layout,
     gamma: &CudaStorage,
     lg: &Layout,
-    beta: &CudaStorage,
-    lb: &Layout,
+    beta: Option<Operand<'_, CudaStorage>>,
 ) -> Result<(CudaStorage, Stats)> {
-    let [rows, n] = rows_and_n(lx.shape())?;
-    let device = device_of(&x.device)?;
+    let [rows, n] = rows_and_n(norm, lx.shape())?;
+    let device = device_of(norm, &x.device)?;
     let stream = x.device.cuda_stream();
-    let mut y = cuda_out::<T>(&stream, rows * n)?;
-    let (mut mean, mut rstd) = (cuda_out(&stream, rows)?, cuda_out(&stream, rows)?);
+    let mut y = cuda_out::<T>(norm, &stream, rows * n)?;
+    let (mut mean, mut rstd) = (cuda_out(norm, &stream, rows)?, cuda_out(norm, &stream, rows)?);
     if rows > 0 && n > 0 {
+        let no_beta;
+        let beta = match beta {
+            Some(beta) => cuda_in(&device, norm, "beta", beta)?,
+            None => {
+                no_beta = cuda_zeros::<T>(norm, &stream, n)?;
+                no_beta.as_view()
+            }
+        };
         let o = ForwardOperands {
-            x: In::Cuda(cuda_in(&device, "x", x, lx)?),
-            gamma: In::Cuda(cuda_in(&device, "gamma", gamma, lg)?),
-            beta: In::Cuda(cuda_in(&device, "beta", beta, lb)?),
+            x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
+            gamma: In::Cuda(cuda_in(&device, norm, "gamma", (gamma, lg))?),
+            beta: In::Cuda(beta),
             y: Out::Cuda(y.as_view_mut()),
             mean: Out::Cuda(mean.as_view_mut()),
             rstd: Out::Cuda(rstd.as_view_mut()),
         };
-        forward_rows(&device, Norm::Layer, eps, rows, n, o).map_err(wrap)?;
+        forward_rows(&device, norm, eps, rows, n, o).map_err(wrap(norm))?;
     }
     let y = CudaStorage::wrap_cuda_slice(y, x.device.clone());
     Ok((y, Stats::Cuda { mean, rstd }))
 }
 
+#[allow(clippy::too_many_arguments)] // the op's three operands and their layouts
 fn backward_cpu<T: Element + WithDType>(
+    norm: Norm,
     stats: &Stats,
     x: &CpuStorage,
     lx: &Layout,
@@ -483,11 +683,11 @@ fn backward_cpu<T: Element + WithDType>(
     dy: &CpuStorage,
     ldy: &Layout,
 ) -> Result<(CpuStorage, usize)> {
-    let [rows, n] = rows_and_n(lx.shape())?;
-    same_shape(lx, ldy)?;
+    let [rows, n] = rows_and_n(norm, lx.shape())?;
+    same_shape(norm, lx, ldy)?;
     let (mean, rstd) = stats.host()?;
-    let len = rows * n;
-    let mut grads = zeroed::<T>(len + 2 * n)?;
+    let (len, total) = (rows * n, rows * n + params(norm) * n);
+    let mut grads = zeroed::<T>(norm, total)?;
     if n > 0 {
         let (dx, params) = grads.split_at_mut(len);
         let (dgamma, dbeta) = params.split_at_mut(n);
@@ -499,23 +699,18 @@ fn backward_cpu<T: Element + WithDType>(
             rstd: In::Host(rstd),
             dx: Out::Host(dx),
             dgamma: Some(Out::Host(dgamma)),
-            dbeta: Some(Out::Host(dbeta)),
+            dbeta: (norm == Norm::Layer).then_some(Out::Host(dbeta)),
         };
-        backward_rows(
-            &Device::cpu(),
-            Norm::Layer,
-            BackwardMode::Deterministic,
-            rows,
-            n,
-            o,
-        )
-        .map_err(wrap)?;
+        let mode = BackwardMode::Deterministic;
+        backward_rows(&Device::cpu(), norm, mode, rows, n, o).map_err(wrap(norm))?;
     }
-    Ok((T::to_cpu_storage_owned(grads), len + 2 * n))
+    Ok((T::to_cpu_storage_owned(grads), total))
 }
 
 #[cfg(feature = "candle-cuda")]
+#[allow(clippy::too_many_arguments)] // the op's three operands and their layouts
 fn backward_cuda<T: Element + CudaDType>(
+    norm: Norm,
     stats: &Stats,
     x: &CudaStorage,
     lx: &Layout,
@@ -524,27 +719,28 @@ fn backward_cuda<T: Element + CudaDType>(
     dy: &CudaStorage,
     ldy: &Layout,
 ) -> Result<(CudaStorage, usize)> {
-    let [rows, n] = rows_and_n(lx.shape())?;
-    same_shape(lx, ldy)?;
+    let [rows, n] = rows_and_n(norm, lx.shape())?;
+    same_shape(norm, lx, ldy)?;
     let (mean, rstd) = stats.cuda()?;
-    let device = device_of(&x.device)?;
-    let len = rows * n;
-    let mut grads = cuda_out::<T>(&x.device.cuda_stream(), len + 2 * n)?;
+    let device = device_of(norm, &x.device)?;
+    let (len, total) = (rows * n, rows * n + params(norm) * n);
+    let mut grads = cuda_out::<T>(norm, &x.device.cuda_stream(), total)?;
     if n > 0 {
         let (dx, mut params) = grads.split_at_mut(len);
         let (dgamma, dbeta) = params.split_at_mut(n);
         let o = BackwardOperands {
-            x: In::Cuda(cuda_in(&device, "x", x, lx)?),
-            dy: In::Cuda(cuda_in(&device, "dy", dy, ldy)?),
-            gamma: In::Cuda(cuda_in(&device, "gamma", gamma, lg)?),
+            x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
+            dy: In::Cuda(cuda_in(&device, norm, "dy", (dy, ldy))?),
+            gamma: In::Cuda(cuda_in(&device, norm, "gamma", (gamma, lg))?),
             mean: In::Cuda(mean.as_view()),
             rstd: In::Cuda(rstd.as_view()),
             dx: Out::Cuda(dx),
             dgamma: Some(Out::Cuda(dgamma)),
-            dbeta: Some(Out::Cuda(dbeta)),
+            dbeta: (norm == Norm::Layer).then_some(Out::Cuda(dbeta)),
         };
-        backward_rows(&device, Norm::Layer, BackwardMode::Deterministic, rows, n, o).map_err(wrap)?;
+        let mode = BackwardMode::Deterministic;
+        backward_rows(&device, norm, mode, rows, n, o).map_err(wrap(norm))?;
     }
     let grads = CudaStorage::wrap_cuda_slice(grads, x.device.clone());
-    Ok((grads, len + 2 * n))
+    Ok((grads, total))
 }

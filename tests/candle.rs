@@ -1,8 +1,8 @@
-//! The candle integration (feature `candle`): `layer_norm` on candle tensors, its gradients
-//! through candle's autograd (`loss.backward()`), against the same math built from candle
-//! ops in f64 within the dtype's tolerance, and bitwise against this crate's own API on the
-//! same device (the same path runs underneath). Strided and offset inputs, the `Module`
-//! layer, empty inputs and every refusal as a typed candle error. The CPU tests run
+//! The candle integration (feature `candle`): `layer_norm` and `rms_norm` on candle tensors,
+//! their gradients through candle's autograd (`loss.backward()`), against the same math built
+//! from candle ops in f64 within the dtype's tolerance, and bitwise against this crate's own
+//! API on the same device (the same path runs underneath). Strided and offset inputs, the
+//! `Module` layers, empty inputs and every refusal as a typed candle error. The CPU tests run
 //! everywhere; with `candle-cuda`, the same checks run on candle's CUDA tensors where a GPU
 //! is (`LAYERNORM_REQUIRE_GPU=1` makes a missing GPU a failure).
 
@@ -10,7 +10,7 @@ mod common;
 
 use candle_core::{D, DType, Error, Module, Tensor, Var, WithDType};
 use common::{Rng, mixed_matrix, random_matrix, random_vec, rel_err, tolerance};
-use layernorm_cuda::candle::{LayerNorm, as_layernorm_error, layer_norm};
+use layernorm_cuda::candle::{LayerNorm, RmsNorm, as_layernorm_error, layer_norm, rms_norm};
 use layernorm_cuda::{Element, bf16, f16};
 use ndarray::ArrayView1;
 
@@ -57,6 +57,22 @@ impl<T: Element + WithDType> Problem<T> {
     }
 }
 
+/// The norms, with what each returns: y, then the gradients of its variables.
+#[derive(Clone, Copy, Debug)]
+enum Norm {
+    Layer,
+    Rms,
+}
+
+impl Norm {
+    fn outputs(self) -> &'static [&'static str] {
+        match self {
+            Norm::Layer => &["y", "dx", "dgamma", "dbeta"],
+            Norm::Rms => &["y", "dx", "dgamma"],
+        }
+    }
+}
+
 /// y, dx, dgamma, dbeta of `layer_norm` and candle's backward of sum(y * w), on the host.
 fn by_layer_norm<T: WithDType>(x: &Var, gamma: &Var, beta: &Var, w: &Tensor) -> [Vec<T>; 4] {
     let y = layer_norm(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), EPS).unwrap();
@@ -65,13 +81,28 @@ fn by_layer_norm<T: WithDType>(x: &Var, gamma: &Var, beta: &Var, w: &Tensor) -> 
     [&y, grad(x), grad(gamma), grad(beta)].map(host)
 }
 
+/// The outputs of `norm` (see [`Norm::outputs`]) by this crate's candle op, on the host.
+fn by_candle_op<T: WithDType>(norm: Norm, x: &Var, gamma: &Var, beta: &Var, w: &Tensor) -> Vec<Vec<T>> {
+    match norm {
+        Norm::Layer => by_layer_norm(x, gamma, beta, w).to_vec(),
+        Norm::Rms => {
+            let y = rms_norm(x.as_tensor(), gamma.as_tensor(), EPS).unwrap();
+            let grads = (&y * w).unwrap().sum_all().unwrap().backward().unwrap();
+            let grad = |v: &Var| grads.get(v.as_tensor()).expect("a gradient for every variable");
+            assert!(grads.get(beta.as_tensor()).is_none(), "RMSNorm has no beta");
+            [&y, grad(x), grad(gamma)].map(host).to_vec()
+        }
+    }
+}
+
 fn host<T: WithDType>(t: &Tensor) -> Vec<T> {
     t.flatten_all().unwrap().to_vec1().unwrap()
 }
 
-/// The same as [`by_layer_norm`] by candle's own ops and autograd, in f64 on the CPU from
-/// the problem's (rounded) T values: the reference.
-fn by_candle_ops<T: Element + WithDType>(p: &Problem<T>) -> [Vec<f64>; 4] {
+/// The same as [`by_candle_op`] by candle's own ops and autograd, in f64 on the CPU from
+/// the problem's (rounded) T values: the reference. RMSNorm is LayerNorm without the mean
+/// and the bias: x / sqrt(mean(x^2) + eps) * gamma.
+fn by_candle_ops<T: Element + WithDType>(norm: Norm, p: &Problem<T>) -> Vec<Vec<f64>> {
     let cpu = candle_core::Device::Cpu;
     let f64s = |v: &[T], shape: &[usize]| {
         let v: Vec<f64> = v.iter().map(|e| e.to_f32() as f64).collect();
@@ -80,60 +111,117 @@ fn by_candle_ops<T: Element + WithDType>(p: &Problem<T>) -> [Vec<f64>; 4] {
     let n = p.n();
     let (x, gamma, beta) = (f64s(&p.x, &p.shape), f64s(&p.gamma, &[n]), f64s(&p.beta, &[n]));
     let w = f64s(&p.w, &p.shape).into_inner();
-    let mean = x.mean_keepdim(D::Minus1).unwrap();
-    let centered = x.broadcast_sub(&mean).unwrap();
+    let centered = match norm {
+        Norm::Layer => x.broadcast_sub(&x.mean_keepdim(D::Minus1).unwrap()).unwrap(),
+        Norm::Rms => x.as_tensor().clone(),
+    };
     let var = centered.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
     let std = (var + EPS as f64).unwrap().sqrt().unwrap();
-    let y = centered
+    let scaled = centered
         .broadcast_div(&std)
         .unwrap()
         .broadcast_mul(&gamma)
-        .unwrap()
-        .broadcast_add(&beta)
         .unwrap();
+    let y = match norm {
+        Norm::Layer => scaled.broadcast_add(&beta).unwrap(),
+        Norm::Rms => scaled,
+    };
     let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
     let grad = |v: &Var| grads.get(v.as_tensor()).unwrap().clone();
-    [&y, &grad(&x), &grad(&gamma), &grad(&beta)].map(host)
+    let mut outputs = vec![y, grad(&x), grad(&gamma)];
+    if let Norm::Layer = norm {
+        outputs.push(grad(&beta));
+    }
+    outputs.iter().map(host).collect()
 }
 
-/// Each of y, dx, dgamma, dbeta within T's tolerance of the reference (twice that for the
-/// gradients, as tests/backward.rs allows).
-fn assert_near<T: Element>(got: &[Vec<T>; 4], reference: &[Vec<f64>; 4], what: &str) {
-    for (i, name) in ["y", "dx", "dgamma", "dbeta"].iter().enumerate() {
+/// Each output of `p` within T's tolerance of the reference (twice that for the gradients,
+/// as tests/backward.rs allows). RMSNorm's dx error is measured against the size of its
+/// terms, the largest rstd * |gamma * dy|, as tests/rms_norm.rs does: at n = 1 they cancel
+/// to about eps / x^2 of that size, below what f32 resolves.
+fn assert_near<T: Element + WithDType>(
+    norm: Norm,
+    p: &Problem<T>,
+    got: &[Vec<T>],
+    reference: &[Vec<f64>],
+    what: &str,
+) {
+    assert_eq!(got.len(), norm.outputs().len(), "{what}: outputs");
+    for (i, &name) in norm.outputs().iter().enumerate() {
         let tol = if i == 0 { 1.0 } else { 2.0 } * tolerance::<T>();
-        let err = rel_err(ArrayView1::from(&got[i]), ArrayView1::from(&reference[i]));
+        let err = match (norm, name) {
+            (Norm::Rms, "dx") => {
+                let largest_diff = got[i]
+                    .iter()
+                    .zip(&reference[i])
+                    .fold(0.0f64, |m, (g, r)| m.max((g.to_f32() as f64 - r).abs()));
+                largest_diff / largest_rms_dx_term(p)
+            }
+            _ => rel_err(ArrayView1::from(&got[i]), ArrayView1::from(&reference[i])),
+        };
         assert!(err <= tol, "{what}: {name} relative error {err:e} > {tol:e}");
     }
 }
 
-/// y, dx, dgamma, dbeta by this crate's own `LayerNorm` on `device`, dy = w.
-fn by_this_crate<T: Element>(p: &Problem<T>, device: &layernorm_cuda::Device) -> [Vec<T>; 4] {
+/// The largest rstd * |gamma * dy| of `p` (dy = w), rstd of each row in f64.
+fn largest_rms_dx_term<T: Element + WithDType>(p: &Problem<T>) -> f64 {
+    let n = p.n();
+    let f = |v: &T| v.to_f32() as f64;
+    let mut largest = f64::MIN_POSITIVE;
+    for (x, w) in p.x.chunks(n).zip(p.w.chunks(n)) {
+        let rstd = 1.0 / (x.iter().map(|v| f(v) * f(v)).sum::<f64>() / n as f64 + EPS as f64).sqrt();
+        for (g, d) in p.gamma.iter().zip(w) {
+            largest = largest.max(rstd * (f(g) * f(d)).abs());
+        }
+    }
+    largest
+}
+
+/// The outputs of `norm` by this crate's own `LayerNorm` or `RmsNorm` on `device`, dy = w.
+fn by_this_crate<T: Element>(norm: Norm, p: &Problem<T>, device: &layernorm_cuda::Device) -> Vec<Vec<T>> {
     let up = |v: &[T]| device.upload(ArrayView1::from(v)).unwrap();
-    let ln = layernorm_cuda::LayerNorm::new(up(&p.gamma), up(&p.beta), EPS).unwrap();
-    let (y, ctx) = ln.forward(&up(&p.x).view(0, &p.shape).unwrap()).unwrap();
-    let g = ln.backward(&ctx, &up(&p.w).view(0, &p.shape).unwrap()).unwrap();
-    [y, g.dx, g.dgamma.unwrap(), g.dbeta.unwrap()].map(|t| t.to_vec().unwrap())
+    let (x, dy) = (
+        up(&p.x).view(0, &p.shape).unwrap(),
+        up(&p.w).view(0, &p.shape).unwrap(),
+    );
+    let outputs = match norm {
+        Norm::Layer => {
+            let ln = layernorm_cuda::LayerNorm::new(up(&p.gamma), up(&p.beta), EPS).unwrap();
+            let (y, ctx) = ln.forward(&x).unwrap();
+            let g = ln.backward(&ctx, &dy).unwrap();
+            vec![y, g.dx, g.dgamma.unwrap(), g.dbeta.unwrap()]
+        }
+        Norm::Rms => {
+            let rms = layernorm_cuda::RmsNorm::new(up(&p.gamma), EPS).unwrap();
+            let (y, ctx) = rms.forward(&x).unwrap();
+            let g = rms.backward(&ctx, &dy).unwrap();
+            vec![y, g.dx, g.dgamma.unwrap()]
+        }
+    };
+    outputs.iter().map(|t| t.to_vec().unwrap()).collect()
 }
 
 fn bits<T: Element>(v: &[T]) -> Vec<u32> {
     v.iter().map(|e| e.to_f32().to_bits()).collect()
 }
 
-fn assert_bitwise<T: Element>(got: &[Vec<T>; 4], expected: &[Vec<T>; 4], what: &str) {
-    for (i, name) in ["y", "dx", "dgamma", "dbeta"].iter().enumerate() {
+fn assert_bitwise<T: Element>(norm: Norm, got: &[Vec<T>], expected: &[Vec<T>], what: &str) {
+    for (i, name) in norm.outputs().iter().enumerate() {
         assert_eq!(bits(&got[i]), bits(&expected[i]), "{what}: {name}");
     }
 }
 
-/// For each shape: gradients near the candle-ops reference, and this crate's bits.
+/// For each norm and shape: gradients near the candle-ops reference, and this crate's bits.
 fn check_device<T: Element + WithDType>(candle: &candle_core::Device, ours: &layernorm_cuda::Device) {
-    for (i, shape) in SHAPES.iter().enumerate() {
-        let p = Problem::<T>::new(shape, 9000 + i as u64);
-        let (x, gamma, beta, w) = p.tensors(candle);
-        let got = by_layer_norm::<T>(&x, &gamma, &beta, &w);
-        let what = format!("{} {shape:?} on {candle:?}", T::NAME);
-        assert_near(&got, &by_candle_ops(&p), &what);
-        assert_bitwise(&got, &by_this_crate(&p, ours), &what);
+    for norm in [Norm::Layer, Norm::Rms] {
+        for (i, shape) in SHAPES.iter().enumerate() {
+            let p = Problem::<T>::new(shape, 9000 + i as u64);
+            let (x, gamma, beta, w) = p.tensors(candle);
+            let got = by_candle_op::<T>(norm, &x, &gamma, &beta, &w);
+            let what = format!("{norm:?} {} {shape:?} on {candle:?}", T::NAME);
+            assert_near(norm, &p, &got, &by_candle_ops(norm, &p), &what);
+            assert_bitwise(norm, &got, &by_this_crate(norm, &p, ours), &what);
+        }
     }
 }
 
@@ -214,6 +302,13 @@ fn module_forward_is_layer_norm() {
     let y = layer.forward(&x.as_detached_tensor()).unwrap();
     let direct = layer_norm(x.as_tensor(), layer.weight(), layer.bias(), EPS).unwrap();
     assert_eq!(bits(&host::<bf16>(&y)), bits(&host::<bf16>(&direct)));
+
+    let layer = RmsNorm::new(gamma.as_detached_tensor(), EPS).unwrap();
+    assert_eq!(layer.eps(), EPS);
+    assert_eq!(layer.weight().dims(), &[96]);
+    let y = layer.forward(&x.as_detached_tensor()).unwrap();
+    let direct = rms_norm(x.as_tensor(), layer.weight(), EPS).unwrap();
+    assert_eq!(bits(&host::<bf16>(&y)), bits(&host::<bf16>(&direct)));
 }
 
 /// M = 0: empty y and dx, zero dgamma and dbeta (sums over no rows). N = 0: all empty.
@@ -226,10 +321,15 @@ fn check_empty(device: &candle_core::Device) {
         let gamma = Var::from_tensor(&ones(&[n])).unwrap();
         let beta = Var::from_tensor(&ones(&[n])).unwrap();
         let w = ones(&[shape.0, shape.1]);
-        let [y, dx, dgamma, dbeta] = by_layer_norm::<f32>(&x, &gamma, &beta, &w);
-        assert!(y.is_empty() && dx.is_empty(), "{shape:?} on {device:?}");
-        assert_eq!(dgamma, vec![0.0; n], "{shape:?} on {device:?}");
-        assert_eq!(dbeta, vec![0.0; n], "{shape:?} on {device:?}");
+        for norm in [Norm::Layer, Norm::Rms] {
+            let outputs = by_candle_op::<f32>(norm, &x, &gamma, &beta, &w);
+            let what = format!("{norm:?} {shape:?} on {device:?}");
+            assert!(outputs[0].is_empty() && outputs[1].is_empty(), "{what}");
+            // dgamma and (LayerNorm's) dbeta: sums over no rows.
+            for sums in &outputs[2..] {
+                assert_eq!(sums, &vec![0.0; n], "{what}");
+            }
+        }
     }
 }
 
@@ -300,6 +400,40 @@ fn refusals_are_typed_candle_errors() {
     assert!(matches!(bare(&e), Error::DTypeMismatchBinaryOp { .. }), "{e}");
 }
 
+/// rms_norm and its layer refuse what layer_norm refuses, naming themselves.
+#[test]
+fn rms_norm_refusals_are_typed_candle_errors() {
+    let cpu = candle_core::Device::Cpu;
+    let t = |shape: &[usize], dtype| Tensor::zeros(shape, dtype, &cpu).unwrap();
+    let (x, w) = (t(&[2, 4], DType::F32), t(&[4], DType::F32));
+
+    let e = rms_norm(&t(&[2, 4], DType::F64), &w, EPS).unwrap_err();
+    assert!(
+        matches!(bare(&e), Error::UnsupportedDTypeForOp(DType::F64, op) if op.contains("rms_norm")),
+        "{e}"
+    );
+    let e = rms_norm(&x, &t(&[4], DType::BF16), EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::DTypeMismatchBinaryOp { .. }), "{e}");
+    let e = rms_norm(&x, &t(&[5], DType::F32), EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::UnexpectedShape { .. }), "{e}");
+    assert!(e.to_string().contains("gamma"), "{e}");
+    let e = rms_norm(&Tensor::new(1.0f32, &cpu).unwrap(), &w, EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::DimOutOfRange { .. }), "{e}");
+    for eps in [0.0, f32::NAN] {
+        for e in [
+            rms_norm(&x, &w, eps).unwrap_err(),
+            RmsNorm::new(w.clone(), eps).unwrap_err(),
+        ] {
+            assert!(
+                matches!(as_layernorm_error(&e), Some(layernorm_cuda::Error::BadEps(_))),
+                "eps {eps}: {e}"
+            );
+        }
+    }
+    let e = RmsNorm::new(t(&[2, 4], DType::F32), EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::UnexpectedNumberOfDims { .. }), "{e}");
+}
+
 /// candle's CUDA device 0 where a GPU is (the rule of `common::gpu_or_skip`), with this
 /// crate's device on it for the bitwise comparison.
 #[cfg(feature = "candle-cuda")]
@@ -350,5 +484,7 @@ fn gpu_mixed_devices_are_refused() {
     let x = Tensor::zeros((2, 4), DType::F32, &candle).unwrap();
     let w = Tensor::ones(4, DType::F32, &candle_core::Device::Cpu).unwrap();
     let e = layer_norm(&x, &w, &w, EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::DeviceMismatchBinaryOp { .. }), "{e}");
+    let e = rms_norm(&x, &w, EPS).unwrap_err();
     assert!(matches!(bare(&e), Error::DeviceMismatchBinaryOp { .. }), "{e}");
 }
