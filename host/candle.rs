@@ -308,6 +308,37 @@ impl Forward {
             .map_err(|_| Error::Msg(format!("{}: an op applied twice", op_name(self.norm))).bt())
     }
 
+    /// The forward on CPU storage (beta absent for RMSNorm), keeping its statistics.
+    fn cpu(
+        &self,
+        x: Operand<'_, CpuStorage>,
+        gamma: Operand<'_, CpuStorage>,
+        beta: Option<Operand<'_, CpuStorage>>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (norm, eps) = (self.norm, self.eps);
+        let (y, stats) = by_dtype!(op_name(norm), x.0.dtype(), forward_cpu(norm, eps, x, gamma, beta))?;
+        self.keep(stats)?;
+        Ok((y, x.1.shape().clone()))
+    }
+
+    /// The forward on CUDA storage (beta absent for RMSNorm), keeping its statistics.
+    #[cfg(feature = "candle-cuda")]
+    fn cuda(
+        &self,
+        x: Operand<'_, CudaStorage>,
+        gamma: Operand<'_, CudaStorage>,
+        beta: Option<Operand<'_, CudaStorage>>,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (norm, eps) = (self.norm, self.eps);
+        let (y, stats) = by_dtype!(
+            op_name(norm),
+            x.0.dtype(),
+            forward_cuda(norm, eps, x, gamma, beta)
+        )?;
+        self.keep(stats)?;
+        Ok((y, x.1.shape().clone()))
+    }
+
     /// dx, dgamma and (LayerNorm's) dbeta by the [`Backward`] op, from the statistics the
     /// forward kept.
     fn grads(&self, x: &Tensor, gamma: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> {
@@ -346,14 +377,7 @@ impl CustomOp3 for Forward {
         beta: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let beta = Some((beta, lb));
-        let (y, stats) = by_dtype!(
-            op_name(self.norm),
-            x.dtype(),
-            forward_cpu(self.norm, self.eps, x, lx, gamma, lg, beta)
-        )?;
-        self.keep(stats)?;
-        Ok((y, lx.shape().clone()))
+        self.cpu((x, lx), (gamma, lg), Some((beta, lb)))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -366,14 +390,7 @@ impl CustomOp3 for Forward {
         beta: &CudaStorage,
         lb: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let beta = Some((beta, lb));
-        let (y, stats) = by_dtype!(
-            op_name(self.norm),
-            x.dtype(),
-            forward_cuda(self.norm, self.eps, x, lx, gamma, lg, beta)
-        )?;
-        self.keep(stats)?;
-        Ok((y, lx.shape().clone()))
+        self.cuda((x, lx), (gamma, lg), Some((beta, lb)))
     }
 
     fn bwd(
@@ -402,13 +419,7 @@ impl CustomOp2 for Forward {
         gamma: &CpuStorage,
         lg: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (y, stats) = by_dtype!(
-            op_name(self.norm),
-            x.dtype(),
-            forward_cpu(self.norm, self.eps, x, lx, gamma, lg, None)
-        )?;
-        self.keep(stats)?;
-        Ok((y, lx.shape().clone()))
+        self.cpu((x, lx), (gamma, lg), None)
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -419,13 +430,7 @@ impl CustomOp2 for Forward {
         gamma: &CudaStorage,
         lg: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (y, stats) = by_dtype!(
-            op_name(self.norm),
-            x.dtype(),
-            forward_cuda(self.norm, self.eps, x, lx, gamma, lg, None)
-        )?;
-        self.keep(stats)?;
-        Ok((y, lx.shape().clone()))
+        self.cuda((x, lx), (gamma, lg), None)
     }
 
     fn bwd(
@@ -543,10 +548,8 @@ type Operand<'a, S> = (&'a S, &'a Layout);
 fn forward_cpu<T: Element + WithDType>(
     norm: Norm,
     eps: f32,
-    x: &CpuStorage,
-    lx: &Layout,
-    gamma: &CpuStorage,
-    lg: &Layout,
+    (x, lx): Operand<'_, CpuStorage>,
+    (gamma, lg): Operand<'_, CpuStorage>,
     beta: Option<Operand<'_, CpuStorage>>,
 ) -> Result<(CpuStorage, Stats)> {
     let [rows, n] = rows_and_n(norm, lx.shape())?;
@@ -638,10 +641,8 @@ fn cuda_zeros<T: DeviceRepr + ValidAsZeroBits>(
 fn forward_cuda<T: Element + CudaDType + ValidAsZeroBits>(
     norm: Norm,
     eps: f32,
-    x: &CudaStorage,
-    lx: &Layout,
-    gamma: &CudaStorage,
-    lg: &Layout,
+    (x, lx): Operand<'_, CudaStorage>,
+    (gamma, lg): Operand<'_, CudaStorage>,
     beta: Option<Operand<'_, CudaStorage>>,
 ) -> Result<(CudaStorage, Stats)> {
     let [rows, n] = rows_and_n(norm, lx.shape())?;
