@@ -1,7 +1,7 @@
 //! LayerNorm on the CPU with ndarray: the same math as the kernels, in f32 values with f64
 //! sums, so code written against this crate runs (and agrees) where no GPU is.
 
-use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Axis, Zip};
+use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2, Axis};
 
 mod convert;
 
@@ -211,9 +211,19 @@ fn sum_f64(v: &[f32], f: impl Fn(f32) -> f64) -> f64 {
     lanes.iter().sum::<f64>() + tail.iter().map(|&x| f(x)).sum::<f64>()
 }
 
-/// dx per row, dgamma and dbeta summed over rows (see `kernels-gpu/src/backward/mod.rs` for the
-/// formulas). Column sums run in f64 in row order. The row scratch is taken before anything
-/// is written, so where host memory cannot hold it the outputs are left as they were.
+/// The most parts the CPU backward splits its rows into. Each part sums its rows' dgamma and
+/// dbeta terms apart (f64), and the parts' sums are added in part order: the split depends
+/// only on the shape and type, never on the machine's threads, so that the result is the
+/// same bits on any machine.
+const BACKWARD_PARTS: usize = 16;
+
+/// dx per row, dgamma and dbeta summed over rows (see `kernels-gpu/src/backward/mod.rs` for
+/// the formulas). As the forward: rows split over the machine's threads, each row widened
+/// to f32 in one go and dx narrowed the same way, sums kept in [`LANES`] partial sums. The
+/// column sums of dgamma and dbeta run in f64, in row order within each of at most
+/// [`BACKWARD_PARTS`] parts of consecutive rows, then over the parts in order. All scratch
+/// is taken before anything is written, so where host memory cannot hold it the outputs are
+/// left as they were.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn backward<T: Element>(
     x: ArrayView2<'_, T>,
@@ -226,39 +236,206 @@ pub(crate) fn backward<T: Element>(
     mut dbeta: ArrayViewMut1<'_, T>,
     centered: bool,
 ) -> Result<()> {
-    let n = x.ncols();
-    let (mut sum_dgamma, mut sum_dbeta) = (zeroed::<f64>(n)?, zeroed::<f64>(n)?);
-    let (mut xhat, mut wdy) = (zeroed::<f32>(n)?, zeroed::<f32>(n)?);
-    Zip::from(x.rows())
-        .and(dy.rows())
-        .and(dx.rows_mut())
-        .and(&mean)
-        .and(&rstd)
-        .for_each(|x, dy, mut dx, &mu, &rs| {
-            let (mut c1, mut c2) = (0.0f64, 0.0f64);
-            for j in 0..n {
-                // In f64: x - mean overflows f32 for rows that span its range.
-                xhat[j] = ((x[j].to_f32() as f64 - mu as f64) * rs as f64) as f32;
-                wdy[j] = gamma[j].to_f32() * dy[j].to_f32();
-                c1 += (xhat[j] * wdy[j]) as f64;
-                c2 += wdy[j] as f64;
-                sum_dgamma[j] += (dy[j].to_f32() * xhat[j]) as f64;
-                sum_dbeta[j] += dy[j].to_f32() as f64;
-            }
-            // RMSNorm's y does not depend on x through a mean: no c2 term.
-            let c2 = if centered { c2 } else { 0.0 };
-            let (c1, c2) = ((c1 / n as f64) as f32, (c2 / n as f64) as f32);
-            for j in 0..n {
-                dx[j] = T::from_f32(rs * (wdy[j] - (xhat[j] * c1 + c2)));
-            }
+    let (rows, n) = x.dim();
+    // Parts hold 2n f64 sums each: no more of them than x's own size pays for.
+    let parts = BACKWARD_PARTS
+        .min(rows * size_of::<T>() / (2 * size_of::<f64>()))
+        .max(1);
+    let rows_per_part = rows.div_ceil(parts).max(1);
+    let mut gamma_f32 = zeroed::<f32>(n)?;
+    gamma_f32
+        .iter_mut()
+        .zip(&gamma)
+        .for_each(|(d, g)| *d = g.to_f32());
+    let mut sums = Vec::new();
+    for _ in 0..rows.div_ceil(rows_per_part) {
+        sums.push((zeroed::<f64>(n)?, zeroed::<f64>(n)?));
+    }
+    let available = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let threads = available
+        .min(sums.len())
+        .min((rows * n / FORWARD_ELEMENTS_PER_THREAD).max(1))
+        .max(1);
+    let mut scratch = Vec::new();
+    for _ in 0..threads {
+        scratch.push(RowScratch {
+            xs: zeroed(n)?,
+            dys: zeroed(n)?,
+            xhat: zeroed(n)?,
+            dxs: zeroed(n)?,
         });
-    Zip::from(&mut dgamma)
-        .and(&sum_dgamma)
-        .for_each(|d, &s| *d = T::from_f32(s as f32));
-    Zip::from(&mut dbeta)
-        .and(&sum_dbeta)
-        .for_each(|d, &s| *d = T::from_f32(s as f32));
+    }
+    let gamma = &gamma_f32[..];
+    let mut runs: Vec<BackwardRun<'_, T>> = x
+        .axis_chunks_iter(Axis(0), rows_per_part)
+        .zip(dy.axis_chunks_iter(Axis(0), rows_per_part))
+        .zip(dx.axis_chunks_iter_mut(Axis(0), rows_per_part))
+        .zip(mean.axis_chunks_iter(Axis(0), rows_per_part))
+        .zip(rstd.axis_chunks_iter(Axis(0), rows_per_part))
+        .zip(sums.iter_mut())
+        .map(|(((((x, dy), dx), mean), rstd), (dgamma, dbeta))| BackwardRun {
+            x,
+            dy,
+            dx,
+            mean,
+            rstd,
+            gamma,
+            centered,
+            dgamma,
+            dbeta,
+        })
+        .collect();
+    // Each thread takes consecutive parts with a row scratch of its own.
+    let per_thread = runs.len().div_ceil(threads);
+    std::thread::scope(|s| {
+        let mut work = runs.chunks_mut(per_thread).zip(scratch.iter_mut());
+        let here = work.next();
+        for (parts, rows) in work {
+            s.spawn(move || parts.iter_mut().for_each(|run| backward_rows(run, rows)));
+        }
+        // The first share runs on this thread (all of it for small problems).
+        if let Some((parts, rows)) = here {
+            parts.iter_mut().for_each(|run| backward_rows(run, rows));
+        }
+    });
+    for (j, (dg, db)) in dgamma.iter_mut().zip(dbeta.iter_mut()).enumerate() {
+        let (g, b) = sums
+            .iter()
+            .fold((0.0f64, 0.0f64), |(g, b), (sg, sb)| (g + sg[j], b + sb[j]));
+        (*dg, *db) = (T::from_f32(g as f32), T::from_f32(b as f32));
+    }
     Ok(())
+}
+
+/// One thread's rows of f32 scratch in [`backward`].
+struct RowScratch {
+    xs: Vec<f32>,
+    dys: Vec<f32>,
+    xhat: Vec<f32>,
+    dxs: Vec<f32>,
+}
+
+/// A part of [`backward`]'s rows, with that part's dgamma and dbeta sums and gamma widened.
+struct BackwardRun<'a, T> {
+    x: ArrayView2<'a, T>,
+    dy: ArrayView2<'a, T>,
+    dx: ArrayViewMut2<'a, T>,
+    mean: ArrayView1<'a, f32>,
+    rstd: ArrayView1<'a, f32>,
+    gamma: &'a [f32],
+    centered: bool,
+    dgamma: &'a mut [f64],
+    dbeta: &'a mut [f64],
+}
+
+/// [`backward`] over a part of its rows; compiled a second time for AVX2, FMA and F16C as
+/// [`forward_rows`] is.
+fn backward_rows<T: Element>(run: &mut BackwardRun<'_, T>, rows: &mut RowScratch) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+    {
+        // SAFETY: the CPU has AVX2, FMA and F16C, checked just above.
+        return unsafe { backward_rows_avx2(run, rows) };
+    }
+    backward_rows_with(run, rows, T::widen, T::narrow)
+}
+
+/// [`backward_rows_with`] compiled for AVX2, FMA and F16C, with the conversions built for
+/// them.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn backward_rows_avx2<T: Element>(run: &mut BackwardRun<'_, T>, rows: &mut RowScratch) {
+    let widen = |src: &[T], dst: &mut [f32]| {
+        // SAFETY: this function's own contract: the CPU has AVX2, FMA and F16C.
+        unsafe { T::widen_avx2(src, dst) }
+    };
+    let narrow = |src: &[f32], dst: &mut [T]| {
+        // SAFETY: as for `widen`.
+        unsafe { T::narrow_avx2(src, dst) }
+    };
+    backward_rows_with(run, rows, widen, narrow)
+}
+
+/// The rows of [`backward_rows`], with the row conversions of one instruction set; inlined
+/// into each of its instruction-set variants. Per row, with g = gamma * dy:
+///   xhat = (x - mean) * rstd            (in f64: x - mean overflows f32 for rows that span
+///                                        its range)
+///   c1 = mean(xhat * g), c2 = mean(g)   (c2 = 0 for RMSNorm: no mean in its y)
+///   dx = rstd * (g - (xhat * c1 + c2))
+/// and the part's sums dgamma += dy * xhat, dbeta += dy.
+#[inline(always)]
+fn backward_rows_with<T: Element>(
+    run: &mut BackwardRun<'_, T>,
+    rows: &mut RowScratch,
+    widen: impl Fn(&[T], &mut [f32]),
+    narrow: impl Fn(&[f32], &mut [T]),
+) {
+    let RowScratch { xs, dys, xhat, dxs } = rows;
+    let n = xs.len();
+    for i in 0..run.x.nrows() {
+        let (x, dy) = (run.x.row(i), run.dy.row(i));
+        match (x.as_slice(), dy.as_slice()) {
+            (Some(x), Some(dy)) => {
+                widen(x, xs);
+                widen(dy, dys);
+            }
+            _ => {
+                xs.iter_mut().zip(&x).for_each(|(d, v)| *d = v.to_f32());
+                dys.iter_mut().zip(&dy).for_each(|(d, v)| *d = v.to_f32());
+            }
+        }
+        let (mu, rs) = (run.mean[i] as f64, run.rstd[i]);
+        xhat.iter_mut()
+            .zip(xs.iter())
+            .for_each(|(h, &v)| *h = ((v as f64 - mu) * rs as f64) as f32);
+        // g = gamma * dy is formed again where it is used: cheaper than a fifth row.
+        let g = |j: usize| run.gamma[j] * dys[j];
+        let c1 = sum_f64_indexed(n, |j| (xhat[j] * g(j)) as f64);
+        let c2 = if run.centered {
+            sum_f64_indexed(n, |j| g(j) as f64)
+        } else {
+            0.0
+        };
+        let (c1, c2) = ((c1 / n as f64) as f32, (c2 / n as f64) as f32);
+        for (j, d) in dxs.iter_mut().enumerate() {
+            *d = rs * (g(j) - (xhat[j] * c1 + c2));
+        }
+        for ((sg, sb), (&d, &h)) in run
+            .dgamma
+            .iter_mut()
+            .zip(run.dbeta.iter_mut())
+            .zip(dys.iter().zip(xhat.iter()))
+        {
+            *sg += (d * h) as f64;
+            *sb += d as f64;
+        }
+        let mut out = run.dx.row_mut(i);
+        match out.as_slice_mut() {
+            Some(row) => narrow(dxs, row),
+            None => out
+                .iter_mut()
+                .zip(dxs.iter())
+                .for_each(|(d, &v)| *d = T::from_f32(v)),
+        }
+    }
+}
+
+/// The sum in f64 of `f(j)` for j in 0..n, in [`LANES`] partial sums.
+#[inline(always)]
+fn sum_f64_indexed(n: usize, f: impl Fn(usize) -> f64) -> f64 {
+    let mut lanes = [0.0f64; LANES];
+    let whole = n - n % LANES;
+    for base in (0..whole).step_by(LANES) {
+        for (k, lane) in lanes.iter_mut().enumerate() {
+            *lane += f(base + k);
+        }
+    }
+    lanes.iter().sum::<f64>() + (whole..n).map(f).sum::<f64>()
 }
 
 /// `n` zeros of backward scratch, or [`crate::Error::OutOfMemory`].

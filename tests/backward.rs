@@ -147,6 +147,33 @@ fn cpu_backward_matches_reference() {
     check_all_shapes::<bf16>(&cpu, BackwardMode::Deterministic, 1200);
 }
 
+/// Rows enough for the CPU backward to split them into its parts (at most 16 runs of
+/// consecutive rows, the last one shorter here) and over threads: every part's sums reach
+/// dgamma and dbeta once, and a second call gives the same bits.
+#[test]
+fn cpu_backward_over_parts_and_threads() {
+    fn check<T: Element>(seed: u64) {
+        let cpu = Device::cpu();
+        let p = Problem::<T>::random(1001, 300, seed);
+        p.check(&cpu, BackwardMode::Deterministic, "split over parts");
+        let bits = |(dx, dgamma, dbeta): (Array2<T>, Array1<T>, Array1<T>)| -> Vec<u32> {
+            dx.iter()
+                .chain(&dgamma)
+                .chain(&dbeta)
+                .map(|v| v.to_f32().to_bits())
+                .collect()
+        };
+        let (a, b) = (
+            bits(p.run(&cpu, BackwardMode::Deterministic)),
+            bits(p.run(&cpu, BackwardMode::Deterministic)),
+        );
+        assert!(a == b, "{}: two calls differ", T::NAME);
+    }
+    check::<f32>(1300);
+    check::<f16>(1301);
+    check::<bf16>(1302);
+}
+
 #[test]
 fn gpu_backward_deterministic_matches_reference() {
     let Some(gpu) = gpu_or_skip() else { return };
