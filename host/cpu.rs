@@ -68,12 +68,12 @@ pub(crate) fn forward<T: Element>(
         });
     if threads == 1 {
         // Small problems: no thread to start, the rows run here.
-        runs.for_each(forward_rows);
+        runs.for_each(run_rows);
         return Ok(());
     }
     std::thread::scope(|s| {
         for run in runs {
-            s.spawn(move || forward_rows(run));
+            s.spawn(move || run_rows(run));
         }
     });
     Ok(())
@@ -93,28 +93,35 @@ struct RowRun<'a, T> {
     ys: &'a mut [f32],
 }
 
-/// [`forward`] over a run of rows. On x86-64 CPUs with AVX2, FMA and F16C (every x86 server
-/// since 2013) the same loops are compiled a second time for them: twice the lanes of the
-/// SSE2 baseline that a portable build targets.
-fn forward_rows<T: Element>(run: RowRun<'_, T>) {
+/// A loop over rows that widens them to f32 and narrows its results back, compiled once per
+/// instruction set by [`run_rows`] (each `run` is `#[inline(always)]`, so that its loops
+/// land inside the variant that calls it).
+trait RowLoop<T: Element> {
+    fn run(self, widen: impl Fn(&[T], &mut [f32]), narrow: impl Fn(&[f32], &mut [T]));
+}
+
+/// Runs `rows`. On x86-64 CPUs with AVX2, FMA and F16C (every x86 server since 2013) its
+/// loops are compiled a second time for them: twice the lanes of the SSE2 baseline that a
+/// portable build targets, and f16 converted 8 an instruction.
+fn run_rows<T: Element>(rows: impl RowLoop<T>) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2")
         && std::arch::is_x86_feature_detected!("fma")
         && std::arch::is_x86_feature_detected!("f16c")
     {
         // SAFETY: the CPU has AVX2, FMA and F16C, checked just above.
-        return unsafe { forward_rows_avx2(run) };
+        return unsafe { run_rows_avx2(rows) };
     }
-    forward_rows_with(run, T::widen, T::narrow)
+    rows.run(T::widen, T::narrow)
 }
 
-/// [`forward_rows_with`] compiled for AVX2, FMA and F16C, with the conversions built for them.
+/// [`run_rows`] compiled for AVX2, FMA and F16C, with the conversions built for them.
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn forward_rows_avx2<T: Element>(run: RowRun<'_, T>) {
+unsafe fn run_rows_avx2<T: Element>(rows: impl RowLoop<T>) {
     let widen = |src: &[T], dst: &mut [f32]| {
         // SAFETY: this function's own contract: the CPU has AVX2, FMA and F16C.
         unsafe { T::widen_avx2(src, dst) }
@@ -123,13 +130,38 @@ unsafe fn forward_rows_avx2<T: Element>(run: RowRun<'_, T>) {
         // SAFETY: as for `widen`.
         unsafe { T::narrow_avx2(src, dst) }
     };
-    forward_rows_with(run, widen, narrow)
+    rows.run(widen, narrow)
 }
 
-/// The rows of [`forward_rows`], with the row conversions of one instruction set; inlined
-/// into each of its instruction-set variants.
+/// `row` widened into `dst`: one call of `widen` where the row is contiguous.
 #[inline(always)]
-fn forward_rows_with<T: Element>(
+fn widen_row<T: Element>(row: ArrayView1<'_, T>, dst: &mut [f32], widen: &impl Fn(&[T], &mut [f32])) {
+    match row.as_slice() {
+        Some(row) => widen(row, dst),
+        None => dst.iter_mut().zip(&row).for_each(|(d, v)| *d = v.to_f32()),
+    }
+}
+
+/// `src` narrowed into `row`: one call of `narrow` where the row is contiguous.
+#[inline(always)]
+fn narrow_row<T: Element>(src: &[f32], mut row: ArrayViewMut1<'_, T>, narrow: &impl Fn(&[f32], &mut [T])) {
+    match row.as_slice_mut() {
+        Some(row) => narrow(src, row),
+        None => row.iter_mut().zip(src).for_each(|(d, &v)| *d = T::from_f32(v)),
+    }
+}
+
+/// The rows of [`forward`]'s run.
+impl<T: Element> RowLoop<T> for RowRun<'_, T> {
+    #[inline(always)]
+    fn run(self, widen: impl Fn(&[T], &mut [f32]), narrow: impl Fn(&[f32], &mut [T])) {
+        forward_rows(self, widen, narrow)
+    }
+}
+
+/// The rows of a [`RowRun`], with the row conversions of one instruction set.
+#[inline(always)]
+fn forward_rows<T: Element>(
     run: RowRun<'_, T>,
     widen: impl Fn(&[T], &mut [f32]),
     narrow: impl Fn(&[f32], &mut [T]),
@@ -147,11 +179,7 @@ fn forward_rows_with<T: Element>(
     } = run;
     let n = xs.len() as f64;
     for i in 0..x.nrows() {
-        let (x, mut y) = (x.row(i), y.row_mut(i));
-        match x.as_slice() {
-            Some(row) => widen(row, xs),
-            None => xs.iter_mut().zip(&x).for_each(|(d, v)| *d = v.to_f32()),
-        }
+        widen_row(x.row(i), xs, &widen);
         // LayerNorm: mean, then the squared deviations from it. RMSNorm: the mean square,
         // with the mean taken as 0 (what `mu` is then written as, too).
         let (mu, var) = if norm.centered {
@@ -174,13 +202,7 @@ fn forward_rows_with<T: Element>(
                 *o = ((v as f64 - mu) * rs) as f32 * g + b;
             }
         }
-        match y.as_slice_mut() {
-            Some(row) => narrow(ys, row),
-            None => y
-                .iter_mut()
-                .zip(ys.iter())
-                .for_each(|(d, &v)| *d = T::from_f32(v)),
-        }
+        narrow_row(ys, y.row_mut(i), &narrow);
         (mean[i], rstd[i]) = (mu as f32, rs as f32);
     }
 }
@@ -291,11 +313,11 @@ pub(crate) fn backward<T: Element>(
         let mut work = runs.chunks_mut(per_thread).zip(scratch.iter_mut());
         let here = work.next();
         for (parts, rows) in work {
-            s.spawn(move || parts.iter_mut().for_each(|run| backward_rows(run, rows)));
+            s.spawn(move || parts.iter_mut().for_each(|run| run_rows((run, &mut *rows))));
         }
         // The first share runs on this thread (all of it for small problems).
         if let Some((parts, rows)) = here {
-            parts.iter_mut().for_each(|run| backward_rows(run, rows));
+            parts.iter_mut().for_each(|run| run_rows((run, &mut *rows)));
         }
     });
     for (j, (dg, db)) in dgamma.iter_mut().zip(dbeta.iter_mut()).enumerate() {
@@ -328,48 +350,23 @@ struct BackwardRun<'a, T> {
     dbeta: &'a mut [f64],
 }
 
-/// [`backward`] over a part of its rows; compiled a second time for AVX2, FMA and F16C as
-/// [`forward_rows`] is.
-fn backward_rows<T: Element>(run: &mut BackwardRun<'_, T>, rows: &mut RowScratch) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the CPU has AVX2, FMA and F16C, checked just above.
-        return unsafe { backward_rows_avx2(run, rows) };
+/// A part of [`backward`]'s rows with a thread's row scratch.
+impl<T: Element> RowLoop<T> for (&mut BackwardRun<'_, T>, &mut RowScratch) {
+    #[inline(always)]
+    fn run(self, widen: impl Fn(&[T], &mut [f32]), narrow: impl Fn(&[f32], &mut [T])) {
+        backward_rows(self.0, self.1, widen, narrow)
     }
-    backward_rows_with(run, rows, T::widen, T::narrow)
 }
 
-/// [`backward_rows_with`] compiled for AVX2, FMA and F16C, with the conversions built for
-/// them.
-///
-/// # Safety
-/// The CPU must have AVX2, FMA and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn backward_rows_avx2<T: Element>(run: &mut BackwardRun<'_, T>, rows: &mut RowScratch) {
-    let widen = |src: &[T], dst: &mut [f32]| {
-        // SAFETY: this function's own contract: the CPU has AVX2, FMA and F16C.
-        unsafe { T::widen_avx2(src, dst) }
-    };
-    let narrow = |src: &[f32], dst: &mut [T]| {
-        // SAFETY: as for `widen`.
-        unsafe { T::narrow_avx2(src, dst) }
-    };
-    backward_rows_with(run, rows, widen, narrow)
-}
-
-/// The rows of [`backward_rows`], with the row conversions of one instruction set; inlined
-/// into each of its instruction-set variants. Per row, with g = gamma * dy:
+/// A part of [`backward`]'s rows, with the row conversions of one instruction set. Per
+/// row, with g = gamma * dy:
 ///   xhat = (x - mean) * rstd            (in f64: x - mean overflows f32 for rows that span
 ///                                        its range)
 ///   c1 = mean(xhat * g), c2 = mean(g)   (c2 = 0 for RMSNorm: no mean in its y)
 ///   dx = rstd * (g - (xhat * c1 + c2))
 /// and the part's sums dgamma += dy * xhat, dbeta += dy.
 #[inline(always)]
-fn backward_rows_with<T: Element>(
+fn backward_rows<T: Element>(
     run: &mut BackwardRun<'_, T>,
     rows: &mut RowScratch,
     widen: impl Fn(&[T], &mut [f32]),
@@ -378,17 +375,8 @@ fn backward_rows_with<T: Element>(
     let RowScratch { xs, dys, xhat, dxs } = rows;
     let n = xs.len();
     for i in 0..run.x.nrows() {
-        let (x, dy) = (run.x.row(i), run.dy.row(i));
-        match (x.as_slice(), dy.as_slice()) {
-            (Some(x), Some(dy)) => {
-                widen(x, xs);
-                widen(dy, dys);
-            }
-            _ => {
-                xs.iter_mut().zip(&x).for_each(|(d, v)| *d = v.to_f32());
-                dys.iter_mut().zip(&dy).for_each(|(d, v)| *d = v.to_f32());
-            }
-        }
+        widen_row(run.x.row(i), xs, &widen);
+        widen_row(run.dy.row(i), dys, &widen);
         let (mu, rs) = (run.mean[i] as f64, run.rstd[i]);
         xhat.iter_mut()
             .zip(xs.iter())
@@ -414,14 +402,7 @@ fn backward_rows_with<T: Element>(
             *sg += (d * h) as f64;
             *sb += d as f64;
         }
-        let mut out = run.dx.row_mut(i);
-        match out.as_slice_mut() {
-            Some(row) => narrow(dxs, row),
-            None => out
-                .iter_mut()
-                .zip(dxs.iter())
-                .for_each(|(d, &v)| *d = T::from_f32(v)),
-        }
+        narrow_row(dxs, run.dx.row_mut(i), &narrow);
     }
 }
 
