@@ -11,9 +11,9 @@ use crate::element::Element;
 use crate::error::Result;
 use crate::tensor::host_vec;
 
-/// Elements a thread of the CPU forward takes at the least: below that, starting a thread
-/// costs more than the rows it would take.
-const FORWARD_ELEMENTS_PER_THREAD: usize = 1 << 16;
+/// Elements a thread of the CPU forward or backward takes at the least: below that, starting
+/// a thread costs more than the rows it would take.
+const ELEMENTS_PER_THREAD: usize = 1 << 16;
 
 /// Per row: y = (x - mean) * rstd * gamma + beta, with mean and rstd = 1/sqrt(var + eps)
 /// (var biased) written out. Two passes over the row for the statistics (mean, then squared
@@ -40,9 +40,7 @@ pub(crate) fn forward<T: Element>(
     };
     let (gamma, beta) = (widened(gamma)?, widened(beta)?);
     let available = std::thread::available_parallelism().map_or(1, |t| t.get());
-    let threads = available
-        .min(rows)
-        .min((rows * n / FORWARD_ELEMENTS_PER_THREAD).max(1));
+    let threads = available.min(rows).min((rows * n / ELEMENTS_PER_THREAD).max(1));
     let chunk = rows.div_ceil(threads.max(1)).max(1);
     let mut scratch = Vec::new();
     for _ in 0..threads {
@@ -276,7 +274,7 @@ pub(crate) fn backward<T: Element>(
     let available = std::thread::available_parallelism().map_or(1, |t| t.get());
     let threads = available
         .min(sums.len())
-        .min((rows * n / FORWARD_ELEMENTS_PER_THREAD).max(1))
+        .min((rows * n / ELEMENTS_PER_THREAD).max(1))
         .max(1);
     let mut scratch = Vec::new();
     for _ in 0..threads {

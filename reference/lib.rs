@@ -100,16 +100,7 @@ pub fn forward(
     beta: ArrayView1<f64>,
     eps: f64,
 ) -> (Array2<f64>, Array1<f64>, Array1<f64>) {
-    let (gamma, beta) = (gamma.to_vec(), beta.to_vec());
-    let (mut y, mut mean, mut rstd) = (Vec::with_capacity(x.len()), Vec::new(), Vec::new());
-    for x_row in x.rows() {
-        let row = Row::new(&x_row.to_vec(), eps);
-        y.extend(row.y(&gamma, &beta));
-        mean.push(row.mean);
-        rstd.push(row.rstd);
-    }
-    let y = Array2::from_shape_vec(x.dim(), y).expect("one y row per x row");
-    (y, mean.into(), rstd.into())
+    rows_forward(x, gamma, beta, eps, Row::new)
 }
 
 /// (dx, dgamma, dbeta) for the upstream gradient `dy` (see [`Row::dx`] and
@@ -120,31 +111,14 @@ pub fn backward(
     gamma: ArrayView1<f64>,
     eps: f64,
 ) -> (Array2<f64>, Array1<f64>, Array1<f64>) {
-    assert_eq!(x.dim(), dy.dim(), "x and dy have the same shape");
-    let gamma = gamma.to_vec();
-    let n = x.ncols();
-    let (mut dx, mut dgamma, mut dbeta) = (Vec::with_capacity(x.len()), vec![0.0; n], vec![0.0; n]);
-    for (x_row, dy_row) in x.rows().into_iter().zip(dy.rows()) {
-        let (row, dy_row) = (Row::new(&x_row.to_vec(), eps), dy_row.to_vec());
-        dx.extend(row.dx(&dy_row, &gamma));
-        row.add_param_grads(&dy_row, &mut dgamma, &mut dbeta);
-    }
-    let dx = Array2::from_shape_vec(x.dim(), dx).expect("one dx row per x row");
-    (dx, dgamma.into(), dbeta.into())
+    rows_backward(x, dy, gamma, eps, Row::new)
 }
 
 /// RMSNorm's (y, rstd) of each row of `x` (see [`Row::rms`]): y = xhat * gamma.
 pub fn rms_forward(x: ArrayView2<f64>, gamma: ArrayView1<f64>, eps: f64) -> (Array2<f64>, Array1<f64>) {
-    let gamma = gamma.to_vec();
-    let zeros = vec![0.0; gamma.len()];
-    let (mut y, mut rstd) = (Vec::with_capacity(x.len()), Vec::new());
-    for x_row in x.rows() {
-        let row = Row::rms(&x_row.to_vec(), eps);
-        y.extend(row.y(&gamma, &zeros));
-        rstd.push(row.rstd);
-    }
-    let y = Array2::from_shape_vec(x.dim(), y).expect("one y row per x row");
-    (y, rstd.into())
+    let zeros = Array1::zeros(gamma.len());
+    let (y, _, rstd) = rows_forward(x, gamma, zeros.view(), eps, Row::rms);
+    (y, rstd)
 }
 
 /// RMSNorm's (dx, dgamma) for upstream gradient `dy`.
@@ -154,15 +128,47 @@ pub fn rms_backward(
     gamma: ArrayView1<f64>,
     eps: f64,
 ) -> (Array2<f64>, Array1<f64>) {
+    let (dx, dgamma, _) = rows_backward(x, dy, gamma, eps, Row::rms);
+    (dx, dgamma)
+}
+
+/// (y, mean, rstd) of each row of `x`, normalized by `norm` ([`Row::new`] or [`Row::rms`]).
+fn rows_forward(
+    x: ArrayView2<f64>,
+    gamma: ArrayView1<f64>,
+    beta: ArrayView1<f64>,
+    eps: f64,
+    norm: fn(&[f64], f64) -> Row,
+) -> (Array2<f64>, Array1<f64>, Array1<f64>) {
+    let (gamma, beta) = (gamma.to_vec(), beta.to_vec());
+    let (mut y, mut mean, mut rstd) = (Vec::with_capacity(x.len()), Vec::new(), Vec::new());
+    for x_row in x.rows() {
+        let row = norm(&x_row.to_vec(), eps);
+        y.extend(row.y(&gamma, &beta));
+        mean.push(row.mean);
+        rstd.push(row.rstd);
+    }
+    let y = Array2::from_shape_vec(x.dim(), y).expect("one y row per x row");
+    (y, mean.into(), rstd.into())
+}
+
+/// (dx, dgamma, dbeta) of rows normalized by `norm`, for the upstream gradient `dy`.
+fn rows_backward(
+    x: ArrayView2<f64>,
+    dy: ArrayView2<f64>,
+    gamma: ArrayView1<f64>,
+    eps: f64,
+    norm: fn(&[f64], f64) -> Row,
+) -> (Array2<f64>, Array1<f64>, Array1<f64>) {
     assert_eq!(x.dim(), dy.dim(), "x and dy have the same shape");
     let gamma = gamma.to_vec();
     let n = x.ncols();
     let (mut dx, mut dgamma, mut dbeta) = (Vec::with_capacity(x.len()), vec![0.0; n], vec![0.0; n]);
     for (x_row, dy_row) in x.rows().into_iter().zip(dy.rows()) {
-        let (row, dy_row) = (Row::rms(&x_row.to_vec(), eps), dy_row.to_vec());
+        let (row, dy_row) = (norm(&x_row.to_vec(), eps), dy_row.to_vec());
         dx.extend(row.dx(&dy_row, &gamma));
         row.add_param_grads(&dy_row, &mut dgamma, &mut dbeta);
     }
     let dx = Array2::from_shape_vec(x.dim(), dx).expect("one dx row per x row");
-    (dx, dgamma.into())
+    (dx, dgamma.into(), dbeta.into())
 }
