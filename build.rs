@@ -33,7 +33,7 @@ use sha2::{Digest, Sha256};
 #[allow(dead_code)]
 #[path = "kernels-gpu/layout/registry.rs"]
 mod registry;
-use registry::{Arch, DTYPES, Norm, Variant};
+use registry::{Arch, TypePair, Variant};
 
 const KERNEL_DIR: &str = "kernels-gpu";
 /// The module of numbers the kernels and the host share, inside the kernel folder.
@@ -377,17 +377,8 @@ fn build_ptx(tc: &Toolchain, module: &Module, manifest: &Path, out: &Path) -> Re
 /// API needed). A kernel the registry does not know, or a registry kernel the module lacks,
 /// stops the build: the table is the one list of kernels.
 fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
-    let mut expected: Vec<(String, Variant, usize)> = Norm::ALL
-        .iter()
-        .flat_map(|&norm| {
-            Variant::ALL
-                .iter()
-                .filter(move |&&v| v.in_module(arch) && norm.has(v))
-                .flat_map(move |&v| {
-                    (0..DTYPES.len())
-                        .map(move |d| (format!("{}_{}_{}", norm.prefix(), v.stem(), DTYPES[d]), v, d))
-                })
-        })
+    let mut expected: Vec<(String, Variant, TypePair)> = registry::kernels(arch)
+        .map(|(norm, v, pair)| (format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name), v, pair))
         .collect();
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut directives = Vec::new();
@@ -400,9 +391,9 @@ fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
                 .iter()
                 .position(|(n, _, _)| n == name)
                 .unwrap_or_else(|| panic!("kernel {name} is not in kernels-gpu/layout/registry.rs"));
-            let (_, variant, dtype) = expected.swap_remove(at);
+            let (_, variant, pair) = expected.swap_remove(at);
             directives.clear();
-            directives.push(format!(".maxntid {}, 1, 1", variant.max_threads(arch, dtype)));
+            directives.push(format!(".maxntid {}, 1, 1", variant.max_threads(arch, pair)));
             if variant.cluster() > 1 {
                 directives.push(format!(".reqnctapercluster {}, 1, 1", variant.cluster()));
             }

@@ -22,10 +22,10 @@ const ELEMENTS_PER_THREAD: usize = 1 << 16;
 /// [`LANES`] partial sums, so that the loops vectorize. Its scratch (gamma, beta and two row
 /// buffers a thread) is taken before anything is written, so where host memory cannot hold
 /// it the outputs are left as they were.
-pub(crate) fn forward<T: Element>(
+pub(crate) fn forward<T: Element, W: Element>(
     x: ArrayView2<'_, T>,
-    gamma: ArrayView1<'_, T>,
-    beta: ArrayView1<'_, T>,
+    gamma: ArrayView1<'_, W>,
+    beta: ArrayView1<'_, W>,
     norm: Normalization,
     mut y: ArrayViewMut2<'_, T>,
     mut mean: ArrayViewMut1<'_, f32>,
@@ -33,7 +33,7 @@ pub(crate) fn forward<T: Element>(
 ) -> Result<()> {
     let (rows, n) = x.dim();
     let during = "allocating the CPU forward's scratch";
-    let widened = |v: ArrayView1<'_, T>| -> Result<Vec<f32>> {
+    let widened = |v: ArrayView1<'_, W>| -> Result<Vec<f32>> {
         let mut out = host_vec(n, during)?;
         out.extend(v.iter().map(|e| e.to_f32()));
         Ok(out)
@@ -245,15 +245,15 @@ const BACKWARD_PARTS: usize = 16;
 /// is taken before anything is written, so where host memory cannot hold it the outputs are
 /// left as they were.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward<T: Element>(
+pub(crate) fn backward<T: Element, W: Element>(
     x: ArrayView2<'_, T>,
     dy: ArrayView2<'_, T>,
-    gamma: ArrayView1<'_, T>,
+    gamma: ArrayView1<'_, W>,
     mean: ArrayView1<'_, f32>,
     rstd: ArrayView1<'_, f32>,
     mut dx: ArrayViewMut2<'_, T>,
-    mut dgamma: ArrayViewMut1<'_, T>,
-    mut dbeta: ArrayViewMut1<'_, T>,
+    mut dgamma: ArrayViewMut1<'_, W>,
+    mut dbeta: ArrayViewMut1<'_, W>,
     centered: bool,
 ) -> Result<()> {
     let (rows, n) = x.dim();
@@ -322,7 +322,9 @@ pub(crate) fn backward<T: Element>(
         let (g, b) = sums
             .iter()
             .fold((0.0f64, 0.0f64), |(g, b), (sg, sb)| (g + sg[j], b + sb[j]));
-        (*dg, *db) = (T::from_f32(g as f32), T::from_f32(b as f32));
+        // Rounded to f32 first, as the GPU's stage 2 rounds its f32 sums: f16 and bf16
+        // weights' gradients are then those of f32 weights rounded once more.
+        (*dg, *db) = (W::from_f32(g as f32), W::from_f32(b as f32));
     }
     Ok(())
 }

@@ -1,13 +1,22 @@
-//! The storage types LayerNorm runs on: f32, f16 and bf16 (computed in f32 throughout).
+//! The storage types LayerNorm runs on: f32, f16 and bf16 (computed in f32 throughout), and
+//! which weight types go with which.
 
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
+
+use crate::layout::registry::type_pair;
 
 mod sealed {
     pub trait Sealed {}
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
+
+    /// The weight types of `T`: itself, and f32 beside f16 and bf16.
+    pub trait SealedWeight<T> {}
+    impl<T: super::Element> SealedWeight<T> for T {}
+    impl SealedWeight<half::f16> for f32 {}
+    impl SealedWeight<half::bf16> for f32 {}
 }
 
 /// A storage type of x, y, gamma, beta and the gradients. Implemented for `f32`,
@@ -63,4 +72,35 @@ impl Element for bf16 {
     fn from_f32(v: f32) -> Self {
         bf16::from_f32(v)
     }
+}
+
+/// A storage type of the weights (gamma, beta) and their gradients beside x of type `T`:
+/// `T` itself, or f32 beside f16 and bf16 x (mixed-precision training keeps its parameters
+/// and their gradients in f32, as PyTorch's autocast and Apex's MixedFusedLayerNorm do). The
+/// weights are widened to f32 as they are read, and dgamma and dbeta, summed in f32, are
+/// written in this type.
+pub trait Weight<T: Element>: Element + sealed::SealedWeight<T> {
+    /// The kernels' type pair (an index into `crate::layout::registry::TYPE_PAIRS`).
+    const PAIR: usize;
+}
+
+impl<T: Element> Weight<T> for T {
+    const PAIR: usize = match type_pair(T::INDEX, T::INDEX) {
+        Some(pair) => pair,
+        None => panic!("every type has kernels with weights of its own type"),
+    };
+}
+
+impl Weight<f16> for f32 {
+    const PAIR: usize = match type_pair(f16::INDEX, f32::INDEX) {
+        Some(pair) => pair,
+        None => panic!("the kernels have f16 rows with f32 weights"),
+    };
+}
+
+impl Weight<bf16> for f32 {
+    const PAIR: usize = match type_pair(bf16::INDEX, f32::INDEX) {
+        Some(pair) => pair,
+        None => panic!("the kernels have bf16 rows with f32 weights"),
+    };
 }

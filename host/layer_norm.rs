@@ -16,7 +16,7 @@ use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2};
 use crate::borrowed::{BorrowedTensor, BorrowedTensorMut};
 use crate::cpu;
 use crate::device::{Device, Kind};
-use crate::element::Element;
+use crate::element::{Element, Weight};
 use crate::error::{DriverContext, Error, Result};
 use crate::gpu::launch::{Backward, Forward};
 use crate::gpu::layer_norm as gpu;
@@ -65,42 +65,43 @@ impl<T: Element, X> Context<T, X> {
     }
 }
 
-/// dx (the shape of x), and dgamma and dbeta (`[n]`) for the parameters the LayerNorm has:
+/// dx (the shape of x, of x's type `T`), and dgamma and dbeta (`[n]`, of the weights' type
+/// `W`) for the parameters the LayerNorm has:
 /// `None` where it has no gamma ([`LayerNorm::without_affine`]) or no beta
 /// ([`LayerNorm::without_bias`]). As an output of [`LayerNorm::backward_into`], each must be
 /// `Some` exactly where the LayerNorm has the parameter ([`Error::ParameterGradient`]).
 #[derive(Clone, Debug)]
-pub struct Gradients<T: Element> {
+pub struct Gradients<T: Element, W: Element = T> {
     pub dx: Tensor<T>,
-    pub dgamma: Option<Tensor<T>>,
-    pub dbeta: Option<Tensor<T>>,
+    pub dgamma: Option<Tensor<W>>,
+    pub dbeta: Option<Tensor<W>>,
 }
 
 /// [`Gradients`] in memory of the caller's, for [`LayerNorm::backward_borrowed`].
 #[derive(Debug)]
-pub struct BorrowedGradients<'a, T: Element> {
+pub struct BorrowedGradients<'a, T: Element, W: Element = T> {
     pub dx: BorrowedTensorMut<'a, T>,
-    pub dgamma: Option<BorrowedTensorMut<'a, T>>,
-    pub dbeta: Option<BorrowedTensorMut<'a, T>>,
+    pub dgamma: Option<BorrowedTensorMut<'a, W>>,
+    pub dbeta: Option<BorrowedTensorMut<'a, W>>,
 }
 
 /// A weight or bias of the op: the caller's, or the constant that stands in for an absent
 /// one (ones for gamma, zeros for beta), which the kernels read as if it were given.
 #[derive(Clone, Debug)]
-enum Param<T: Element> {
-    Given(Tensor<T>),
-    Absent(Tensor<T>),
+enum Param<W: Element> {
+    Given(Tensor<W>),
+    Absent(Tensor<W>),
 }
 
-impl<T: Element> Param<T> {
+impl<W: Element> Param<W> {
     /// What the kernels read.
-    fn tensor(&self) -> &Tensor<T> {
+    fn tensor(&self) -> &Tensor<W> {
         match self {
             Param::Given(t) | Param::Absent(t) => t,
         }
     }
 
-    fn given(&self) -> Option<&Tensor<T>> {
+    fn given(&self) -> Option<&Tensor<W>> {
         match self {
             Param::Given(t) => Some(t),
             Param::Absent(_) => None,
@@ -108,25 +109,29 @@ impl<T: Element> Param<T> {
     }
 }
 
-/// LayerNorm over the last dimension of `[..., n]` inputs, with weight gamma and bias beta
-/// (either may be absent, as in PyTorch's `bias=False` and `elementwise_affine=False`).
+/// LayerNorm over the last dimension of `[..., n]` inputs of type `T`, with weight gamma and
+/// bias beta (either may be absent, as in PyTorch's `bias=False` and
+/// `elementwise_affine=False`) of type `W`: `T`, or f32 beside f16 and bf16 x ([`Weight`]),
+/// as `LayerNorm<f16, f32>`.
 #[derive(Clone, Debug)]
-pub struct LayerNorm<T: Element> {
+pub struct LayerNorm<T: Element, W: Element = T> {
     id: u64,
     n: usize,
-    gamma: Param<T>,
-    beta: Param<T>,
+    gamma: Param<W>,
+    beta: Param<W>,
     eps: f32,
     mode: BackwardMode,
     /// LayerNorm, or RMSNorm (`crate::rms_norm::RmsNorm` is this op with `Norm::Rms`).
     norm: Norm,
+    /// The type of x, y, dy and dx.
+    rows: std::marker::PhantomData<fn() -> T>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
-impl<T: Element> LayerNorm<T> {
+impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
     /// An op with `gamma`, `beta` (both `[n]`, on one device) and `eps` (finite, > 0).
-    pub fn new(gamma: Tensor<T>, beta: Tensor<T>, eps: f32) -> Result<Self> {
+    pub fn new(gamma: Tensor<W>, beta: Tensor<W>, eps: f32) -> Result<Self> {
         let [n] = gamma.dims1("gamma")?;
         beta.expect_shape("beta", &[n])?;
         gamma.device().check("beta", &beta)?;
@@ -135,7 +140,7 @@ impl<T: Element> LayerNorm<T> {
 
     /// An op with weight `gamma` (`[n]`) and no bias (PyTorch's `bias=False`): y = xhat *
     /// gamma, and the backward's [`Gradients::dbeta`] is `None`.
-    pub fn without_bias(gamma: Tensor<T>, eps: f32) -> Result<Self> {
+    pub fn without_bias(gamma: Tensor<W>, eps: f32) -> Result<Self> {
         Self::weighted(gamma, eps, Norm::Layer)
     }
 
@@ -148,20 +153,20 @@ impl<T: Element> LayerNorm<T> {
     /// `norm` over rows of `n` with neither weight nor bias.
     pub(crate) fn unweighted(device: &Device, n: usize, eps: f32, norm: Norm) -> Result<Self> {
         check_config(n, eps)?;
-        let ones = device.full(&[n], T::from_f32(1.0))?;
+        let ones = device.full(&[n], W::from_f32(1.0))?;
         let zeros = device.zeros(&[n])?;
         Self::build(n, Param::Absent(ones), Param::Absent(zeros), eps, norm)
     }
 
     /// `norm` with weight `gamma` and no bias.
-    pub(crate) fn weighted(gamma: Tensor<T>, eps: f32, norm: Norm) -> Result<Self> {
+    pub(crate) fn weighted(gamma: Tensor<W>, eps: f32, norm: Norm) -> Result<Self> {
         let [n] = gamma.dims1("gamma")?;
         check_config(n, eps)?;
         let zeros = gamma.device().zeros(&[n])?;
         Self::build(n, Param::Given(gamma), Param::Absent(zeros), eps, norm)
     }
 
-    fn build(n: usize, gamma: Param<T>, beta: Param<T>, eps: f32, norm: Norm) -> Result<Self> {
+    fn build(n: usize, gamma: Param<W>, beta: Param<W>, eps: f32, norm: Norm) -> Result<Self> {
         check_config(n, eps)?;
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Ok(LayerNorm {
@@ -172,14 +177,15 @@ impl<T: Element> LayerNorm<T> {
             eps,
             mode: BackwardMode::default(),
             norm,
+            rows: std::marker::PhantomData,
         })
     }
 
     /// Uploads `gamma` and `beta` to `device`, then as [`LayerNorm::new`].
     pub fn from_arrays(
         device: &Device,
-        gamma: ArrayView1<'_, T>,
-        beta: ArrayView1<'_, T>,
+        gamma: ArrayView1<'_, W>,
+        beta: ArrayView1<'_, W>,
         eps: f32,
     ) -> Result<Self> {
         Self::new(device.upload(gamma)?, device.upload(beta)?, eps)
@@ -202,11 +208,11 @@ impl<T: Element> LayerNorm<T> {
         self.n
     }
     /// The weight, where the op has one.
-    pub fn gamma(&self) -> Option<&Tensor<T>> {
+    pub fn gamma(&self) -> Option<&Tensor<W>> {
         self.gamma.given()
     }
     /// The bias, where the op has one.
-    pub fn beta(&self) -> Option<&Tensor<T>> {
+    pub fn beta(&self) -> Option<&Tensor<W>> {
         self.beta.given()
     }
     pub fn eps(&self) -> f32 {
@@ -361,10 +367,10 @@ impl<T: Element> LayerNorm<T> {
 
     /// dx, and dgamma and dbeta for the parameters the op has, for upstream gradient `dy`
     /// (the shape of x).
-    pub fn backward(&self, ctx: &Context<T>, dy: &Tensor<T>) -> Result<Gradients<T>> {
+    pub fn backward(&self, ctx: &Context<T>, dy: &Tensor<T>) -> Result<Gradients<T, W>> {
         let dev = self.device();
         let n = self.n;
-        let param_grad = |p: &Param<T>| p.given().map(|_| dev.empty(&[n])).transpose();
+        let param_grad = |p: &Param<W>| p.given().map(|_| dev.empty(&[n])).transpose();
         let mut grads = Gradients {
             dx: dev.empty(dy.shape())?,
             dgamma: param_grad(&self.gamma)?,
@@ -376,7 +382,7 @@ impl<T: Element> LayerNorm<T> {
 
     /// As [`LayerNorm::backward`], writing into `grads` (shapes as `backward` returns them;
     /// dgamma and dbeta `Some` exactly where the op has gamma and beta).
-    pub fn backward_into(&self, ctx: &Context<T>, dy: &Tensor<T>, grads: &mut Gradients<T>) -> Result<()> {
+    pub fn backward_into(&self, ctx: &Context<T>, dy: &Tensor<T>, grads: &mut Gradients<T, W>) -> Result<()> {
         if ctx.op != self.id {
             return Err(Error::ForeignContext);
         }
@@ -386,11 +392,8 @@ impl<T: Element> LayerNorm<T> {
         self.check_param_grad("dgamma", &self.gamma, grads.dgamma.as_ref().map(Tensor::shape))?;
         self.check_param_grad("dbeta", &self.beta, grads.dbeta.as_ref().map(Tensor::shape))?;
         let dev = self.device();
-        for (what, t) in [
-            ("dx", Some(&grads.dx)),
-            ("dgamma", grads.dgamma.as_ref()),
-            ("dbeta", grads.dbeta.as_ref()),
-        ] {
+        dev.check("dx", &grads.dx)?;
+        for (what, t) in [("dgamma", grads.dgamma.as_ref()), ("dbeta", grads.dbeta.as_ref())] {
             if let Some(t) = t {
                 dev.check(what, t)?;
             }
@@ -428,7 +431,7 @@ impl<T: Element> LayerNorm<T> {
         &self,
         ctx: &Context<T, BorrowedTensor<'_, T>>,
         dy: &BorrowedTensor<'_, T>,
-        grads: &mut BorrowedGradients<'_, T>,
+        grads: &mut BorrowedGradients<'_, T, W>,
     ) -> Result<()> {
         if ctx.op != self.id {
             return Err(Error::ForeignContext);
@@ -502,7 +505,7 @@ impl<T: Element> LayerNorm<T> {
 
     /// Refuses a gradient output for a parameter the op lacks, a missing one for a
     /// parameter it has, and one not `[n]`.
-    fn check_param_grad(&self, what: &'static str, param: &Param<T>, grad: Option<&[usize]>) -> Result<()> {
+    fn check_param_grad(&self, what: &'static str, param: &Param<W>, grad: Option<&[usize]>) -> Result<()> {
         match (param.given().is_some(), grad) {
             (true, Some(shape)) => expect_same_shape(what, shape, &[self.n]),
             (false, None) => Ok(()),
@@ -517,13 +520,13 @@ impl<T: Element> LayerNorm<T> {
 /// The forward of `[rows, n]` (both >= 1) on memory already checked and ordered for the
 /// stream of `dev`: the op's core, shared by [`LayerNorm`] and the candle ops, which check
 /// their operands each their own way.
-pub(crate) fn forward_rows<T: Element>(
+pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
     dev: &Device,
     norm: Norm,
     eps: f32,
     rows: usize,
     n: usize,
-    o: ForwardOperands<'_, T>,
+    o: ForwardOperands<'_, T, W>,
 ) -> Result<()> {
     let ForwardOperands {
         x,
@@ -557,7 +560,7 @@ pub(crate) fn forward_rows<T: Element>(
             Out::Cuda(rstd),
             Kind::Cuda(g),
         ) => {
-            let packed = packed_rows::<T>(n, &g.stream, &[&x, &gamma, &beta], &y);
+            let packed = packed_rows(n, &g.stream, &[&x], &[&gamma, &beta], &y);
             let a = Forward {
                 x,
                 gamma,
@@ -580,26 +583,26 @@ pub(crate) fn forward_rows<T: Element>(
 /// The backward of `[rows, n]` (n >= 1) on memory already checked and ordered for the
 /// stream of `dev`, with dgamma and dbeta summed as `mode` says. An absent parameter's
 /// gradient is summed into scratch and dropped (the kernels always write both sums).
-pub(crate) fn backward_rows<T: Element>(
+pub(crate) fn backward_rows<T: Element, W: Weight<T>>(
     dev: &Device,
     norm: Norm,
     mode: BackwardMode,
     rows: usize,
     n: usize,
-    o: BackwardOperands<'_, T>,
+    o: BackwardOperands<'_, T, W>,
 ) -> Result<()> {
     let (mut gamma_sums, mut beta_sums);
     let dgamma = match o.dgamma {
         Some(d) => d,
         None => {
-            gamma_sums = dev.empty::<T>(&[n])?;
+            gamma_sums = dev.empty::<W>(&[n])?;
             output(dev, gamma_sums.data_mut("dgamma scratch")?)?
         }
     };
     let dbeta = match o.dbeta {
         Some(d) => d,
         None => {
-            beta_sums = dev.empty::<T>(&[n])?;
+            beta_sums = dev.empty::<W>(&[n])?;
             output(dev, beta_sums.data_mut("dbeta scratch")?)?
         }
     };
@@ -641,7 +644,7 @@ pub(crate) fn backward_rows<T: Element>(
             Out::Cuda(dbeta),
             Kind::Cuda(g),
         ) => {
-            let packed = packed_rows::<T>(n, &g.stream, &[&x, &dy, &gamma], &dx);
+            let packed = packed_rows(n, &g.stream, &[&x, &dy], &[&gamma], &dx);
             let a = Backward {
                 x,
                 dy,
@@ -667,10 +670,10 @@ pub(crate) fn backward_rows<T: Element>(
 }
 
 /// The operands of a forward, checked and ordered for the op's stream.
-pub(crate) struct ForwardOperands<'a, T> {
+pub(crate) struct ForwardOperands<'a, T, W> {
     pub(crate) x: In<'a, T>,
-    pub(crate) gamma: In<'a, T>,
-    pub(crate) beta: In<'a, T>,
+    pub(crate) gamma: In<'a, W>,
+    pub(crate) beta: In<'a, W>,
     pub(crate) y: Out<'a, T>,
     pub(crate) mean: Out<'a, f32>,
     pub(crate) rstd: Out<'a, f32>,
@@ -678,15 +681,15 @@ pub(crate) struct ForwardOperands<'a, T> {
 
 /// The operands of a backward, checked and ordered for the op's stream. dgamma and dbeta
 /// are `None` for the parameters the op lacks.
-pub(crate) struct BackwardOperands<'a, T> {
+pub(crate) struct BackwardOperands<'a, T, W> {
     pub(crate) x: In<'a, T>,
     pub(crate) dy: In<'a, T>,
-    pub(crate) gamma: In<'a, T>,
+    pub(crate) gamma: In<'a, W>,
     pub(crate) mean: In<'a, f32>,
     pub(crate) rstd: In<'a, f32>,
     pub(crate) dx: Out<'a, T>,
-    pub(crate) dgamma: Option<Out<'a, T>>,
-    pub(crate) dbeta: Option<Out<'a, T>>,
+    pub(crate) dgamma: Option<Out<'a, W>>,
+    pub(crate) dbeta: Option<Out<'a, W>>,
 }
 
 /// An input's elements, ordered for the op's stream: host memory (CPU ops) or a device
@@ -777,21 +780,26 @@ fn rows_of_mut<T: Element>(v: &mut [T], rows: usize, n: usize) -> ArrayViewMut2<
     ArrayViewMut2::from_shape((rows, n), v).expect("checked shape")
 }
 
-/// Whether every row of `n` elements starts on a 16-byte boundary in each of `inputs` and
-/// in `output`: n a whole number of 16-byte packs, and each start address a multiple of 16
-/// (this crate's whole tensors always are: device allocations are aligned for any type,
-/// 256 bytes or more; views and memory of the caller's need not be).
-fn packed_rows<T: Element>(
+/// Whether every row of `n` elements starts on a 16-byte boundary in each of `inputs`, in
+/// `output` and in the `weights`: n a whole number of 16-byte packs of `T` (then also of
+/// `W`, which is no narrower), and each start address a multiple of 16 (this crate's whole
+/// tensors always are: device allocations are aligned for any type, 256 bytes or more;
+/// views and memory of the caller's need not be).
+fn packed_rows<T: Element, W: Weight<T>>(
     n: usize,
     stream: &cudarc::driver::CudaStream,
     inputs: &[&CudaView<'_, T>],
+    weights: &[&CudaView<'_, W>],
     output: &CudaViewMut<'_, T>,
 ) -> bool {
-    let aligned = |v: &dyn DevicePtr<T>| {
-        // Where the context tracks events, this records a read on `stream`, which the
-        // launch that follows does anyway.
+    // Where the context tracks events, `device_ptr` records a read on `stream`, which the
+    // launch that follows does anyway.
+    fn aligned<E>(v: &dyn DevicePtr<E>, stream: &cudarc::driver::CudaStream) -> bool {
         let (address, _record) = v.device_ptr(stream);
         address.is_multiple_of(16)
-    };
-    (n * size_of::<T>()).is_multiple_of(16) && inputs.iter().all(|v| aligned(*v)) && aligned(output)
+    }
+    (n * size_of::<T>()).is_multiple_of(16)
+        && inputs.iter().all(|v| aligned(*v, stream))
+        && weights.iter().all(|v| aligned(*v, stream))
+        && aligned(output, stream)
 }

@@ -1,5 +1,5 @@
 //! Which kernel runs a call, with which block: a pure function of the shape, the storage
-//! type, the pass and the device's limits, so that the choice can be read, printed and
+//! types, the pass and the device's limits, so that the choice can be read, printed and
 //! tested without a GPU (`tests/plan.rs` checks that the test shapes reach every kernel on
 //! sm_80 and sm_90 limits). The launch then sizes the grid from the device's occupancy.
 //!
@@ -17,12 +17,12 @@
 //!   memory where it fits.
 //! - Backward, locked: the locked kernel of the team.
 
-pub use crate::layout::registry::{Arch, DTYPES, Norm, Variant};
+pub use crate::layout::registry::{Arch, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
     BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PART_HELD, PIPE_HELD, SCRATCH_BYTES,
 };
 
-use crate::element::Element;
+use crate::element::{Element, Weight};
 use crate::error::{Error, Result};
 
 /// What the planner needs of a device.
@@ -89,16 +89,22 @@ fn warp_rows(n: u32) -> bool {
     n <= WARP_ROW_MAX
 }
 
-/// Which kernel runs `pass` over `rows` rows of `n` elements of `T` (rows, n >= 1), and with
-/// which block. `aligned`: every row of every tensor involved starts 16-byte aligned and `n`
+/// Which kernel runs `pass` over `rows` rows of `n` elements of `T` (rows, n >= 1) with
+/// weights of `W`, and with which block. `aligned`: every row of every tensor involved starts 16-byte aligned and `n`
 /// is a whole number of packs (whole tensors; views may not be). An error only where no
 /// kernel can take the shape: a warp-row backward whose partials do not fit the device's
 /// shared memory.
-pub fn plan<T: Element>(n: u32, pass: Pass, aligned: bool, limits: DeviceLimits) -> Result<Plan> {
+pub fn plan<T: Element, W: Weight<T>>(
+    n: u32,
+    pass: Pass,
+    aligned: bool,
+    limits: DeviceLimits,
+) -> Result<Plan> {
     let planner = Planner::<T> {
         n,
         aligned,
         limits,
+        pair: TYPE_PAIRS[W::PAIR],
         ty: std::marker::PhantomData,
     };
     match pass {
@@ -112,13 +118,15 @@ struct Planner<T> {
     n: u32,
     aligned: bool,
     limits: DeviceLimits,
+    /// The kernels' types: x's (`T`) and the weights'.
+    pair: TypePair,
     ty: std::marker::PhantomData<T>,
 }
 
 impl<T: Element> Planner<T> {
-    /// The registry's thread limit of `v` for `T` on this device.
+    /// The registry's thread limit of `v` for these types on this device.
     fn max_threads(&self, v: Variant) -> u32 {
-        v.max_threads(self.limits.arch, T::INDEX)
+        v.max_threads(self.limits.arch, self.pair)
     }
 
     /// Threads of a block team on `cols` columns: about `packs_per_thread` packs each, at

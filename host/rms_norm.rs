@@ -10,23 +10,24 @@ use ndarray::ArrayView1;
 
 use crate::borrowed::{BorrowedTensor, BorrowedTensorMut};
 use crate::device::Device;
-use crate::element::Element;
+use crate::element::{Element, Weight};
 use crate::error::Result;
 use crate::layer_norm::{BackwardMode, BorrowedGradients, Context, Gradients, LayerNorm};
 use crate::plan::Norm;
 use crate::tensor::Tensor;
 
-/// RMSNorm over the last dimension of `[..., n]` inputs, with weight gamma or none
-/// (PyTorch's `torch.nn.RMSNorm`, `elementwise_affine` true or false). Its contexts hold
-/// the per-row rstd, and a mean of 0. Its gradients have no `dbeta`.
+/// RMSNorm over the last dimension of `[..., n]` inputs of type `T`, with weight gamma of
+/// type `W` (`T`, or f32 beside f16 and bf16 x, as `RmsNorm<bf16, f32>`) or none (PyTorch's
+/// `torch.nn.RMSNorm`, `elementwise_affine` true or false). Its contexts hold the per-row
+/// rstd, and a mean of 0. Its gradients have no `dbeta`.
 #[derive(Clone, Debug)]
-pub struct RmsNorm<T: Element> {
-    op: LayerNorm<T>,
+pub struct RmsNorm<T: Element, W: Element = T> {
+    op: LayerNorm<T, W>,
 }
 
-impl<T: Element> RmsNorm<T> {
+impl<T: Element, W: Weight<T>> RmsNorm<T, W> {
     /// An op with weight `gamma` (`[n]`) and `eps` (finite, > 0).
-    pub fn new(gamma: Tensor<T>, eps: f32) -> Result<Self> {
+    pub fn new(gamma: Tensor<W>, eps: f32) -> Result<Self> {
         Ok(RmsNorm {
             op: LayerNorm::weighted(gamma, eps, Norm::Rms)?,
         })
@@ -41,7 +42,7 @@ impl<T: Element> RmsNorm<T> {
     }
 
     /// Uploads `gamma` to `device`, then as [`RmsNorm::new`].
-    pub fn from_array(device: &Device, gamma: ArrayView1<'_, T>, eps: f32) -> Result<Self> {
+    pub fn from_array(device: &Device, gamma: ArrayView1<'_, W>, eps: f32) -> Result<Self> {
         Self::new(device.upload(gamma)?, eps)
     }
 
@@ -63,7 +64,7 @@ impl<T: Element> RmsNorm<T> {
     }
 
     /// The weight, where the op has one.
-    pub fn gamma(&self) -> Option<&Tensor<T>> {
+    pub fn gamma(&self) -> Option<&Tensor<W>> {
         self.op.gamma()
     }
 
@@ -101,12 +102,12 @@ impl<T: Element> RmsNorm<T> {
     }
 
     /// dx and, where the op has a weight, dgamma for upstream gradient `dy`.
-    pub fn backward(&self, ctx: &Context<T>, dy: &Tensor<T>) -> Result<Gradients<T>> {
+    pub fn backward(&self, ctx: &Context<T>, dy: &Tensor<T>) -> Result<Gradients<T, W>> {
         self.op.backward(ctx, dy)
     }
 
     /// As [`RmsNorm::backward`], into `grads` (its `dbeta` must be `None`).
-    pub fn backward_into(&self, ctx: &Context<T>, dy: &Tensor<T>, grads: &mut Gradients<T>) -> Result<()> {
+    pub fn backward_into(&self, ctx: &Context<T>, dy: &Tensor<T>, grads: &mut Gradients<T, W>) -> Result<()> {
         self.op.backward_into(ctx, dy, grads)
     }
 
@@ -115,7 +116,7 @@ impl<T: Element> RmsNorm<T> {
         &self,
         ctx: &Context<T, BorrowedTensor<'_, T>>,
         dy: &BorrowedTensor<'_, T>,
-        grads: &mut BorrowedGradients<'_, T>,
+        grads: &mut BorrowedGradients<'_, T, W>,
     ) -> Result<()> {
         self.op.backward_borrowed(ctx, dy, grads)
     }

@@ -29,7 +29,7 @@ fn bad_eps_is_refused() {
     for device in devices() {
         let v = device.upload(Array1::<f32>::ones(4).view()).unwrap();
         for eps in [0.0, -1e-5, f32::NAN, f32::INFINITY] {
-            let r = LayerNorm::new(v.clone(), v.clone(), eps);
+            let r = LayerNorm::<f32>::new(v.clone(), v.clone(), eps);
             assert!(
                 matches!(r, Err(Error::BadEps(e)) if e.to_bits() == eps.to_bits()),
                 "eps {eps}: {r:?}"
@@ -60,7 +60,7 @@ fn shape_mismatches_are_refused() {
             device.upload(Array1::<f32>::ones(7).view()).unwrap(),
         );
         assert!(matches!(
-            LayerNorm::new(g, b, 1e-5),
+            LayerNorm::<f32>::new(g, b, 1e-5),
             Err(Error::Shape { what: "beta", .. })
         ));
         // y of the wrong shape; dy of another shape than the forward's x.

@@ -89,7 +89,7 @@ fn tensors_of_one_gpu_are_refused_by_the_others_op() {
     assert!(matches!(r, Err(Error::DeviceMismatch { what: "x", .. })), "{r:?}");
     let gamma0 = gpu0.full(&[n], 1.0f32).unwrap();
     let beta1 = gpu1.full(&[n], 0.0f32).unwrap();
-    let r = LayerNorm::new(gamma0, beta1, 1e-5);
+    let r = LayerNorm::<f32>::new(gamma0, beta1, 1e-5);
     assert!(
         matches!(r, Err(Error::DeviceMismatch { what: "beta", .. })),
         "{r:?}"

@@ -17,17 +17,18 @@ mod layout;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use layernorm_cuda::plan::{Arch, DTYPES, DeviceLimits, Norm, Pass, Plan, Variant, plan};
-use layernorm_cuda::{Element, bf16, f16};
+use layernorm_cuda::plan::{Arch, DeviceLimits, Pass, Plan, Variant, plan};
+use layernorm_cuda::{Element, Weight, bf16, f16};
 
-/// (dtype, pass, n) the GPU tests run on whole tensors (aligned where n is whole packs):
-/// every shape of `common::SHAPES` in every type, pass and mode, and the long rows of
-/// tests/forward.rs and tests/backward.rs in the types they use.
+/// (type pair, pass, n) the GPU tests run on whole tensors (aligned where n is whole
+/// packs): every shape of `common::SHAPES` in every type pair (tests/weights.rs runs the
+/// f32 weights), pass and mode, and the long rows of tests/forward.rs and tests/backward.rs
+/// in the types they use.
 fn test_cases() -> Vec<(usize, Pass, u32)> {
     let passes = [Pass::Forward, Pass::BackwardDeterministic, Pass::BackwardLocked];
     let mut cases = Vec::new();
     for &(_, n) in common::SHAPES {
-        for dtype in 0..3 {
+        for dtype in 0..layout::registry::TYPE_PAIRS.len() {
             for pass in passes {
                 cases.push((dtype, pass, n as u32));
             }
@@ -50,19 +51,22 @@ fn test_cases() -> Vec<(usize, Pass, u32)> {
     cases
 }
 
-fn plan_of<T: Element>(n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
+fn plan_of<T: Element, W: Weight<T>>(n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
     let pack = (16 / size_of::<T>()) as u32;
-    plan::<T>(n, pass, n.is_multiple_of(pack), limits).unwrap()
+    plan::<T, W>(n, pass, n.is_multiple_of(pack), limits).unwrap()
 }
 
 fn reached(limits: DeviceLimits) -> BTreeSet<String> {
     test_cases()
         .into_iter()
         .map(|(dtype, pass, n)| {
-            let p = match dtype {
-                0 => plan_of::<f32>(n, pass, limits),
-                1 => plan_of::<f16>(n, pass, limits),
-                _ => plan_of::<bf16>(n, pass, limits),
+            let p = match layout::registry::TYPE_PAIRS[dtype].name {
+                "f32" => plan_of::<f32, f32>(n, pass, limits),
+                "f16" => plan_of::<f16, f16>(n, pass, limits),
+                "bf16" => plan_of::<bf16, bf16>(n, pass, limits),
+                "f16_f32w" => plan_of::<f16, f32>(n, pass, limits),
+                "bf16_f32w" => plan_of::<bf16, f32>(n, pass, limits),
+                other => panic!("a type pair this test does not know: {other}"),
             };
             format!("{:?}", p.variant)
         })
@@ -104,22 +108,22 @@ fn check_coverage(limits: DeviceLimits) {
 #[test]
 fn known_choices() {
     let h = DeviceLimits::H100;
-    let p = plan::<f16>(1024, Pass::Forward, true, h).unwrap();
+    let p = plan::<f16, f16>(1024, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedWarp, 256));
-    let p = plan::<f16>(4096, Pass::BackwardDeterministic, true, h).unwrap();
+    let p = plan::<f16, f16>(4096, Pass::BackwardDeterministic, true, h).unwrap();
     // 512 packs at 4 a thread: 128 ranks, and the 512-thread bound stacks 4 teams.
     assert_eq!((p.variant, p.threads, p.stacked), (Variant::BwdHeldBlock, 128, 4));
-    let p = plan::<f16>(4097, Pass::BackwardDeterministic, false, h).unwrap();
+    let p = plan::<f16, f16>(4097, Pass::BackwardDeterministic, false, h).unwrap();
     assert_eq!(p.variant, Variant::BwdOwnedBlock);
-    let p = plan::<f32>(65536, Pass::BackwardDeterministic, true, h).unwrap();
+    let p = plan::<f32, f32>(65536, Pass::BackwardDeterministic, true, h).unwrap();
     assert_eq!(p.variant, Variant::BwdCluster8Held);
-    let p = plan::<f32>(65536, Pass::BackwardDeterministic, true, DeviceLimits::A100).unwrap();
+    let p = plan::<f32, f32>(65536, Pass::BackwardDeterministic, true, DeviceLimits::A100).unwrap();
     assert_eq!(p.variant, Variant::BwdOwnedBlock);
     assert!(
         !p.local,
         "f32 rows of 65536 do not fit an A100 block's shared memory"
     );
-    let p = plan::<f32>(1024, Pass::BackwardLocked, true, h).unwrap();
+    let p = plan::<f32, f32>(1024, Pass::BackwardLocked, true, h).unwrap();
     assert_eq!(p.variant, Variant::BwdLockedWarp);
     assert_eq!(DeviceLimits::H100.arch, Arch::Sm90);
 }
@@ -153,20 +157,10 @@ fn declared(ptx: &str) -> BTreeMap<String, (u32, u32)> {
 }
 
 fn expected(arch: Arch) -> BTreeMap<String, (u32, u32)> {
-    Norm::ALL
-        .iter()
-        .flat_map(|&norm| {
-            Variant::ALL
-                .iter()
-                .filter(move |&&v| v.in_module(arch) && norm.has(v))
-                .flat_map(move |&v| {
-                    DTYPES.iter().enumerate().map(move |(d, ty)| {
-                        (
-                            format!("{}_{}_{ty}", norm.prefix(), v.stem()),
-                            (v.max_threads(arch, d), v.cluster()),
-                        )
-                    })
-                })
+    layout::registry::kernels(layout_arch(arch))
+        .map(|(norm, v, pair)| {
+            let name = format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name);
+            (name, (v.max_threads(layout_arch(arch), pair), v.cluster()))
         })
         .collect()
 }
@@ -182,9 +176,9 @@ fn checked_in_modules_declare_the_registry() {
 fn only_the_sm90_module_has_cluster_kernels() {
     let clusters = |ptx| declared(ptx).values().filter(|(_, c)| *c > 1).count();
     assert_eq!(clusters(SM80), 0);
-    // The general cluster kernel over 8 blocks and the held ones over 2, 4 and 8, in three
-    // types, for each of the two norms.
-    assert_eq!(clusters(SM90), 24);
+    // The general cluster kernel over 8 blocks and the held ones over 2, 4 and 8, in five
+    // type pairs, for each of the two norms.
+    assert_eq!(clusters(SM90), 40);
 }
 
 /// Kernel name -> the bytes of each parameter it declares: `.param .align A .b8 name[B]` (a
@@ -221,18 +215,10 @@ fn declared_params(ptx: &str) -> BTreeMap<String, Vec<usize>> {
 #[test]
 fn checked_in_modules_take_the_parameter_structs() {
     for (arch, ptx) in [(Arch::Sm80, SM80), (Arch::Sm90, SM90)] {
-        let expected: BTreeMap<String, Vec<usize>> = layout::registry::Norm::ALL
-            .iter()
-            .flat_map(|&norm| {
-                layout::registry::Variant::ALL
-                    .iter()
-                    .filter(move |&&v| v.in_module(layout_arch(arch)) && norm.has(v))
-                    .flat_map(move |&v| {
-                        DTYPES.iter().map(move |ty| {
-                            let bytes = layout::params::param_bytes(v).to_vec();
-                            (format!("{}_{}_{ty}", norm.prefix(), v.stem()), bytes)
-                        })
-                    })
+        let expected: BTreeMap<String, Vec<usize>> = layout::registry::kernels(layout_arch(arch))
+            .map(|(norm, v, pair)| {
+                let name = format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name);
+                (name, layout::params::param_bytes(v).to_vec())
             })
             .collect();
         assert_eq!(declared_params(ptx), expected, "{arch:?} module");

@@ -238,12 +238,12 @@ fn constructors_without_parameters_check_eps_and_n() {
     ));
     let gamma = cpu.full(&[4], 1.0f32).unwrap();
     assert!(matches!(
-        LayerNorm::without_bias(gamma, f32::NAN),
+        LayerNorm::<f32>::without_bias(gamma, f32::NAN),
         Err(Error::BadEps(_))
     ));
     let gamma2 = cpu.full(&[2, 2], 1.0f32).unwrap();
     assert!(matches!(
-        LayerNorm::without_bias(gamma2, 1e-5),
+        LayerNorm::<f32>::without_bias(gamma2, 1e-5),
         Err(Error::Shape { what: "gamma", .. })
     ));
 }

@@ -11,7 +11,7 @@ use cudarc::driver::{
 
 use super::Gpu;
 use super::module::Kernel;
-use crate::element::Element;
+use crate::element::{Element, Weight};
 use crate::error::{DriverContext, Error, Result};
 use crate::plan::{Norm, Variant, pack_len};
 
@@ -102,12 +102,13 @@ fn require(cond: bool, what: &str) {
     assert!(cond, "layernorm-cuda bug: launch buffer too small ({what})");
 }
 
-/// Forward: the arguments of `layer_norm_fwd_{warp,block}_<T>`. Inputs are views, which may
-/// start at any element (the kernels check each row's alignment).
-pub(crate) struct Forward<'a, T> {
+/// Forward: the arguments of `<norm>_fwd_<kind>_<types>`, x of type `T` and the weights of
+/// `W`. Inputs are views, which may start at any element (the kernels check each row's
+/// alignment).
+pub(crate) struct Forward<'a, T, W> {
     pub(crate) x: CudaView<'a, T>,
-    pub(crate) gamma: CudaView<'a, T>,
-    pub(crate) beta: CudaView<'a, T>,
+    pub(crate) gamma: CudaView<'a, W>,
+    pub(crate) beta: CudaView<'a, W>,
     pub(crate) y: CudaViewMut<'a, T>,
     pub(crate) mean: CudaViewMut<'a, f32>,
     pub(crate) rstd: CudaViewMut<'a, f32>,
@@ -130,11 +131,11 @@ pub(crate) fn fits_held<T: Element>(team: Team, threads: u32, cols: u32, held: u
 
 /// Queues the forward kernel `f`, which the caller picked for `a` and `launch` (a
 /// pipelined one only where `a.packed` and its rows [`fits_held`] `PIPE_HELD`).
-pub(crate) fn forward<T: Element>(
+pub(crate) fn forward<T: Element, W: Weight<T>>(
     gpu: &Gpu,
     f: &Kernel,
     launch: Launch,
-    mut a: Forward<'_, T>,
+    mut a: Forward<'_, T, W>,
 ) -> Result<()> {
     let (rows, n) = (a.rows as usize, a.n as usize);
     require(a.x.len() >= rows * n && a.y.len() >= rows * n, "x/y");
@@ -170,10 +171,10 @@ pub(crate) fn forward<T: Element>(
 }
 
 /// Backward stage 1's common arguments (inputs as views, as for [`Forward`]).
-pub(crate) struct Backward<'a, T> {
+pub(crate) struct Backward<'a, T, W> {
     pub(crate) x: CudaView<'a, T>,
     pub(crate) dy: CudaView<'a, T>,
-    pub(crate) gamma: CudaView<'a, T>,
+    pub(crate) gamma: CudaView<'a, W>,
     pub(crate) mean: CudaView<'a, f32>,
     pub(crate) rstd: CudaView<'a, f32>,
     pub(crate) dx: CudaViewMut<'a, T>,
@@ -186,10 +187,10 @@ pub(crate) struct Backward<'a, T> {
     pub(crate) norm: Norm,
 }
 
-impl<T: Element> Backward<'_, T> {
+impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
     /// Every stage 1's first parameter, and cudarc's guards for its buffers (to be dropped
     /// after the launch is queued).
-    fn params<'s>(&'s mut self, gpu: &'s Gpu) -> (ByValue<BackwardRows<T>>, [SyncOnDrop<'s>; 6]) {
+    fn params<'s>(&'s mut self, gpu: &'s Gpu) -> (ByValue<BackwardRows<T, W>>, [SyncOnDrop<'s>; 6]) {
         let ((x, gx), (dy, gdy), (gamma, ggamma)) =
             (input(gpu, &self.x), input(gpu, &self.dy), input(gpu, &self.gamma));
         let ((mean, gmean), (rstd, grstd)) = (input(gpu, &self.mean), input(gpu, &self.rstd));
@@ -244,11 +245,11 @@ impl<T: Element> Backward<'_, T> {
 /// Stage 1, owned mode: partial rows `[launch.blocks, n]`. With `local`, each team of a
 /// block sums in its own rows of shared memory after the scratch (warp teams must).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_owned<T: Element>(
+pub(crate) fn backward_owned<T: Element, W: Weight<T>>(
     gpu: &Gpu,
     team: Team,
     launch: Launch,
-    mut a: Backward<'_, T>,
+    mut a: Backward<'_, T, W>,
     part_dgamma: &mut CudaViewMut<'_, f32>,
     part_dbeta: &mut CudaViewMut<'_, f32>,
     local: bool,
@@ -267,7 +268,7 @@ pub(crate) fn backward_owned<T: Element>(
         "owned smem",
     );
     require(local || team == Team::Block, "warp teams sum in shared memory");
-    let k = gpu.kernels.of_norm::<T>(a.norm);
+    let k = gpu.kernels.of_norm::<T, W>(a.norm);
     let f = k.any(if team == Team::Warp {
         Variant::BwdOwnedWarp
     } else {
@@ -290,11 +291,11 @@ pub(crate) fn backward_owned<T: Element>(
 /// Stage 1, owned mode, rows all held (`a.packed`, and the rows fit `BWD_HELD` packs a
 /// rank): partial rows `[launch.blocks, n]`, each rank summing its columns' partials in its
 /// own shared memory ([`held_smem`]).
-pub(crate) fn backward_held<T: Element>(
+pub(crate) fn backward_held<T: Element, W: Weight<T>>(
     gpu: &Gpu,
     team: Team,
     launch: Launch,
-    a: Backward<'_, T>,
+    a: Backward<'_, T, W>,
     part_dgamma: &mut CudaViewMut<'_, f32>,
     part_dbeta: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
@@ -312,7 +313,7 @@ pub(crate) fn backward_held<T: Element>(
         launch.smem as usize >= held_smem::<T>(launch.threads * launch.stacked),
         "held smem",
     );
-    let k = gpu.kernels.of_norm::<T>(a.norm);
+    let k = gpu.kernels.of_norm::<T, W>(a.norm);
     let f = k.any(if team == Team::Warp {
         Variant::BwdHeldWarp
     } else {
@@ -344,12 +345,12 @@ pub(crate) use crate::layout::owned_local_smem;
 /// rows, each block of a cluster summing one slice of the row in shared memory: held in
 /// registers (`held`, rows all aligned packs; sizes `HELD_CLUSTER_SIZES`) or not (size
 /// [`CLUSTER_SIZE`]).
-pub(crate) fn backward_cluster<T: Element>(
+pub(crate) fn backward_cluster<T: Element, W: Weight<T>>(
     gpu: &Gpu,
     held: bool,
     size: u32,
     launch: Launch,
-    a: Backward<'_, T>,
+    a: Backward<'_, T, W>,
     part_dgamma: &mut CudaViewMut<'_, f32>,
     part_dbeta: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
@@ -360,7 +361,7 @@ pub(crate) fn backward_cluster<T: Element>(
         part_dgamma.len() >= parts && part_dbeta.len() >= parts,
         "cluster partials",
     );
-    let k = gpu.kernels.of_norm::<T>(a.norm);
+    let k = gpu.kernels.of_norm::<T, W>(a.norm);
     let (kernel, smem) = if held {
         let slice = cluster_slice::<T>(a.n, size);
         let slice_fits = a.packed && fits_held::<T>(Team::Block, launch.threads, slice, BWD_HELD);
@@ -409,11 +410,11 @@ pub(crate) fn cluster_held_smem<T: Element>(threads: u32) -> usize {
 /// Stage 1, locked mode: `2 * groups` partial rows (each group's sums, then their Kahan
 /// compensations) and `2 * groups` zeroed lock/count words.
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_locked<T: Element>(
+pub(crate) fn backward_locked<T: Element, W: Weight<T>>(
     gpu: &Gpu,
     team: Team,
     launch: Launch,
-    mut a: Backward<'_, T>,
+    mut a: Backward<'_, T, W>,
     group_dgamma: &mut CudaViewMut<'_, f32>,
     group_dbeta: &mut CudaViewMut<'_, f32>,
     words: &mut CudaViewMut<'_, u32>,
@@ -427,7 +428,7 @@ pub(crate) fn backward_locked<T: Element>(
     );
     require(words.len() >= 2 * groups as usize, "lock words");
     require(launch.smem >= SCRATCH_BYTES, "scratch");
-    let k = gpu.kernels.of_norm::<T>(a.norm);
+    let k = gpu.kernels.of_norm::<T, W>(a.norm);
     let f = k.any(if team == Team::Warp {
         Variant::BwdLockedWarp
     } else {
@@ -453,14 +454,14 @@ pub(crate) fn backward_locked<T: Element>(
 }
 
 /// Stage 2: column sums of `[rows, n]` partials into dgamma and dbeta.
-pub(crate) fn backward_reduce<T: Element>(
+pub(crate) fn backward_reduce<W: Element>(
     gpu: &Gpu,
     part_dgamma: &CudaViewMut<'_, f32>,
     part_dbeta: &CudaViewMut<'_, f32>,
     rows: u32,
     n: u32,
-    dgamma: &mut CudaViewMut<'_, T>,
-    dbeta: &mut CudaViewMut<'_, T>,
+    dgamma: &mut CudaViewMut<'_, W>,
+    dbeta: &mut CudaViewMut<'_, W>,
 ) -> Result<()> {
     let parts = rows as usize * n as usize;
     require(
@@ -489,11 +490,9 @@ pub(crate) fn backward_reduce<T: Element>(
         rows,
         n,
     });
-    let mut b = gpu
-        .stream
-        .launch_builder(gpu.kernels.of::<T>().any(Variant::BwdReduce).func());
+    let mut b = gpu.stream.launch_builder(gpu.kernels.reduce::<W>().func());
     b.arg(&p);
-    // SAFETY: `layer_norm_bwd_reduce_<T>` in kernels-gpu/src/backward/mod.rs takes one
+    // SAFETY: `layer_norm_bwd_reduce_<W>` in kernels-gpu/src/backward/mod.rs takes one
     // `Reduce`, and every buffer holds what the kernel indexes.
     unsafe { b.launch(cfg) }.during("launching backward stage 2")?;
     Ok(())

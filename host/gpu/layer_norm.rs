@@ -12,7 +12,7 @@ use cudarc::driver::CudaViewMut;
 use super::Gpu;
 use super::launch::{self, Backward, Forward, Launch, Team};
 use super::module::Kernel;
-use crate::element::Element;
+use crate::element::{Element, Weight};
 use crate::error::Result;
 use crate::plan::{Pass, Plan, Variant, plan};
 
@@ -60,9 +60,9 @@ fn balanced(launch: Launch, rows: u32, team: Team) -> Launch {
 }
 
 /// Queues the forward of `[rows, n]` (rows, n >= 1).
-pub(crate) fn forward<T: Element>(gpu: &Gpu, a: Forward<'_, T>) -> Result<()> {
-    let plan = plan::<T>(a.n, Pass::Forward, a.packed, gpu.kernels.limits)?;
-    let kernel = gpu.kernels.of_norm::<T>(a.norm).any(plan.variant);
+pub(crate) fn forward<T: Element, W: Weight<T>>(gpu: &Gpu, a: Forward<'_, T, W>) -> Result<()> {
+    let plan = plan::<T, W>(a.n, Pass::Forward, a.packed, gpu.kernels.limits)?;
+    let kernel = gpu.kernels.of_norm::<T, W>(a.norm).any(plan.variant);
     let launch = resident(gpu, kernel, a.rows, &plan)?;
     launch::forward(gpu, kernel, launch, a)
 }
@@ -89,12 +89,12 @@ pub(crate) enum Reduction {
 }
 
 /// Queues the backward of `[rows, n]` (rows, n >= 1): stage 1 then stage 2.
-pub(crate) fn backward<T: Element>(
+pub(crate) fn backward<T: Element, W: Weight<T>>(
     gpu: &Gpu,
     mode: Reduction,
-    stage1: Backward<'_, T>,
-    mut dgamma: CudaViewMut<'_, T>,
-    mut dbeta: CudaViewMut<'_, T>,
+    stage1: Backward<'_, T, W>,
+    mut dgamma: CudaViewMut<'_, W>,
+    mut dbeta: CudaViewMut<'_, W>,
 ) -> Result<()> {
     let (rows, n) = (stage1.rows, stage1.n);
     // Held until stage 2 is queued: the buffers are this stream's, reused call after call.
@@ -103,9 +103,9 @@ pub(crate) fn backward<T: Element>(
         Reduction::Owned => Pass::BackwardDeterministic,
         Reduction::Locked { .. } => Pass::BackwardLocked,
     };
-    let plan = plan::<T>(n, pass, stage1.packed, gpu.kernels.limits)?;
+    let plan = plan::<T, W>(n, pass, stage1.packed, gpu.kernels.limits)?;
     let team = team_of(&plan);
-    let kernel = gpu.kernels.of_norm::<T>(stage1.norm).any(plan.variant);
+    let kernel = gpu.kernels.of_norm::<T, W>(stage1.norm).any(plan.variant);
     let (parts_dgamma, parts_dbeta, part_rows) = match (mode, plan.variant) {
         (
             Reduction::Owned,

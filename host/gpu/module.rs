@@ -1,6 +1,6 @@
 //! The embedded PTX and its kernels: the module for the device's compute capability, loaded
 //! once, and every kernel the registry (`crate::layout::registry`) lists, by variant and
-//! storage type, with their occupancy queries.
+//! type pair, with their occupancy queries.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -8,9 +8,9 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 
-use crate::element::Element;
+use crate::element::{Element, Weight};
 use crate::error::{DriverContext, Result};
-use crate::layout::registry::DTYPES;
+use crate::layout::registry::{self, TYPE_PAIRS};
 use crate::plan::{Arch, DeviceLimits, Norm, Variant};
 
 /// The kernels for sm_80 and later, built from `kernels-gpu/` by build.rs.
@@ -103,12 +103,13 @@ impl Kernel {
 }
 
 /// Every kernel of the loaded module, as the registry (`crate::layout::registry`) lists
-/// them, by norm, variant and storage type.
+/// them, by norm, variant and type pair.
 pub(crate) struct KernelTable {
-    /// `kernels[norm][variant][dtype]`, in `Norm::ALL`, `Variant::ALL` and `DTYPES` order;
-    /// None where the module lacks the kernel (the cluster kernels before sm_90) or the
-    /// norm has none of its own (stage 2, which LayerNorm's serves for both).
-    kernels: [Vec<[Option<Kernel>; 3]>; 2],
+    /// `kernels[norm][variant][pair]`, in `Norm::ALL`, `Variant::ALL` and `TYPE_PAIRS` order;
+    /// None where the module lacks the kernel (the cluster kernels before sm_90), the norm
+    /// has none of its own (stage 2, which LayerNorm's serves for both), or the kernel does
+    /// not come in the pair (stage 2 of mixed pairs, whose weights' own pair serves).
+    kernels: [Vec<[Option<Kernel>; TYPE_PAIRS.len()]>; 2],
     /// What the planner needs of this device: its module, and the dynamic shared memory a
     /// block may have (the opt-in maximum).
     pub(crate) limits: DeviceLimits,
@@ -130,54 +131,51 @@ impl KernelTable {
         let module = ctx
             .load_module(Ptx::from_src(ptx))
             .during("loading the PTX module")?;
-        let of_norm = |norm: Norm| {
-            Variant::ALL
+        let mut kernels: [Vec<[Option<Kernel>; TYPE_PAIRS.len()]>; 2] = Default::default();
+        for table in &mut kernels {
+            table.resize_with(Variant::ALL.len(), Default::default);
+        }
+        for (norm, v, pair) in registry::kernels(arch) {
+            let name = format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name);
+            let at = TYPE_PAIRS
                 .iter()
-                .map(|&v| {
-                    let mut by_type = [None, None, None];
-                    if v.in_module(arch) && norm.has(v) {
-                        for (slot, ty) in by_type.iter_mut().zip(DTYPES) {
-                            let name = format!("{}_{}_{ty}", norm.prefix(), v.stem());
-                            *slot = Some(Kernel::load(&module, &name, max_smem)?);
-                        }
-                    }
-                    Ok(by_type)
-                })
-                .collect::<Result<Vec<_>>>()
-        };
-        let kernels = [of_norm(Norm::Layer)?, of_norm(Norm::Rms)?];
+                .position(|&p| p == pair)
+                .expect("a registry pair");
+            kernels[norm.index()][v as usize][at] = Some(Kernel::load(&module, &name, max_smem)?);
+        }
         let limits = DeviceLimits { arch, max_smem };
         Ok(KernelTable { kernels, limits })
     }
 
-    /// LayerNorm's kernels of storage type `T`.
-    pub(crate) fn of<T: Element>(&self) -> TypeKernels<'_> {
-        self.of_norm::<T>(Norm::Layer)
-    }
-
-    /// `norm`'s kernels of storage type `T` (stage 2 is LayerNorm's for both).
-    pub(crate) fn of_norm<T: Element>(&self, norm: Norm) -> TypeKernels<'_> {
+    /// `norm`'s kernels of x of type `T` with weights of type `W`.
+    pub(crate) fn of_norm<T: Element, W: Weight<T>>(&self, norm: Norm) -> TypeKernels<'_> {
         TypeKernels {
             table: self,
             norm,
-            dtype: T::INDEX,
+            pair: W::PAIR,
         }
+    }
+
+    /// Stage 2 writing dgamma and dbeta of type `W` (LayerNorm's, which serves both norms
+    /// and every x type with those weights).
+    pub(crate) fn reduce<W: Element>(&self) -> &Kernel {
+        self.of_norm::<W, W>(Norm::Layer).any(Variant::BwdReduce)
     }
 }
 
-/// One storage type's kernels.
+/// One type pair's kernels.
 #[derive(Clone, Copy)]
 pub(crate) struct TypeKernels<'a> {
     table: &'a KernelTable,
     norm: Norm,
-    dtype: usize,
+    pair: usize,
 }
 
 impl<'a> TypeKernels<'a> {
     /// The kernel, where the loaded module has it.
     pub(crate) fn get(self, v: Variant) -> Option<&'a Kernel> {
         let norm = if self.norm.has(v) { self.norm } else { Norm::Layer };
-        self.table.kernels[norm.index()][v as usize][self.dtype].as_ref()
+        self.table.kernels[norm.index()][v as usize][self.pair].as_ref()
     }
 
     /// A kernel every module has.

@@ -64,14 +64,14 @@ impl<T> Out<T> {
 /// Only the structs of this file implement it.
 pub unsafe trait KernelParams: Copy {}
 
-/// The forward's: `[rows, n]` x in, y out, `[n]` gamma and beta, `[rows]` f32 mean and
-/// rstd out, and eps.
+/// The forward's: `[rows, n]` x in, y out (of type `T`), `[n]` gamma and beta (of type `W`:
+/// `T`, or f32 beside f16 and bf16), `[rows]` f32 mean and rstd out, and eps.
 #[derive(Clone, Copy)]
 #[repr(C)]
-pub struct Forward<T> {
+pub struct Forward<T, W> {
     pub x: In<T>,
-    pub gamma: In<T>,
-    pub beta: In<T>,
+    pub gamma: In<W>,
+    pub beta: In<W>,
     pub y: Out<T>,
     pub mean: Out<f32>,
     pub rstd: Out<f32>,
@@ -80,14 +80,14 @@ pub struct Forward<T> {
     pub eps: f32,
 }
 
-/// Every stage 1's rows: `[rows, n]` x and dy in, dx out, `[n]` gamma, and the forward's
-/// `[rows]` mean and rstd.
+/// Every stage 1's rows: `[rows, n]` x and dy in, dx out (of type `T`), `[n]` gamma (of type
+/// `W`), and the forward's `[rows]` mean and rstd.
 #[derive(Clone, Copy)]
 #[repr(C)]
-pub struct BackwardRows<T> {
+pub struct BackwardRows<T, W> {
     pub x: In<T>,
     pub dy: In<T>,
-    pub gamma: In<T>,
+    pub gamma: In<W>,
     pub mean: In<f32>,
     pub rstd: In<f32>,
     pub dx: Out<T>,
@@ -115,7 +115,7 @@ pub struct Groups {
     pub groups: u32,
 }
 
-/// Stage 2's: `[rows, n]` f32 partials in, `[n]` dgamma and dbeta out.
+/// Stage 2's: `[rows, n]` f32 partials in, `[n]` dgamma and dbeta out (of the weights' type).
 #[derive(Clone, Copy)]
 #[repr(C)]
 pub struct Reduce<T> {
@@ -128,9 +128,9 @@ pub struct Reduce<T> {
 }
 
 // SAFETY: `#[repr(C)]`, of 64-bit addresses and 32-bit numbers only (all five impls).
-unsafe impl<T: Copy> KernelParams for Forward<T> {}
+unsafe impl<T: Copy, W: Copy> KernelParams for Forward<T, W> {}
 // SAFETY: as above.
-unsafe impl<T: Copy> KernelParams for BackwardRows<T> {}
+unsafe impl<T: Copy, W: Copy> KernelParams for BackwardRows<T, W> {}
 // SAFETY: as above.
 unsafe impl<T: Copy> KernelParams for Reduce<T> {}
 // SAFETY: as above.
@@ -139,13 +139,13 @@ unsafe impl KernelParams for Partials {}
 unsafe impl KernelParams for Groups {}
 
 /// The bytes of each parameter that `variant`'s kernels declare, in order (the same for
-/// every storage type): what the host passes, and what a test finds in the PTX.
+/// every type pair): what the host passes, and what a test finds in the PTX.
 pub const fn param_bytes(variant: Variant) -> &'static [usize] {
     use core::mem::size_of;
-    const ROWS: usize = size_of::<BackwardRows<f32>>();
+    const ROWS: usize = size_of::<BackwardRows<f32, f32>>();
     match variant {
         Variant::FwdWarp | Variant::FwdBlock | Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock => {
-            &[size_of::<Forward<f32>>()]
+            &[size_of::<Forward<f32, f32>>()]
         }
         Variant::BwdOwnedWarp | Variant::BwdOwnedBlock => &[ROWS, size_of::<Partials>(), size_of::<u32>()],
         Variant::BwdHeldWarp

@@ -20,11 +20,69 @@
 //!   rows' Kahan sums load a pack of four rows at once (sm_80's ptxas: 128 for the warp
 //!   kernels); the cluster kernels (a slice per block) fit 96 (640) in f16/bf16 and need 128
 //!   (512) in f32 and when held.
+//! - f32 weights beside f16/bf16 rows cost the kernels that hold rows in registers the
+//!   weights' extra words: the general block forward needs 80 (768), and the held cluster
+//!   kernels 168 (384).
 //!
 //! Fewer registers, more blocks resident; `.ci/run`'s ptxas check fails on any spill.
 
-/// Storage types, in kernel-name order: `<norm>_<stem>_<dtype>`.
+/// Storage types.
 pub const DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
+
+/// The types of one kernel: `x` of x, y, dy and dx, `weights` of gamma, beta and their
+/// gradients (indices into [`DTYPES`]), and `name`, the last part of its name:
+/// `<norm>_<stem>_<name>`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TypePair {
+    pub name: &'static str,
+    pub x: usize,
+    pub weights: usize,
+}
+
+/// Every type pair a kernel comes in, in the order the host keeps them: weights of x's own
+/// type, then f32 weights beside f16 and bf16 rows (mixed-precision training keeps its
+/// parameters and their gradients in f32). Stage 2 writes only the weights' gradients and
+/// comes in the first three alone.
+pub const TYPE_PAIRS: [TypePair; 5] = [
+    TypePair {
+        name: "f32",
+        x: 0,
+        weights: 0,
+    },
+    TypePair {
+        name: "f16",
+        x: 1,
+        weights: 1,
+    },
+    TypePair {
+        name: "bf16",
+        x: 2,
+        weights: 2,
+    },
+    TypePair {
+        name: "f16_f32w",
+        x: 1,
+        weights: 0,
+    },
+    TypePair {
+        name: "bf16_f32w",
+        x: 2,
+        weights: 0,
+    },
+];
+
+/// The pair of x of storage type `x` with weights of type `weights` (indices into
+/// [`DTYPES`]), where the kernels have it.
+pub const fn type_pair(x: usize, weights: usize) -> Option<usize> {
+    let mut p = 0;
+    while p < TYPE_PAIRS.len() {
+        if TYPE_PAIRS[p].x == x && TYPE_PAIRS[p].weights == weights {
+            return Some(p);
+        }
+        p += 1;
+    }
+    None
+}
 
 /// What a row is normalized by: LayerNorm centers it on its mean and divides by its
 /// standard deviation; RMSNorm divides by its root mean square. The kernels of both are the
@@ -58,6 +116,23 @@ impl Norm {
     pub const fn index(self) -> usize {
         self as usize
     }
+}
+
+/// Every kernel of `arch`'s module, as (norm, variant, type pair), in the order of
+/// [`Norm::ALL`], [`Variant::ALL`] and [`TYPE_PAIRS`]: the kernel named
+/// `<norm prefix>_<variant stem>_<pair name>`.
+pub fn kernels(arch: Arch) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
+    Norm::ALL.into_iter().flat_map(move |norm| {
+        Variant::ALL
+            .into_iter()
+            .filter(move |&v| v.in_module(arch) && norm.has(v))
+            .flat_map(move |v| {
+                TYPE_PAIRS
+                    .into_iter()
+                    .filter(move |&pair| v.has_pair(pair))
+                    .map(move |pair| (norm, v, pair))
+            })
+    })
 }
 
 /// The two PTX modules: sm_80 (every GPU from the A100 on) and sm_90 (Hopper, with the
@@ -153,11 +228,13 @@ impl Variant {
         self.cluster() > 1
     }
 
-    /// The launch bound of the kernel for storage type `DTYPES[dtype]` in `arch`'s module
-    /// (the module header explains each number).
-    pub const fn max_threads(self, arch: Arch, dtype: usize) -> u32 {
-        let f32 = dtype == 0;
+    /// The launch bound of the kernel for type pair `pair` in `arch`'s module (the module
+    /// header explains each number).
+    pub const fn max_threads(self, arch: Arch, pair: TypePair) -> u32 {
+        let f32 = pair.x == 0;
+        let f32_weights_of_halves = pair.weights == 0 && !f32;
         match (self, arch) {
+            (Variant::FwdBlock, _) if f32_weights_of_halves => 768,
             (Variant::FwdWarp | Variant::FwdBlock | Variant::BwdReduce, _) => 1024,
             (Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock, _) => 1024,
             (Variant::BwdOwnedWarp, _) => 512,
@@ -169,6 +246,11 @@ impl Variant {
             (Variant::BwdLockedWarp | Variant::BwdLockedBlock, _) => 640,
             (Variant::BwdCluster8, _) if f32 => 512,
             (Variant::BwdCluster8, _) => 640,
+            (Variant::BwdCluster2Held | Variant::BwdCluster4Held | Variant::BwdCluster8Held, _)
+                if f32_weights_of_halves =>
+            {
+                384
+            }
             (Variant::BwdCluster2Held | Variant::BwdCluster4Held | Variant::BwdCluster8Held, _) => 512,
         }
     }
@@ -188,6 +270,12 @@ impl Variant {
     /// Whether `arch`'s module has the kernel.
     pub const fn in_module(self, arch: Arch) -> bool {
         !self.sm90_only() || matches!(arch, Arch::Sm90)
+    }
+
+    /// Whether the kernel comes in type pair `pair`: stage 2, which reads f32 partials and
+    /// writes the weights' gradients, only in pairs of one type.
+    pub const fn has_pair(self, pair: TypePair) -> bool {
+        !matches!(self, Variant::BwdReduce) || pair.x == pair.weights
     }
 
     /// The held cluster kernel over `size` blocks (one of `HELD_CLUSTER_SIZES` (layout/mod.rs)).

@@ -127,21 +127,61 @@ pub unsafe fn read<T: Element>(row: *const T, start: u32, len: usize) -> Pack {
     }
 }
 
-/// As [`read`], for vectors every row uses (gamma, beta): these stay in L1.
+/// As [`read`], for the weights every row uses (gamma, beta), which stay in L1: `len` of
+/// them from `v[start..]`, one, or a whole pack of the row's type, which for f32 weights
+/// beside f16 or bf16 rows is two packs of weights (the row's 8 columns are 32 bytes of f32).
 ///
 /// # Safety
-/// As for [`read`].
+/// The elements must be in bounds, and `v + start` 16-byte aligned where `len` > 1.
 #[inline(always)]
-pub unsafe fn read_cached<T: Element>(v: *const T, start: u32, len: usize) -> Pack {
-    // SAFETY: the caller guarantees bounds and, for a pack, alignment.
+pub unsafe fn read_cached<W: Element>(v: *const W, start: u32, len: usize) -> Pack {
+    let mut out = [0.0; MAX_PACK];
+    // SAFETY: the caller guarantees bounds and, for packs, alignment; pack q of the weights
+    // starts q * 16 bytes past the first.
     unsafe {
         let p = v.add(start as usize);
-        if len == T::PACK {
-            T::unpack(device::load_16_cached(p as *const u32))
-        } else {
-            let mut out = [0.0; MAX_PACK];
+        if len == 1 {
             out[0] = p.read().to_f32();
-            out
+        } else {
+            for q in 0..MAX_PACK / W::PACK {
+                if q * W::PACK < len {
+                    let pack = W::unpack(device::load_16_cached(p.add(q * W::PACK) as *const u32));
+                    for k in 0..W::PACK {
+                        out[q * W::PACK + k] = pack[k];
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Calls `f(at, step, weights)` for each pack of weights over the `len` columns `start..`
+/// (one column, or a whole pack of the row's type): `weights` holds columns `start + at ..
+/// start + at + step`, read as [`read_cached`] reads them. For f32 weights beside 8-column
+/// packs of f16 or bf16 that is two calls of four, so that each half's weights are dead
+/// before the next half's are loaded: the kernels that hold rows in registers have no room
+/// for all eight at once.
+///
+/// # Safety
+/// As for [`read_cached`].
+#[inline(always)]
+pub unsafe fn for_each_weight_pack<W: Element>(
+    v: *const W,
+    start: u32,
+    len: usize,
+    mut f: impl FnMut(usize, usize, &Pack),
+) {
+    if len <= W::PACK {
+        // SAFETY: the caller's guarantee.
+        return f(0, len, &unsafe { read_cached(v, start, len) });
+    }
+    let step = W::PACK;
+    for q in 0..MAX_PACK / W::PACK {
+        let at = q * step;
+        if at < len {
+            // SAFETY: the caller's guarantee; `at` is a whole pack of weights into the chunk.
+            f(at, step, &unsafe { read_cached(v, start + at as u32, step) });
         }
     }
 }

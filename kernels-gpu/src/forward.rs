@@ -16,8 +16,9 @@
 //! [`RowNorm`]); y is computed in halves so that x_j - mean cannot overflow. Where M2 is
 //! finite, the results are the plain formulas' to the bit.
 //!
-//! The kernels, `layer_norm_fwd_<kind>_<T>` for T = f32, f16, bf16. Each team (a warp, or a
-//! block) normalizes one row at a time, rows `id, id + teams, ...`; the host
+//! The kernels, `<norm>_fwd_<kind>_<types>` for the type pairs of x and the weights (f32,
+//! f16, bf16, and f16 or bf16 x with f32 weights: `f16_f32w`, `bf16_f32w`). Each team (a
+//! warp, or a block) normalizes one row at a time, rows `id, id + teams, ...`; the host
 //! (host/gpu/layer_norm.rs) picks per launch:
 //! - the team: a warp per row for n <= 1024, a block per row beyond (about 4 packs a
 //!   thread);
@@ -45,7 +46,7 @@
 //! measurements.
 
 use crate::device::{fma, sqrt_rn};
-use crate::element::{Element, Pack, is_pack_aligned, read, read_cached, write};
+use crate::element::{Element, Pack, for_each_weight_pack, is_pack_aligned, read, read_cached, write};
 use crate::layout::params::Forward;
 use crate::row::{FWD_HELD, Held, Staged, fits, for_each_chunk, values};
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Warp};
@@ -149,7 +150,7 @@ impl RowNorm {
 /// `p.x`, `p.y` hold `rows * n` elements; `p.gamma`, `p.beta` hold `n`; `p.mean`, `p.rstd`
 /// hold `rows`.
 #[inline(always)]
-unsafe fn forward_rows<T: Element, S: StatsTeam, const CENTERED: bool>(p: Forward<T>) {
+unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(p: Forward<T, W>) {
     let (x, gamma, beta, y) = (p.x.ptr(), p.gamma.ptr(), p.beta.ptr(), p.y.ptr());
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let staged = Staged::<PART_HELD>::after(SCRATCH_BYTES);
@@ -165,19 +166,19 @@ unsafe fn forward_rows<T: Element, S: StatsTeam, const CENTERED: bool>(p: Forwar
         // SAFETY: as above; `packed` was checked for every pointer the packed path reads.
         let norm = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
-                forward_row::<T, S, CENTERED, true, FWD_HELD>(x_row, gamma, beta, y_row, n, eps)
+                forward_row::<T, W, S, CENTERED, true, FWD_HELD>(x_row, gamma, beta, y_row, n, eps)
             } else if packed && S::HOLDS_PART_OF_LONG_ROWS && staged.holds::<T, S>(n) {
-                forward_row_staged::<T, S, CENTERED>(x_row, gamma, beta, y_row, n, eps, staged)
+                forward_row_staged::<T, W, S, CENTERED>(x_row, gamma, beta, y_row, n, eps, staged)
             } else if packed {
-                forward_row::<T, S, CENTERED, true, 0>(x_row, gamma, beta, y_row, n, eps)
+                forward_row::<T, W, S, CENTERED, true, 0>(x_row, gamma, beta, y_row, n, eps)
             } else {
-                forward_row::<T, S, CENTERED, false, 0>(x_row, gamma, beta, y_row, n, eps)
+                forward_row::<T, W, S, CENTERED, false, 0>(x_row, gamma, beta, y_row, n, eps)
             }
         };
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
         unsafe {
             let norm =
-                norm.unwrap_or_else(|| forward_row_huge::<T, S, CENTERED>(x_row, gamma, beta, y_row, n, eps));
+                norm.unwrap_or_else(|| forward_row_huge::<T, W, S, CENTERED>(x_row, gamma, beta, y_row, n, eps));
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         row += S::count();
@@ -194,14 +195,15 @@ unsafe fn forward_rows<T: Element, S: StatsTeam, const CENTERED: bool>(p: Forwar
 #[inline(always)]
 unsafe fn forward_row<
     T: Element,
+    W: Element,
     S: StatsTeam,
     const CENTERED: bool,
     const PACKED: bool,
     const HELD: usize,
 >(
     x: *const T,
-    gamma: *const T,
-    beta: *const T,
+    gamma: *const W,
+    beta: *const W,
     y: *mut T,
     n: u32,
     eps: f32,
@@ -237,7 +239,7 @@ unsafe fn forward_row<
         RowNorm::of(mean, m2, n, eps)?
     };
     // SAFETY: as for this function.
-    unsafe { write_y::<T, S, PACKED, HELD>(&held, x, gamma, beta, y, n, norm) };
+    unsafe { write_y::<T, W, S, PACKED, HELD>(&held, x, gamma, beta, y, n, norm) };
     Some(norm)
 }
 
@@ -250,10 +252,10 @@ unsafe fn forward_row<
 /// # Safety
 /// As [`forward_row`] requires, without alignment.
 #[inline(always)]
-unsafe fn forward_row_huge<T: Element, S: StatsTeam, const CENTERED: bool>(
+unsafe fn forward_row_huge<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     x: *const T,
-    gamma: *const T,
-    beta: *const T,
+    gamma: *const W,
+    beta: *const W,
     y: *mut T,
     n: u32,
     eps: f32,
@@ -292,10 +294,10 @@ unsafe fn forward_row_huge<T: Element, S: StatsTeam, const CENTERED: bool>(
 /// As for [`forward_rows`], for one row; all four pointers 16-byte aligned; `staged`
 /// [`Staged::holds`] the row, and its shared memory is this block's one team's.
 #[inline(always)]
-unsafe fn forward_row_staged<T: Element, S: StatsTeam, const CENTERED: bool>(
+unsafe fn forward_row_staged<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     x: *const T,
-    gamma: *const T,
-    beta: *const T,
+    gamma: *const W,
+    beta: *const W,
     y: *mut T,
     n: u32,
     eps: f32,
@@ -331,7 +333,7 @@ unsafe fn forward_row_staged<T: Element, S: StatsTeam, const CENTERED: bool>(
     // SAFETY: y holds the row and gamma, beta its n columns (the caller's guarantee), all
     // 16-byte aligned; `held` and the staging hold this row's x.
     unsafe {
-        write_y::<T, S, true, PART_HELD>(&held, x, gamma, beta, y, n, norm);
+        write_y::<T, W, S, true, PART_HELD>(&held, x, gamma, beta, y, n, norm);
         staged.for_each::<T, S>(n, |j, v| write_y_chunk(gamma, beta, y, j, T::PACK, v, norm));
     }
     Some(norm)
@@ -384,11 +386,11 @@ unsafe fn rank_m2<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usiz
 /// # Safety
 /// As [`forward_row`] requires; `held` holds the row's first packs.
 #[inline(always)]
-unsafe fn write_y<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
+unsafe fn write_y<T: Element, W: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
     held: &Held<HELD>,
     x: *const T,
-    gamma: *const T,
-    beta: *const T,
+    gamma: *const W,
+    beta: *const W,
     y: *mut T,
     n: u32,
     norm: RowNorm,
@@ -404,21 +406,25 @@ unsafe fn write_y<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usiz
 /// # Safety
 /// The chunk lies inside the row; a whole pack is 16-byte aligned in y, gamma and beta.
 #[inline(always)]
-unsafe fn write_y_chunk<T: Element>(
-    gamma: *const T,
-    beta: *const T,
+unsafe fn write_y_chunk<T: Element, W: Element>(
+    gamma: *const W,
+    beta: *const W,
     y: *mut T,
     j: u32,
     len: usize,
     xv: Pack,
     norm: RowNorm,
 ) {
-    // SAFETY: the caller's guarantee.
-    let (g, b) = unsafe { (read_cached(gamma, j, len), read_cached(beta, j, len)) };
     let mut out = xv;
-    for k in 0..len {
-        out[k] = norm.xhat(xv[k]) * g[k] + b[k];
-    }
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        for_each_weight_pack(gamma, j, len, |at, step, g| {
+            let b = read_cached(beta, j + at as u32, step);
+            for k in 0..step {
+                out[at + k] = norm.xhat(xv[at + k]) * g[k] + b[k];
+            }
+        })
+    };
     // SAFETY: as above.
     unsafe { write(y, j, len, &out) };
 }
@@ -436,7 +442,7 @@ const PIPE_HELD: usize = crate::layout::PIPE_HELD as usize;
 /// As for [`forward_rows`]; x, y, gamma and beta 16-byte aligned, `n` a whole number of
 /// packs that [`fits`] `PIPE_HELD` per rank.
 #[inline(always)]
-unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam, const CENTERED: bool>(p: Forward<T>) {
+unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(p: Forward<T, W>) {
     let (x, gamma, beta, y) = (p.x.ptr(), p.gamma.ptr(), p.beta.ptr(), p.y.ptr());
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let row_of = |row: u32| x.wrapping_add(row as usize * n as usize);
@@ -467,10 +473,10 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam, const CENTERED: bool>
             let (m, m2) = uncentered::<CENTERED>(m, m2, n);
             let norm = match RowNorm::of(m, m2, n, eps) {
                 Some(norm) => {
-                    write_y::<T, S, true, PIPE_HELD>(&held, x_row, gamma, beta, y_row, n, norm);
+                    write_y::<T, W, S, true, PIPE_HELD>(&held, x_row, gamma, beta, y_row, n, norm);
                     norm
                 }
-                None => forward_row_huge::<T, S, CENTERED>(x_row, gamma, beta, y_row, n, eps),
+                None => forward_row_huge::<T, W, S, CENTERED>(x_row, gamma, beta, y_row, n, eps),
             };
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
@@ -479,77 +485,48 @@ unsafe fn forward_rows_pipelined<T: Element, S: StatsTeam, const CENTERED: bool>
     }
 }
 
-/// Exports the warp-per-row and block-per-row forward kernels of one norm (`$centered`:
-/// LayerNorm, else RMSNorm) and storage type, each general and pipelined. All take one
-/// [`Forward`] (crate::layout::params).
+/// Exports the forward kernels of one type pair (x of type `$t`, gamma and beta of `$w`),
+/// `<norm>_fwd_<kind>_<types>`: for each norm (LayerNorm centers its rows, RMSNorm does
+/// not), a warp and a block per row, each general and pipelined. All take one [`Forward`]
+/// (crate::layout::params); the registry (crate::layout::registry) lists the names.
 macro_rules! forward_kernels {
-    ($centered:literal, $t:ty, $warp:ident, $block:ident, $pipe_warp:ident, $pipe_block:ident) => {
-        forward_kernels!(@one $centered, $t, $pipe_warp, forward_rows_pipelined, Warp,
-            "Forward, one warp per row, two rows in flight (rows of aligned packs, 4 a rank).");
-        forward_kernels!(@one $centered, $t, $pipe_block, forward_rows_pipelined, Block,
-            "Forward, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
-        forward_kernels!(@one $centered, $t, $warp, forward_rows, Warp, "Forward, one warp per row (short rows).");
-        forward_kernels!(@one $centered, $t, $block, forward_rows, Block, "Forward, one block per row (long rows).");
+    ($module:ident, $types:literal, $t:ty, $w:ty) => {
+        mod $module {
+            use super::*;
+            forward_kernels!(@norm layer, "layer_norm", true, $types, $t, $w);
+            forward_kernels!(@norm rms, "rms_norm", false, $types, $t, $w);
+        }
     };
-    (@one $centered:literal, $t:ty, $name:ident, $rows:ident, $team:ty, $doc:literal) => {
+    (@norm $norm:ident, $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty) => {
+        mod $norm {
+            use super::*;
+            forward_kernels!(@one $prefix, $centered, $types, $t, $w, pipelined_warp, forward_rows_pipelined, Warp,
+                "Forward, one warp per row, two rows in flight (rows of aligned packs, 4 a rank).");
+            forward_kernels!(@one $prefix, $centered, $types, $t, $w, pipelined_block, forward_rows_pipelined, Block,
+                "Forward, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
+            forward_kernels!(@one $prefix, $centered, $types, $t, $w, warp, forward_rows, Warp,
+                "Forward, one warp per row (short rows).");
+            forward_kernels!(@one $prefix, $centered, $types, $t, $w, block, forward_rows, Block,
+                "Forward, one block per row (long rows).");
+        }
+    };
+    (@one $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $rows:ident,
+     $team:ty, $doc:literal) => {
         #[doc = $doc]
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows the kernel
         /// takes (`$rows`'s safety section).
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(p: Forward<$t>) {
+        #[unsafe(export_name = concat!($prefix, "_fwd_", stringify!($kind), "_", $types))]
+        pub unsafe extern "ptx-kernel" fn $kind(p: Forward<$t, $w>) {
             // SAFETY: the host launches this kernel only as `$rows` requires.
-            unsafe { $rows::<$t, $team, $centered>(p) }
+            unsafe { $rows::<$t, $w, $team, $centered>(p) }
         }
     };
 }
 
-forward_kernels!(
-    true,
-    f32,
-    layer_norm_fwd_warp_f32,
-    layer_norm_fwd_block_f32,
-    layer_norm_fwd_pipelined_warp_f32,
-    layer_norm_fwd_pipelined_block_f32
-);
-forward_kernels!(
-    true,
-    crate::element::F16,
-    layer_norm_fwd_warp_f16,
-    layer_norm_fwd_block_f16,
-    layer_norm_fwd_pipelined_warp_f16,
-    layer_norm_fwd_pipelined_block_f16
-);
-forward_kernels!(
-    true,
-    crate::element::Bf16,
-    layer_norm_fwd_warp_bf16,
-    layer_norm_fwd_block_bf16,
-    layer_norm_fwd_pipelined_warp_bf16,
-    layer_norm_fwd_pipelined_block_bf16
-);
-forward_kernels!(
-    false,
-    f32,
-    rms_norm_fwd_warp_f32,
-    rms_norm_fwd_block_f32,
-    rms_norm_fwd_pipelined_warp_f32,
-    rms_norm_fwd_pipelined_block_f32
-);
-forward_kernels!(
-    false,
-    crate::element::F16,
-    rms_norm_fwd_warp_f16,
-    rms_norm_fwd_block_f16,
-    rms_norm_fwd_pipelined_warp_f16,
-    rms_norm_fwd_pipelined_block_f16
-);
-forward_kernels!(
-    false,
-    crate::element::Bf16,
-    rms_norm_fwd_warp_bf16,
-    rms_norm_fwd_block_bf16,
-    rms_norm_fwd_pipelined_warp_bf16,
-    rms_norm_fwd_pipelined_block_bf16
-);
+forward_kernels!(f32_f32, "f32", f32, f32);
+forward_kernels!(f16_f16, "f16", crate::element::F16, crate::element::F16);
+forward_kernels!(bf16_bf16, "bf16", crate::element::Bf16, crate::element::Bf16);
+forward_kernels!(f16_f32, "f16_f32w", crate::element::F16, f32);
+forward_kernels!(bf16_f32, "bf16_f32w", crate::element::Bf16, f32);

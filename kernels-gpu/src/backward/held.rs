@@ -123,7 +123,7 @@ pub(crate) struct HeldRow {
 /// Every row pointer 16-byte aligned, `r.n` and `r.cols` whole numbers of packs, `r.cols`
 /// packs that [`fits`].
 #[inline(always)]
-pub(crate) unsafe fn load_held_row<T: Element, S: Team>(r: &Rows<T>, row: u32) -> HeldRow {
+pub(crate) unsafe fn load_held_row<T: Element, W, S: Team>(r: &Rows<T, W>, row: u32) -> HeldRow {
     let offset = row as usize * r.n as usize;
     let inside = row < r.rows;
     let packs = if inside { r.cols / T::PACK as u32 } else { 0 };
@@ -154,8 +154,8 @@ pub(crate) unsafe fn load_held_row<T: Element, S: Team>(r: &Rows<T>, row: u32) -
 /// numbers of packs, `r.cols` packs that [`fits`] `BWD_HELD` per rank; the [`HeldRow`] is
 /// row `row`'s; `acc` as [`RankPartials::zero`] requires.
 #[inline(always)]
-pub(crate) unsafe fn backward_row_held<T: Element, S: Team>(
-    r: &Rows<T>,
+pub(crate) unsafe fn backward_row_held<T: Element, W: Element, S: Team>(
+    r: &Rows<T, W>,
     row: u32,
     HeldRow { xs, dys, mean, rstd }: HeldRow,
     next: u32,
@@ -184,7 +184,7 @@ pub(crate) unsafe fn backward_row_held<T: Element, S: Team>(
         }
     });
     // SAFETY: as this function requires of every row.
-    let upcoming = unsafe { load_held_row::<T, S>(r, next) };
+    let upcoming = unsafe { load_held_row::<T, W, S>(r, next) };
     let (s1, s2) = S::sum2(s1, s2);
     let coefficients = DxCoefficients::new(s1, r.s2(s2), r.n);
 
@@ -217,8 +217,8 @@ pub(crate) unsafe fn backward_row_held<T: Element, S: Team>(
 /// `scratch + teams_per_block * 8 * BWD_HELD * PACK * size` bytes of shared memory (`size`
 /// ranks per team), the first `scratch` for the team's reductions.
 #[inline(always)]
-pub(crate) unsafe fn stage1_held<T: Element, S: Team>(
-    r: Rows<T>,
+pub(crate) unsafe fn stage1_held<T: Element, W: Element, S: Team>(
+    r: Rows<T, W>,
     part_dgamma: *mut f32,
     part_dbeta: *mut f32,
     out_row: u32,
@@ -232,11 +232,11 @@ pub(crate) unsafe fn stage1_held<T: Element, S: Team>(
     let mut row = S::id();
     // SAFETY: the launch's rows are held packs (the caller's guarantee); past the last row
     // nothing is loaded.
-    let mut held = unsafe { load_held_row::<T, S>(&r, row) };
+    let mut held = unsafe { load_held_row::<T, W, S>(&r, row) };
     while row < r.rows {
         let next = row + S::count();
         // SAFETY: as above, and row < rows.
-        held = unsafe { backward_row_held::<T, S>(&r, row, held, next, mine) };
+        held = unsafe { backward_row_held::<T, W, S>(&r, row, held, next, mine) };
         row = next;
     }
     // Each stacked team passes its own barrier before the block's. The block barrier alone

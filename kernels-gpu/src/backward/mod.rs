@@ -24,8 +24,9 @@
 //!   beside it (Kahan summation), so that a group that takes many rows in turn does not
 //!   lose a rounding per row; stage 2 sums the 2G rows.
 //!
-//! The kernels, for T = f32, f16, bf16, as the host's planner (host/plan.rs) picks them;
-//! teams are a warp per row for n <= 1024, a block per row beyond:
+//! The kernels, for each type pair <T> of x and gamma (f32, f16, bf16, and f16 or bf16 x
+//! with f32 gamma: `f16_f32w`, `bf16_f32w`), as the host's planner (host/plan.rs) picks
+//! them; teams are a warp per row for n <= 1024, a block per row beyond:
 //! - owned mode, the first that applies:
 //!   - `layer_norm_bwd_cluster<C>_held_<T>`, `layer_norm_bwd_cluster8_<T>` (sm_90 module,
 //!     block teams): rows too long for one block to hold in registers (4 packs a thread)
@@ -50,7 +51,8 @@
 //!     the block's partial row in global memory (sm_80, or past what clusters take).
 //! - locked mode: `layer_norm_bwd_locked_{warp,block}_<T>` ([`stage1_locked`]), with G
 //!   groups (by default 256 for n <= 1024, 128 to 4096, 96 to 8192, 64 beyond).
-//! - stage 2, both modes: `layer_norm_bwd_reduce_<T>` ([`stage2`]).
+//! - stage 2, both modes: `layer_norm_bwd_reduce_<W>` ([`stage2`]), W the type of the
+//!   weights and their gradients.
 //!
 //! The general kernels (owned, `cluster8`, locked) take each row as its pointers and length
 //! allow (`streamed::backward_row_any`): x and dy held in registers where the row is aligned and
@@ -82,10 +84,10 @@ use streamed::{stage1_locked, stage1_owned};
 /// from the row pointers: all `n` of them, or (clusters) a slice, with `x`, `dy`, `gamma`
 /// and `dx` then pointing at the slice's first column.
 #[derive(Clone, Copy)]
-pub(crate) struct Rows<T> {
+pub(crate) struct Rows<T, W> {
     pub(crate) x: *const T,
     pub(crate) dy: *const T,
-    pub(crate) gamma: *const T,
+    pub(crate) gamma: *const W,
     pub(crate) mean: *const f32,
     pub(crate) rstd: *const f32,
     pub(crate) dx: *mut T,
@@ -98,7 +100,7 @@ pub(crate) struct Rows<T> {
     pub(crate) centered: bool,
 }
 
-impl<T> Rows<T> {
+impl<T, W> Rows<T, W> {
     /// The s2 that dx's c2 = s2 / n takes: the row's sum_j wdy_j, or 0 for rows that are not
     /// `centered` (RMSNorm), whose dx has no c2 term (then fma(wdy, 1/2, -0) is wdy / 2
     /// exactly). A plain value chosen here, not a branch inside [`DxCoefficients::new`]:
@@ -110,7 +112,7 @@ impl<T> Rows<T> {
 
     /// A launch's rows, all `n` columns of each.
     #[inline(always)]
-    pub(crate) fn of(p: BackwardRows<T>, centered: bool) -> Self {
+    pub(crate) fn of(p: BackwardRows<T, W>, centered: bool) -> Self {
         let (x, dy, gamma, dx) = (p.x.ptr(), p.dy.ptr(), p.gamma.ptr(), p.dx.ptr());
         let (mean, rstd) = (p.mean.ptr(), p.rstd.ptr());
         Rows {
@@ -191,67 +193,77 @@ impl DxCoefficients {
     }
 }
 
-/// Exports the stage 1 kernels of one norm (`$centered`: LayerNorm, else RMSNorm, whose
-/// rows' `centered` is then a constant the compiler folds) and storage type: owned, held
-/// and locked, each for warp- and block-per-row.
+/// Exports the stage 1 kernels of one type pair (x, dy and dx of type `$t`, gamma of `$w`),
+/// `<norm>_bwd_<kind>_<types>`, for both norms (RMSNorm's rows are not `centered`, a
+/// constant the compiler folds): owned, held and locked, each for warp- and block-per-row.
 macro_rules! backward_kernels {
-    ($centered:literal, $t:ty, $owned_warp:ident, $owned_block:ident, $held_warp:ident,
-     $held_block:ident, $locked_warp:ident, $locked_block:ident) => {
-        backward_kernels!(@owned $centered, $t, $owned_warp, Warp);
-        backward_kernels!(@owned $centered, $t, $owned_block, Block);
-        backward_kernels!(@held $centered, $t, $held_warp, Warp);
-        backward_kernels!(@held $centered, $t, $held_block, StackedBlock);
-        backward_kernels!(@locked $centered, $t, $locked_warp, Warp);
-        backward_kernels!(@locked $centered, $t, $locked_block, Block);
+    ($module:ident, $types:literal, $t:ty, $w:ty) => {
+        mod $module {
+            use super::*;
+            backward_kernels!(@norm layer, "layer_norm", true, $types, $t, $w);
+            backward_kernels!(@norm rms, "rms_norm", false, $types, $t, $w);
+        }
     };
-    (@owned $centered:literal, $t:ty, $name:ident, $team:ty) => {
+    (@norm $norm:ident, $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty) => {
+        mod $norm {
+            use super::*;
+            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, owned_warp, Warp);
+            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, owned_block, Block);
+            backward_kernels!(@held $prefix, $centered, $types, $t, $w, held_warp, Warp);
+            backward_kernels!(@held $prefix, $centered, $types, $t, $w, held_block, StackedBlock);
+            backward_kernels!(@locked $prefix, $centered, $types, $t, $w, locked_warp, Warp);
+            backward_kernels!(@locked $prefix, $centered, $types, $t, $w, locked_block, Block);
+        }
+    };
+    (@owned $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $team:ty) => {
         /// Stage 1, owned (deterministic) mode: the partial buffers hold one row per block;
         /// `local` != 0 sums in shared memory first (required for warp teams).
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, out: Partials, local: u32) {
+        #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
+        pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, out: Partials, local: u32) {
             let (part_dgamma, part_dbeta) = (out.dgamma.ptr(), out.dbeta.ptr());
             let r = Rows::of(p, $centered);
             // SAFETY: the host sizes every buffer as `stage1_owned` requires.
-            unsafe { stage1_owned::<$t, $team>(r, part_dgamma, part_dbeta, local != 0) }
+            unsafe { stage1_owned::<$t, $w, $team>(r, part_dgamma, part_dbeta, local != 0) }
         }
     };
-    (@held $centered:literal, $t:ty, $name:ident, $team:ty) => {
+    (@held $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $team:ty) => {
         /// Stage 1, owned mode, rows all whole aligned packs held in registers: one partial
         /// row per block, whose teams (warps, or block teams stacked along y) all add into
         /// it.
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows that hold.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, out: Partials) {
+        #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
+        pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, out: Partials) {
             let r = Rows::of(p, $centered);
             let (part_dgamma, part_dbeta) = (out.dgamma.ptr(), out.dbeta.ptr());
             let block = device::block_idx();
             // SAFETY: the host launches this kernel only as `stage1_held` requires; block b
             // writes partial row b.
-            unsafe { stage1_held::<$t, $team>(r, part_dgamma, part_dbeta, block, SCRATCH_BYTES) }
+            unsafe { stage1_held::<$t, $w, $team>(r, part_dgamma, part_dbeta, block, SCRATCH_BYTES) }
         }
     };
-    (@locked $centered:literal, $t:ty, $name:ident, $team:ty) => {
+    (@locked $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $team:ty) => {
         /// Stage 1, locked mode, into `groups` groups under their spinlocks.
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes.
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, g: Groups) {
+        #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
+        pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, g: Groups) {
             let r = Rows::of(p, $centered);
             let (dgamma, dbeta, words) = (g.dgamma.ptr(), g.dbeta.ptr(), g.words.ptr());
             let lock = GroupLock { dgamma, dbeta, words, groups: g.groups, n: p.n };
             // SAFETY: the host sizes every buffer as `stage1_locked` requires.
-            unsafe { stage1_locked::<$t, $team>(r, lock) }
+            unsafe { stage1_locked::<$t, $w, $team>(r, lock) }
         }
     };
 }
 
-/// Exports stage 2 of one storage type, which both norms use.
+/// Exports stage 2 for one type of dgamma and dbeta, which both norms and every x type with
+/// those weights use.
 macro_rules! reduce_kernel {
     ($t:ty, $reduce:ident) => {
         /// Stage 2: sums `[rows, n]` f32 partials per column into dgamma and dbeta.
@@ -276,66 +288,11 @@ macro_rules! reduce_kernel {
     };
 }
 
-backward_kernels!(
-    true,
-    f32,
-    layer_norm_bwd_owned_warp_f32,
-    layer_norm_bwd_owned_block_f32,
-    layer_norm_bwd_held_warp_f32,
-    layer_norm_bwd_held_block_f32,
-    layer_norm_bwd_locked_warp_f32,
-    layer_norm_bwd_locked_block_f32
-);
-backward_kernels!(
-    true,
-    crate::element::F16,
-    layer_norm_bwd_owned_warp_f16,
-    layer_norm_bwd_owned_block_f16,
-    layer_norm_bwd_held_warp_f16,
-    layer_norm_bwd_held_block_f16,
-    layer_norm_bwd_locked_warp_f16,
-    layer_norm_bwd_locked_block_f16
-);
-backward_kernels!(
-    true,
-    crate::element::Bf16,
-    layer_norm_bwd_owned_warp_bf16,
-    layer_norm_bwd_owned_block_bf16,
-    layer_norm_bwd_held_warp_bf16,
-    layer_norm_bwd_held_block_bf16,
-    layer_norm_bwd_locked_warp_bf16,
-    layer_norm_bwd_locked_block_bf16
-);
-backward_kernels!(
-    false,
-    f32,
-    rms_norm_bwd_owned_warp_f32,
-    rms_norm_bwd_owned_block_f32,
-    rms_norm_bwd_held_warp_f32,
-    rms_norm_bwd_held_block_f32,
-    rms_norm_bwd_locked_warp_f32,
-    rms_norm_bwd_locked_block_f32
-);
-backward_kernels!(
-    false,
-    crate::element::F16,
-    rms_norm_bwd_owned_warp_f16,
-    rms_norm_bwd_owned_block_f16,
-    rms_norm_bwd_held_warp_f16,
-    rms_norm_bwd_held_block_f16,
-    rms_norm_bwd_locked_warp_f16,
-    rms_norm_bwd_locked_block_f16
-);
-backward_kernels!(
-    false,
-    crate::element::Bf16,
-    rms_norm_bwd_owned_warp_bf16,
-    rms_norm_bwd_owned_block_bf16,
-    rms_norm_bwd_held_warp_bf16,
-    rms_norm_bwd_held_block_bf16,
-    rms_norm_bwd_locked_warp_bf16,
-    rms_norm_bwd_locked_block_bf16
-);
+backward_kernels!(f32_f32, "f32", f32, f32);
+backward_kernels!(f16_f16, "f16", crate::element::F16, crate::element::F16);
+backward_kernels!(bf16_bf16, "bf16", crate::element::Bf16, crate::element::Bf16);
+backward_kernels!(f16_f32, "f16_f32w", crate::element::F16, f32);
+backward_kernels!(bf16_f32, "bf16_f32w", crate::element::Bf16, f32);
 reduce_kernel!(f32, layer_norm_bwd_reduce_f32);
 reduce_kernel!(crate::element::F16, layer_norm_bwd_reduce_f16);
 reduce_kernel!(crate::element::Bf16, layer_norm_bwd_reduce_bf16);

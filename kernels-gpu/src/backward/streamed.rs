@@ -25,8 +25,8 @@ pub(crate) enum Sink<'a> {
 /// `row` < `r.rows`; with `PACKED` every row pointer and gamma are 16-byte aligned; with
 /// `HELD` > 0 the row [`fits`].
 #[inline(always)]
-pub(crate) unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const HELD: usize>(
-    r: &Rows<T>,
+pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED: bool, const HELD: usize>(
+    r: &Rows<T, W>,
     row: u32,
     sink: Sink<'_>,
 ) {
@@ -141,7 +141,7 @@ pub(crate) unsafe fn backward_row<T: Element, S: Team, const PACKED: bool, const
 /// # Safety
 /// `row` < `r.rows`.
 #[inline(always)]
-pub(crate) unsafe fn backward_row_any<T: Element, S: Team>(r: &Rows<T>, row: u32, sink: Sink<'_>) {
+pub(crate) unsafe fn backward_row_any<T: Element, W: Element, S: Team>(r: &Rows<T, W>, row: u32, sink: Sink<'_>) {
     let offset = row as usize * r.n as usize;
     let packed = is_pack_aligned(r.x.wrapping_add(offset))
         && is_pack_aligned(r.dy.wrapping_add(offset))
@@ -150,11 +150,11 @@ pub(crate) unsafe fn backward_row_any<T: Element, S: Team>(r: &Rows<T>, row: u32
     // SAFETY: row < rows; `packed` was checked for every pointer the packed paths read.
     unsafe {
         if packed && fits::<T, S, BWD_HELD>(r.cols) {
-            backward_row::<T, S, true, BWD_HELD>(r, row, sink)
+            backward_row::<T, W, S, true, BWD_HELD>(r, row, sink)
         } else if packed {
-            backward_row::<T, S, true, 0>(r, row, sink)
+            backward_row::<T, W, S, true, 0>(r, row, sink)
         } else {
-            backward_row::<T, S, false, 0>(r, row, sink)
+            backward_row::<T, W, S, false, 0>(r, row, sink)
         }
     }
 }
@@ -168,7 +168,7 @@ pub(crate) unsafe fn backward_row_any<T: Element, S: Team>(r: &Rows<T>, row: u32
 /// writes; the launch gave each block `scratch + per_block * 8 * (padded_len(cols) + 1)`
 /// bytes of shared memory.
 #[inline(always)]
-pub(crate) unsafe fn owned_in_shared<T: Element, S: Team>(r: &Rows<T>, scratch: u32, out: PartialRow) {
+pub(crate) unsafe fn owned_in_shared<T: Element, W: Element, S: Team>(r: &Rows<T, W>, scratch: u32, out: PartialRow) {
     // SAFETY: the launch sized shared memory for every team of the block.
     let mine = unsafe { PartialRow::shared(scratch, S::index_in_block(), r.cols) };
     let mut q = S::rank() as usize;
@@ -181,7 +181,7 @@ pub(crate) unsafe fn owned_in_shared<T: Element, S: Team>(r: &Rows<T>, scratch: 
     let mut row = S::id();
     while row < r.rows {
         // SAFETY: row < rows; the shared row is this team's alone.
-        unsafe { backward_row_any::<T, S>(r, row, Sink::Owned(mine)) };
+        unsafe { backward_row_any::<T, W, S>(r, row, Sink::Owned(mine)) };
         // The next row may map a column to another rank (packed vs unpacked rows); the
         // barrier orders this row's partial writes before the next row's reads.
         S::sync();
@@ -221,8 +221,8 @@ pub(crate) unsafe fn owned_in_shared<T: Element, S: Team>(r: &Rows<T>, scratch: 
 /// shared memory.
 /// Warp teams require `local`.
 #[inline(always)]
-pub(crate) unsafe fn stage1_owned<T: Element, S: Team>(
-    r: Rows<T>,
+pub(crate) unsafe fn stage1_owned<T: Element, W: Element, S: Team>(
+    r: Rows<T, W>,
     part_dgamma: *mut f32,
     part_dbeta: *mut f32,
     local: bool,
@@ -233,7 +233,7 @@ pub(crate) unsafe fn stage1_owned<T: Element, S: Team>(
         // every team of the block.
         unsafe {
             let out = PartialRow::global(part_dgamma, part_dbeta, block, r.n, false, 0);
-            owned_in_shared::<T, S>(&r, SCRATCH_BYTES, out);
+            owned_in_shared::<T, W, S>(&r, SCRATCH_BYTES, out);
         }
         return;
     }
@@ -255,7 +255,7 @@ pub(crate) unsafe fn stage1_owned<T: Element, S: Team>(
         // teams come here (one team per block), so the row is this team's alone.
         let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, row != block, 0) };
         // SAFETY: row < rows.
-        unsafe { backward_row_any::<T, S>(&r, row, Sink::Owned(part)) };
+        unsafe { backward_row_any::<T, W, S>(&r, row, Sink::Owned(part)) };
         S::sync();
         row += S::count();
     }
@@ -266,11 +266,11 @@ pub(crate) unsafe fn stage1_owned<T: Element, S: Team>(
 /// # Safety
 /// `r`'s buffers sized as documented; `lock` as [`GroupLock::acquire`] requires.
 #[inline(always)]
-pub(crate) unsafe fn stage1_locked<T: Element, S: Team>(r: Rows<T>, lock: GroupLock) {
+pub(crate) unsafe fn stage1_locked<T: Element, W: Element, S: Team>(r: Rows<T, W>, lock: GroupLock) {
     let mut row = S::id();
     while row < r.rows {
         // SAFETY: row < rows.
-        unsafe { backward_row_any::<T, S>(&r, row, Sink::Locked(&lock)) };
+        unsafe { backward_row_any::<T, W, S>(&r, row, Sink::Locked(&lock)) };
         row += S::count();
     }
 }

@@ -20,7 +20,11 @@ use crate::team::Team;
 /// the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * (padded_len(W) + 1)` bytes of
 /// shared memory (W = `slice_width(n, PACK, C)`), in clusters of `C` blocks.
 #[inline(always)]
-unsafe fn stage1_cluster<T: Element, const C: u32>(r: Rows<T>, part_dgamma: *mut f32, part_dbeta: *mut f32) {
+unsafe fn stage1_cluster<T: Element, W: Element, const C: u32>(
+    r: Rows<T, W>,
+    part_dgamma: *mut f32,
+    part_dbeta: *mut f32,
+) {
     let width = slice_width(r.n, T::PACK as u32, C);
     let start = (Cluster::<C>::block_rank() * width).min(r.n);
     let cols = width.min(r.n - start);
@@ -47,7 +51,7 @@ unsafe fn stage1_cluster<T: Element, const C: u32>(r: Rows<T>, part_dgamma: *mut
             false,
             0,
         );
-        owned_in_shared::<T, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out);
+        owned_in_shared::<T, W, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out);
     }
     Cluster::<C>::end();
 }
@@ -63,8 +67,8 @@ unsafe fn stage1_cluster<T: Element, const C: u32>(r: Rows<T>, part_dgamma: *mut
 /// `[clusters, n]` f32; the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * BWD_HELD *
 /// PACK * blockDim` bytes of shared memory, in clusters of `C` blocks.
 #[inline(always)]
-unsafe fn stage1_cluster_held<T: Element, const C: u32>(
-    r: Rows<T>,
+unsafe fn stage1_cluster_held<T: Element, W: Element, const C: u32>(
+    r: Rows<T, W>,
     part_dgamma: *mut f32,
     part_dbeta: *mut f32,
 ) {
@@ -85,7 +89,7 @@ unsafe fn stage1_cluster_held<T: Element, const C: u32>(
     // SAFETY: the cluster's partial row exists (cluster id < clusters), only this block
     // writes its slice's columns of it, and the launch sized shared memory for its ranks.
     unsafe {
-        stage1_held::<T, Cluster<C>>(
+        stage1_held::<T, W, Cluster<C>>(
             slice,
             part_dgamma.wrapping_add(at),
             part_dbeta.wrapping_add(at),
@@ -102,81 +106,51 @@ unsafe fn stage1_cluster_held<T: Element, const C: u32>(
 use crate::layout::CLUSTER_SIZE;
 use crate::layout::params::{BackwardRows, Partials};
 
-/// Exports the cluster stage 1 kernels (sm_90 module only) of one norm and storage type: the general
-/// one over 8 blocks, and the held one over 2, 4 and 8 (the host takes the fewest blocks
-/// whose slices fit 4 packs a rank: fewer blocks wait at each row's cluster barrier).
-/// build.rs gives each `.reqnctapercluster C` from its name.
+/// Exports the cluster stage 1 kernels (sm_90 module only) of one type pair (x of type `$t`,
+/// gamma of `$w`) for both norms: the general one over 8 blocks, and the held one over 2,
+/// 4 and 8 (the host takes the fewest blocks whose slices fit 4 packs a rank: fewer blocks
+/// wait at each row's cluster barrier). build.rs gives each `.reqnctapercluster C` from the
+/// registry.
 macro_rules! cluster_kernels {
-    ($centered:literal, $t:ty, $name:ident, $held2:ident, $held4:ident, $held8:ident) => {
-        cluster_kernels!(@one $centered, $t, $held2, stage1_cluster_held, 2,
-            "Stage 1, owned mode over a cluster of 2 blocks, slices held (rows of aligned packs).");
-        cluster_kernels!(@one $centered, $t, $held4, stage1_cluster_held, 4,
-            "Stage 1, owned mode over a cluster of 4 blocks, slices held (rows of aligned packs).");
-        cluster_kernels!(@one $centered, $t, $held8, stage1_cluster_held, 8,
-            "Stage 1, owned mode over a cluster of 8 blocks, slices held (rows of aligned packs).");
-        cluster_kernels!(@one $centered, $t, $name, stage1_cluster, CLUSTER_SIZE, "Stage 1, owned mode over a cluster of 8 blocks.");
+    ($module:ident, $types:literal, $t:ty, $w:ty) => {
+        mod $module {
+            use super::*;
+            cluster_kernels!(@norm layer, "layer_norm", true, $types, $t, $w);
+            cluster_kernels!(@norm rms, "rms_norm", false, $types, $t, $w);
+        }
     };
-    (@one $centered:literal, $t:ty, $name:ident, $stage:ident, $c:expr, $doc:literal) => {
+    (@norm $norm:ident, $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty) => {
+        mod $norm {
+            use super::*;
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster2_held, stage1_cluster_held, 2,
+                "Stage 1, owned mode over a cluster of 2 blocks, slices held (rows of aligned packs).");
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster4_held, stage1_cluster_held, 4,
+                "Stage 1, owned mode over a cluster of 4 blocks, slices held (rows of aligned packs).");
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster8_held, stage1_cluster_held, 8,
+                "Stage 1, owned mode over a cluster of 8 blocks, slices held (rows of aligned packs).");
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster8, stage1_cluster, CLUSTER_SIZE,
+                "Stage 1, owned mode over a cluster of 8 blocks.");
+        }
+    };
+    (@one $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $stage:ident,
+     $c:expr, $doc:literal) => {
         #[doc = $doc]
         /// The partial buffers hold one row per cluster.
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows the kernel
         /// takes (`$stage`'s safety section).
-        #[unsafe(no_mangle)]
-        pub unsafe extern "ptx-kernel" fn $name(p: BackwardRows<$t>, out: Partials) {
+        #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
+        pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, out: Partials) {
             let (part_dgamma, part_dbeta) = (out.dgamma.ptr(), out.dbeta.ptr());
             // SAFETY: the host launches this kernel only as `$stage` requires.
-            unsafe { $stage::<$t, { $c }>(Rows::of(p, $centered), part_dgamma, part_dbeta) }
+            unsafe { $stage::<$t, $w, { $c }>(Rows::of(p, $centered), part_dgamma, part_dbeta) }
         }
     };
 }
 
-cluster_kernels!(
-    true,
-    f32,
-    layer_norm_bwd_cluster8_f32,
-    layer_norm_bwd_cluster2_held_f32,
-    layer_norm_bwd_cluster4_held_f32,
-    layer_norm_bwd_cluster8_held_f32
-);
-cluster_kernels!(
-    true,
-    crate::element::F16,
-    layer_norm_bwd_cluster8_f16,
-    layer_norm_bwd_cluster2_held_f16,
-    layer_norm_bwd_cluster4_held_f16,
-    layer_norm_bwd_cluster8_held_f16
-);
-cluster_kernels!(
-    true,
-    crate::element::Bf16,
-    layer_norm_bwd_cluster8_bf16,
-    layer_norm_bwd_cluster2_held_bf16,
-    layer_norm_bwd_cluster4_held_bf16,
-    layer_norm_bwd_cluster8_held_bf16
-);
-cluster_kernels!(
-    false,
-    f32,
-    rms_norm_bwd_cluster8_f32,
-    rms_norm_bwd_cluster2_held_f32,
-    rms_norm_bwd_cluster4_held_f32,
-    rms_norm_bwd_cluster8_held_f32
-);
-cluster_kernels!(
-    false,
-    crate::element::F16,
-    rms_norm_bwd_cluster8_f16,
-    rms_norm_bwd_cluster2_held_f16,
-    rms_norm_bwd_cluster4_held_f16,
-    rms_norm_bwd_cluster8_held_f16
-);
-cluster_kernels!(
-    false,
-    crate::element::Bf16,
-    rms_norm_bwd_cluster8_bf16,
-    rms_norm_bwd_cluster2_held_bf16,
-    rms_norm_bwd_cluster4_held_bf16,
-    rms_norm_bwd_cluster8_held_bf16
-);
+cluster_kernels!(f32_f32, "f32", f32, f32);
+cluster_kernels!(f16_f16, "f16", crate::element::F16, crate::element::F16);
+cluster_kernels!(bf16_bf16, "bf16", crate::element::Bf16, crate::element::Bf16);
+cluster_kernels!(f16_f32, "f16_f32w", crate::element::F16, f32);
+cluster_kernels!(bf16_f32, "bf16_f32w", crate::element::Bf16, f32);
