@@ -334,6 +334,12 @@ fn build_ptx(tc: &Toolchain, module: &Module, manifest: &Path, out: &Path) -> Re
             "--emit=asm",
             "-C",
             &format!("target-cpu={}", module.target_cpu),
+            // Every helper inlined into its kernel, whatever LLVM's cost model says: with
+            // twice the kernels sharing each helper it left a row loop's closure as a
+            // called function in the f16 locked kernels, which ran 3x slower (docs/PERF.md,
+            // v18). `.ci/run` refuses a kernel that calls a function.
+            "-C",
+            "llvm-args=-inline-threshold=100000",
         ])
         .args(module.flags);
     let cargo = tc.cargo.display();

@@ -6,7 +6,7 @@ use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
 use layernorm_cuda::MAX_DIM;
 
-use crate::config::{Dtype, Mode, Norm, Preset};
+use crate::config::{Dtype, Mode, Norm, Preset, Weights};
 
 /// LayerNorm (or RMSNorm) forward and backward bandwidth on the GPU (GB/s against N at fixed M), each
 /// configuration checked against a float64 reference before it is timed. Without a CUDA
@@ -38,6 +38,11 @@ pub struct Args {
     /// gamma).
     #[arg(long, value_enum, default_value_t = Norm::Layer)]
     pub norm: Norm,
+
+    /// The weights' type: `same` (the data's) or `f32` (f32 gamma and beta, and f32 dgamma
+    /// and dbeta, beside f16 and bf16 data: `LayerNorm<T, f32>`, `RmsNorm<T, f32>`).
+    #[arg(long, value_enum, default_value_t = Weights::Same)]
+    pub weights: Weights,
 
     /// Passes to measure.
     #[arg(long, value_delimiter = ',', default_values = ["fwd", "bwd"])]

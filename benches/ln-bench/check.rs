@@ -97,7 +97,12 @@ impl Reference {
     }
 
     /// The backward's dx (`[rows, n]`), dgamma and dbeta (`[n]`; RMSNorm has none).
-    pub fn check_backward<T: Element>(&self, dx: &[T], dgamma: &[T], dbeta: Option<&[T]>) -> Check {
+    pub fn check_backward<T: Element, W: Element>(
+        &self,
+        dx: &[T],
+        dgamma: &[W],
+        dbeta: Option<&[W]>,
+    ) -> Check {
         Check::worst([
             self.sampled("dx", dx, &self.dx),
             whole("dgamma", dgamma, self.dgamma.view()),

@@ -49,6 +49,17 @@ pub enum Norm {
     Rms,
 }
 
+/// The weights' type (gamma and beta, and their gradients): the data's own, or f32 beside
+/// f16 and bf16 data (mixed precision; f32 data has f32 weights either way). The bytes are
+/// counted the same way: the weights are small beside the rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Weights {
+    /// The data's type.
+    Same,
+    F32,
+}
+
 impl Norm {
     /// The name the tables use: "layer-norm" or "rms-norm", as in the peers' tables.
     pub fn name(self) -> &'static str {

@@ -79,6 +79,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     let preset = args.preset;
     let plan = Plan {
         norm: args.norm,
+        weights: args.weights,
         rows: match (&args.rows, preset) {
             (Some(rows), _) => rows.clone(),
             (None, Some(preset)) => preset.rows().to_vec(),
@@ -114,6 +115,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     };
     let run = Run {
         norm: plan.norm,
+        weights: plan.weights,
         device: device.name(),
         date: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),
         memory,

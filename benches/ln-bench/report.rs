@@ -9,7 +9,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::config::{Dtype, Mode, Norm, Preset, Provider};
+use crate::config::{Dtype, Mode, Norm, Preset, Provider, Weights};
 use crate::error::BenchError;
 use crate::peers::PeerRun;
 use crate::sweep::{Measurement, Outcome, Plan};
@@ -19,6 +19,7 @@ use crate::timing::{CopyBandwidth, Quantiles};
 #[derive(Serialize)]
 pub struct Run {
     pub norm: Norm,
+    pub weights: Weights,
     /// "cuda:0 (NVIDIA H200)" or "cpu".
     pub device: String,
     /// UTC, RFC 3339 ("2026-11-22T10:11:12Z").
@@ -48,7 +49,11 @@ impl Run {
             Norm::Layer => "LayerNorm",
             Norm::Rms => "RMSNorm",
         };
-        println!("ln-bench: {norm} bandwidth, {}", self.date);
+        let weights = match self.weights {
+            Weights::Same => "weights of the data's type",
+            Weights::F32 => "f32 weights",
+        };
+        println!("ln-bench: {norm} bandwidth, {weights}, {}", self.date);
         print!("device: {}", self.device);
         match self.memory {
             Some(m) => println!(
@@ -84,7 +89,11 @@ impl Run {
             self.seed,
         );
         if let Some(peers) = peers {
-            println!("peers (benches/peers.py): {}", peers.device);
+            let weights = match self.weights {
+                Weights::Same => "",
+                Weights::F32 => " (their weights of the data's type, ours f32)",
+            };
+            println!("peers (benches/peers.py): {}{weights}", peers.device);
             for (peer, why) in &peers.missing {
                 println!("  {peer}: not measured ({why})");
             }

@@ -3,11 +3,11 @@
 
 use indicatif::ProgressBar;
 use layernorm_cuda::{
-    BackwardMode, Context, Device, Element, Gradients, LayerNorm, RmsNorm, Tensor, bf16, f16,
+    BackwardMode, Context, Device, Element, Gradients, LayerNorm, RmsNorm, Tensor, Weight, bf16, f16,
 };
 
 use crate::check::{Check, Reference};
-use crate::config::{Dtype, Mode, Norm, Provider};
+use crate::config::{Dtype, Mode, Norm, Provider, Weights};
 use crate::error::BenchError;
 use crate::inputs::Inputs;
 use crate::timing::{Quantiles, Timer};
@@ -18,6 +18,7 @@ const EPS: f32 = 1e-5;
 /// What to measure.
 pub struct Plan {
     pub norm: Norm,
+    pub weights: Weights,
     pub rows: Vec<usize>,
     pub ns: Vec<usize>,
     pub modes: Vec<Mode>,
@@ -69,10 +70,12 @@ pub fn run(plan: &Plan, device: &Device, timer: &mut Timer, progress: &ProgressB
                     n,
                     results: &mut results,
                 };
-                match dtype {
-                    Dtype::F16 => sweep.run_shape::<f16>(),
-                    Dtype::Bf16 => sweep.run_shape::<bf16>(),
-                    Dtype::F32 => sweep.run_shape::<f32>(),
+                match (dtype, plan.weights) {
+                    (Dtype::F16, Weights::Same) => sweep.run_shape::<f16, f16>(),
+                    (Dtype::F16, Weights::F32) => sweep.run_shape::<f16, f32>(),
+                    (Dtype::Bf16, Weights::Same) => sweep.run_shape::<bf16, bf16>(),
+                    (Dtype::Bf16, Weights::F32) => sweep.run_shape::<bf16, f32>(),
+                    (Dtype::F32, _) => sweep.run_shape::<f32, f32>(),
                 }
             }
         }
@@ -93,7 +96,8 @@ struct Sweep<'a> {
 }
 
 impl Sweep<'_> {
-    fn run_shape<T: Element>(&mut self) {
+    /// Rows of `T` with weights of `W` (the inputs' weights, widened where `W` is wider).
+    fn run_shape<T: Element, W: Weight<T>>(&mut self) {
         let rows = self.rows;
         self.progress.set_message(format!(
             "{} M={rows} N={}: inputs and float64 reference",
@@ -110,7 +114,7 @@ impl Sweep<'_> {
                 self.progress
                     .set_message(format!("{mode} {} M={rows} N={} {provider}", self.dtype, self.n));
                 let (check_error, outcome) = match &uploaded {
-                    Ok((x, dy)) => self.measure(mode, provider, &inputs, x, dy, &reference),
+                    Ok((x, dy)) => self.measure::<T, W>(mode, provider, &inputs, x, dy, &reference),
                     Err(e) => (None, Outcome::Failed(format!("uploading the inputs: {e}"))),
                 };
                 self.results.push(Measurement {
@@ -128,7 +132,7 @@ impl Sweep<'_> {
     }
 
     /// Checks one configuration, then times it if the check passed.
-    fn measure<T: Element>(
+    fn measure<T: Element, W: Weight<T>>(
         &mut self,
         mode: Mode,
         provider: Provider,
@@ -137,7 +141,7 @@ impl Sweep<'_> {
         dy: &Tensor<T>,
         reference: &Reference,
     ) -> (Option<f64>, Outcome) {
-        let measured = Op::new(self.plan.norm, self.device, inputs, provider.backward_mode())
+        let measured = Op::<T, W>::new(self.plan.norm, self.device, inputs, provider.backward_mode())
             .map_err(BenchError::from)
             .and_then(|op| match mode {
                 Mode::Fwd => self.forward(&op, x, reference),
@@ -146,9 +150,9 @@ impl Sweep<'_> {
         measured.unwrap_or_else(|e| (None, Outcome::Failed(e.to_string())))
     }
 
-    fn forward<T: Element>(
+    fn forward<T: Element, W: Weight<T>>(
         &mut self,
-        op: &Op<T>,
+        op: &Op<T, W>,
         x: &Tensor<T>,
         reference: &Reference,
     ) -> Result<(Option<f64>, Outcome), BenchError> {
@@ -161,9 +165,9 @@ impl Sweep<'_> {
         }))
     }
 
-    fn backward<T: Element>(
+    fn backward<T: Element, W: Weight<T>>(
         &mut self,
-        op: &Op<T>,
+        op: &Op<T, W>,
         x: &Tensor<T>,
         dy: &Tensor<T>,
         reference: &Reference,
@@ -172,9 +176,9 @@ impl Sweep<'_> {
         // Every parameter the op has gets its gradient: gamma always, beta for LayerNorm.
         let mut grads = Gradients {
             dx: poisoned(self.device, x.shape())?,
-            dgamma: Some(poisoned(self.device, &[self.n])?),
+            dgamma: Some(poisoned::<W>(self.device, &[self.n])?),
             dbeta: match op {
-                Op::Layer(_) => Some(poisoned(self.device, &[self.n])?),
+                Op::Layer(_) => Some(poisoned::<W>(self.device, &[self.n])?),
                 Op::Rms(_) => None,
             },
         };
@@ -205,28 +209,27 @@ impl Sweep<'_> {
     }
 }
 
-/// The op measured, built from the inputs' weights: LayerNorm with gamma and beta, or RMSNorm
-/// with gamma.
-enum Op<T: Element> {
-    Layer(LayerNorm<T>),
-    Rms(RmsNorm<T>),
+/// The op measured, built from the inputs' weights (in `W`): LayerNorm with gamma and beta,
+/// or RMSNorm with gamma.
+enum Op<T: Element, W: Element> {
+    Layer(LayerNorm<T, W>),
+    Rms(RmsNorm<T, W>),
 }
 
-impl<T: Element> Op<T> {
+impl<T: Element, W: Weight<T>> Op<T, W> {
     fn new(
         norm: Norm,
         device: &Device,
         inputs: &Inputs<T>,
         mode: BackwardMode,
-    ) -> layernorm_cuda::Result<Op<T>> {
+    ) -> layernorm_cuda::Result<Op<T, W>> {
+        let widened = |v: &ndarray::Array1<T>| v.mapv(|e| W::from_f32(e.to_f32()));
+        let (gamma, beta) = (widened(&inputs.gamma), widened(&inputs.beta));
         Ok(match norm {
             Norm::Layer => Op::Layer(
-                LayerNorm::from_arrays(device, inputs.gamma.view(), inputs.beta.view(), EPS)?
-                    .with_backward_mode(mode)?,
+                LayerNorm::from_arrays(device, gamma.view(), beta.view(), EPS)?.with_backward_mode(mode)?,
             ),
-            Norm::Rms => {
-                Op::Rms(RmsNorm::from_array(device, inputs.gamma.view(), EPS)?.with_backward_mode(mode)?)
-            }
+            Norm::Rms => Op::Rms(RmsNorm::from_array(device, gamma.view(), EPS)?.with_backward_mode(mode)?),
         })
     }
 
@@ -248,7 +251,7 @@ impl<T: Element> Op<T> {
         &self,
         ctx: &Context<T>,
         dy: &Tensor<T>,
-        grads: &mut Gradients<T>,
+        grads: &mut Gradients<T, W>,
     ) -> layernorm_cuda::Result<()> {
         match self {
             Op::Layer(op) => op.backward_into(ctx, dy, grads),
