@@ -177,8 +177,8 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
         };
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
         unsafe {
-            let norm =
-                norm.unwrap_or_else(|| forward_row_huge::<T, W, S, CENTERED>(x_row, gamma, beta, y_row, n, eps));
+            let norm = norm
+                .unwrap_or_else(|| forward_row_huge::<T, W, S, CENTERED>(x_row, gamma, beta, y_row, n, eps));
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         row += S::count();
@@ -442,7 +442,9 @@ const PIPE_HELD: usize = crate::layout::PIPE_HELD as usize;
 /// As for [`forward_rows`]; x, y, gamma and beta 16-byte aligned, `n` a whole number of
 /// packs that [`fits`] `PIPE_HELD` per rank.
 #[inline(always)]
-unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(p: Forward<T, W>) {
+unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+    p: Forward<T, W>,
+) {
     let (x, gamma, beta, y) = (p.x.ptr(), p.gamma.ptr(), p.beta.ptr(), p.y.ptr());
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let row_of = |row: u32| x.wrapping_add(row as usize * n as usize);

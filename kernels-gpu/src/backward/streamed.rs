@@ -141,7 +141,11 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
 /// # Safety
 /// `row` < `r.rows`.
 #[inline(always)]
-pub(crate) unsafe fn backward_row_any<T: Element, W: Element, S: Team>(r: &Rows<T, W>, row: u32, sink: Sink<'_>) {
+pub(crate) unsafe fn backward_row_any<T: Element, W: Element, S: Team>(
+    r: &Rows<T, W>,
+    row: u32,
+    sink: Sink<'_>,
+) {
     let offset = row as usize * r.n as usize;
     let packed = is_pack_aligned(r.x.wrapping_add(offset))
         && is_pack_aligned(r.dy.wrapping_add(offset))
@@ -168,7 +172,11 @@ pub(crate) unsafe fn backward_row_any<T: Element, W: Element, S: Team>(r: &Rows<
 /// writes; the launch gave each block `scratch + per_block * 8 * (padded_len(cols) + 1)`
 /// bytes of shared memory.
 #[inline(always)]
-pub(crate) unsafe fn owned_in_shared<T: Element, W: Element, S: Team>(r: &Rows<T, W>, scratch: u32, out: PartialRow) {
+pub(crate) unsafe fn owned_in_shared<T: Element, W: Element, S: Team>(
+    r: &Rows<T, W>,
+    scratch: u32,
+    out: PartialRow,
+) {
     // SAFETY: the launch sized shared memory for every team of the block.
     let mine = unsafe { PartialRow::shared(scratch, S::index_in_block(), r.cols) };
     let mut q = S::rank() as usize;
