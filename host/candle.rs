@@ -5,20 +5,28 @@
 //! storage runs this crate's kernels on candle's stream, reading and writing candle's memory
 //! without a copy.
 //!
+//! The weights (gamma, beta) have x's dtype, or f32 beside f16 and bf16 x, as mixed-precision
+//! training keeps them; their gradients come in the weights' dtype.
+//!
 //! candle's custom ops return one tensor, and their backward is handed only the inputs, the
 //! output and its gradient. So the forward op keeps its per-row mean and rstd itself (each
-//! call applies an op of its own, and candle's graph holds it until the backward), and the
-//! backward is a second op whose one output holds dx, dgamma and dbeta end to end, which
-//! candle then views as separate tensors (`narrow`, no copy). LayerNorm's forward is a
-//! `CustomOp3` over (x, gamma, beta), RMSNorm's the same op as a `CustomOp2` over (x, gamma).
+//! call applies an op of its own, and candle's graph holds it until the backward). The
+//! backward is a second op, over (x, gamma, dy), whose output is dx; it leaves dgamma and
+//! (LayerNorm's) dbeta, end to end in one buffer of the weights' dtype, for a third op
+//! applied to gamma, which hands that buffer over as its output, and candle views it as the
+//! two gradients (`narrow`, no copy). Both run when they are applied, one after the other
+//! (candle runs ops eagerly), and neither has a backward of its own (a second derivative is
+//! candle's `BackwardNotSupported`). LayerNorm's forward is a `CustomOp3` over (x, gamma,
+//! beta), RMSNorm's the same op as a `CustomOp2` over (x, gamma).
 
 use std::ops::Range;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use candle_core::backend::BackendStorage;
 use candle_core::shape::Dim;
 use candle_core::{
-    CpuStorage, CustomOp2, CustomOp3, D, DType, Error, Layout, Module, Result, Shape, Tensor, WithDType,
+    CpuStorage, CustomOp1, CustomOp2, CustomOp3, D, DType, Error, Layout, Module, Result, Shape, Storage,
+    Tensor, WithDType,
 };
 #[cfg(feature = "candle-cuda")]
 use candle_core::{CudaDevice, CudaStorage, cuda::CudaDType, cuda::DeviceId};
@@ -28,7 +36,7 @@ use half::{bf16, f16};
 
 use crate::cpu::zeroed_with;
 use crate::device::Device;
-use crate::element::Element;
+use crate::element::{Element, Weight};
 use crate::layer_norm::{
     BackwardMode, BackwardOperands, ForwardOperands, In, Out, backward_rows, check_config, check_dim,
     forward_rows,
@@ -52,16 +60,18 @@ fn backward_name(norm: Norm) -> &'static str {
 }
 
 /// y = LayerNorm(x) over the last dimension of x `[..., n]`, with weight `gamma` and bias
-/// `beta` (`[n]`, x's dtype) and `eps` (finite, > 0); f32, f16 or bf16. Where x, gamma or
-/// beta are variables of candle's graph, `backward()` of a loss built on y gives their
-/// gradients (as this crate's deterministic backward computes them).
+/// `beta` (`[n]`, both x's dtype, or both f32 beside f16 or bf16 x) and `eps` (finite and
+/// positive); x f32, f16 or bf16. Where x, gamma or beta are variables of candle's graph,
+/// `backward()` of a loss built on y gives their gradients (as this crate's deterministic
+/// backward computes them), the weights' in the weights' dtype.
 ///
 /// Strided inputs are made contiguous first (candle's `contiguous`, a copy); contiguous
 /// ones, at any offset in their storage, are read where they lie.
 ///
 /// Errors (candle's `Error`, before anything runs): `DimOutOfRange` for a 0-dimensional x,
 /// `UnsupportedDTypeForOp` for dtypes other than f32, f16 and bf16, `DTypeMismatchBinaryOp`
-/// where gamma or beta has another dtype than x, `UnexpectedShape` where either is not
+/// where gamma or beta has a dtype that does not go with x's (neither x's nor, beside f16
+/// or bf16 x, f32) or beta's is not gamma's, `UnexpectedShape` where either is not
 /// `[n]`, `DeviceMismatchBinaryOp` for tensors on different devices. This crate's own
 /// errors (eps not finite and > 0, sizes past [`crate::MAX_DIM`], memory that cannot be
 /// had, driver failures) come inside `Error::WrappedContext`: [`as_layernorm_error`] finds
@@ -76,7 +86,8 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
 }
 
 /// y = RMSNorm(x) over the last dimension of x `[..., n]`: y = x * rstd * gamma with
-/// rstd = 1 / sqrt(mean(x^2) + eps), weight `gamma` (`[n]`, x's dtype); f32, f16 or bf16.
+/// rstd = 1 / sqrt(mean(x^2) + eps), weight `gamma` (`[n]`, x's dtype, or f32 beside f16 or
+/// bf16 x); x f32, f16 or bf16.
 /// Where x or gamma are variables of candle's graph, `backward()` of a loss built on y gives
 /// their gradients. Inputs and errors as [`layer_norm`]'s.
 pub fn rms_norm(x: &Tensor, gamma: &Tensor, eps: f32) -> Result<Tensor> {
@@ -99,7 +110,8 @@ pub struct LayerNorm {
 impl LayerNorm {
     /// A layer with `weight` `[n]` (f32, f16 or bf16), `bias` of its shape and dtype, and
     /// `eps` (finite, > 0); refused as [`layer_norm`] would refuse them, here rather than
-    /// at the first forward. candle-nn's `LayerNorm::new(weight, bias, eps)`, that is.
+    /// at the first forward. candle-nn's `LayerNorm::new(weight, bias, eps)`, that is. f32
+    /// weights take f32, f16 and bf16 inputs; f16 and bf16 weights, inputs of their dtype.
     pub fn new(weight: Tensor, bias: Tensor, eps: f32) -> Result<LayerNorm> {
         let n = weight.dims1()?;
         let params = [("gamma", &weight), ("beta", &bias)];
@@ -137,7 +149,7 @@ pub struct RmsNorm {
 impl RmsNorm {
     /// A layer with `weight` `[n]` (f32, f16 or bf16) and `eps` (finite, > 0); refused as
     /// [`rms_norm`] would refuse them, here rather than at the first forward. candle-nn's
-    /// `RmsNorm::new(weight, eps)`, that is.
+    /// `RmsNorm::new(weight, eps)`, that is. Inputs as [`LayerNorm::new`] says.
     pub fn new(weight: Tensor, eps: f32) -> Result<RmsNorm> {
         let n = weight.dims1()?;
         check_params(Norm::Rms, weight.dtype(), n, &[("gamma", &weight)], eps)?;
@@ -203,21 +215,26 @@ fn rows_and_n(norm: Norm, shape: &Shape) -> Result<[usize; 2]> {
     Ok([rows, n])
 }
 
-/// Refuses dtypes other than f32, f16 and bf16, parameters (named) that are not `[n]` of
-/// that dtype, and eps that is not finite and > 0.
+/// Refuses x dtypes other than f32, f16 and bf16; parameters (named) that are not `[n]`,
+/// or whose dtype does not go with x's (each the first one's, which is x's or, beside f16
+/// or bf16 x, f32); and eps that is not finite and > 0.
 fn check_params(norm: Norm, dtype: DType, n: usize, params: &[(&str, &Tensor)], eps: f32) -> Result<()> {
     let name = op_name(norm);
     if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
         return Err(Error::UnsupportedDTypeForOp(dtype, name).bt());
     }
+    let weights = params.first().map_or(dtype, |(_, p)| p.dtype());
     for &(what, p) in params {
-        if p.dtype() != dtype {
-            return Err(Error::DTypeMismatchBinaryOp {
-                lhs: dtype,
-                rhs: p.dtype(),
-                op: name,
-            }
-            .bt());
+        // A parameter of another dtype than the first, or weights that do not go with x.
+        let mismatch = if p.dtype() != weights {
+            Some((weights, p.dtype()))
+        } else if weights != dtype && weights != DType::F32 {
+            Some((dtype, weights))
+        } else {
+            None
+        };
+        if let Some((lhs, rhs)) = mismatch {
+            return Err(Error::DTypeMismatchBinaryOp { lhs, rhs, op: name }.bt());
         }
         if p.dims() != [n] {
             return Err(Error::UnexpectedShape {
@@ -231,15 +248,19 @@ fn check_params(norm: Norm, dtype: DType, n: usize, params: &[(&str, &Tensor)], 
     check_config(n, eps).map_err(wrap(norm))
 }
 
-/// Runs `f::<T>(args)` for the element type T of `dtype` (f32, f16, bf16), else candle's
-/// unsupported-dtype error for the op named `name`.
-macro_rules! by_dtype {
-    ($name:expr, $dtype:expr, $f:ident($($arg:expr),* $(,)?)) => {
-        match $dtype {
-            DType::F32 => $f::<f32>($($arg),*),
-            DType::F16 => $f::<f16>($($arg),*),
-            DType::BF16 => $f::<bf16>($($arg),*),
-            dtype => Err(Error::UnsupportedDTypeForOp(dtype, $name).bt()),
+/// Runs `f::<T, W>(args)` for the element types of x's dtype `$x` and the weights' `$w`
+/// (f32, f16 and bf16 with weights of their own type; f16 and bf16 with f32 weights), else
+/// candle's unsupported-dtype error for the op named `name` (checked before: the ops refuse
+/// other pairs when they are applied).
+macro_rules! by_types {
+    ($name:expr, $x:expr, $w:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        match ($x, $w) {
+            (DType::F32, DType::F32) => $f::<f32, f32>($($arg),*),
+            (DType::F16, DType::F16) => $f::<f16, f16>($($arg),*),
+            (DType::BF16, DType::BF16) => $f::<bf16, bf16>($($arg),*),
+            (DType::F16, DType::F32) => $f::<f16, f32>($($arg),*),
+            (DType::BF16, DType::F32) => $f::<bf16, f32>($($arg),*),
+            (dtype, _) => Err(Error::UnsupportedDTypeForOp(dtype, $name).bt()),
         }
     };
 }
@@ -316,7 +337,12 @@ impl Forward {
         beta: Option<Operand<'_, CpuStorage>>,
     ) -> Result<(CpuStorage, Shape)> {
         let (norm, eps) = (self.norm, self.eps);
-        let (y, stats) = by_dtype!(op_name(norm), x.0.dtype(), forward_cpu(norm, eps, x, gamma, beta))?;
+        let (y, stats) = by_types!(
+            op_name(norm),
+            x.0.dtype(),
+            gamma.0.dtype(),
+            forward_cpu(norm, eps, x, gamma, beta)
+        )?;
         self.keep(stats)?;
         Ok((y, x.1.shape().clone()))
     }
@@ -330,32 +356,39 @@ impl Forward {
         beta: Option<Operand<'_, CudaStorage>>,
     ) -> Result<(CudaStorage, Shape)> {
         let (norm, eps) = (self.norm, self.eps);
-        let (y, stats) = by_dtype!(
+        let (y, stats) = by_types!(
             op_name(norm),
             x.0.dtype(),
+            gamma.0.dtype(),
             forward_cuda(norm, eps, x, gamma, beta)
         )?;
         self.keep(stats)?;
         Ok((y, x.1.shape().clone()))
     }
 
-    /// dx, dgamma and (LayerNorm's) dbeta by the [`Backward`] op, from the statistics the
-    /// forward kept.
+    /// dx by the [`Backward`] op, from the statistics the forward kept, then dgamma and
+    /// (LayerNorm's) dbeta, which that op left, by [`Handover`].
     fn grads(&self, x: &Tensor, gamma: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> {
         let stats = self.stats.get().cloned().ok_or_else(|| {
             Error::Msg(format!("{}: the forward has not run", backward_name(self.norm))).bt()
         })?;
+        let weight_grads = Arc::new(Mutex::new(None));
         let op = Backward {
             norm: self.norm,
             stats,
+            weight_grads: weight_grads.clone(),
         };
         // dy often comes strided (the gradient of a sum is a broadcast).
-        let grads = x.apply_op3(gamma, &dy.contiguous()?, op)?;
-        let (len, n) = (x.elem_count(), gamma.elem_count());
-        let dx = grads.narrow(0, 0, len)?.reshape(x.shape())?;
-        let dgamma = grads.narrow(0, len, n)?;
+        let dx = x.apply_op3(gamma, &dy.contiguous()?, op)?;
+        let handover = Handover {
+            norm: self.norm,
+            weight_grads,
+        };
+        let grads = gamma.apply_op1(handover)?;
+        let n = gamma.elem_count();
+        let dgamma = grads.narrow(0, 0, n)?;
         let dbeta = match self.norm {
-            Norm::Layer => Some(grads.narrow(0, len + n, n)?),
+            Norm::Layer => Some(grads.narrow(0, n, n)?),
             Norm::Rms => None,
         };
         Ok((dx, dgamma, dbeta))
@@ -445,12 +478,20 @@ impl CustomOp2 for Forward {
     }
 }
 
-/// The backward op over (x, gamma, dy), with the statistics of x's forward: one 1-D output
-/// of `rows * n + params * n` elements, dx (x's shape) then dgamma then, for LayerNorm,
-/// dbeta. Its own backward (a second derivative) is candle's `BackwardNotSupported`.
+/// The backward op over (x, gamma, dy), with the statistics of x's forward: dx (x's shape
+/// and dtype) as its output, and dgamma then, for LayerNorm, dbeta, end to end in one 1-D
+/// buffer of the weights' dtype, left in `weight_grads` for [`Handover`].
 struct Backward {
     norm: Norm,
     stats: Arc<Stats>,
+    weight_grads: Arc<Mutex<Option<Storage>>>,
+}
+
+impl Backward {
+    fn leave(&self, grads: Storage) {
+        // A panic elsewhere while the slot was held leaves it whole: it is only ever set.
+        *self.weight_grads.lock().unwrap_or_else(PoisonError::into_inner) = Some(grads);
+    }
 }
 
 /// The parameters whose gradients `norm`'s backward returns: gamma and beta, or gamma.
@@ -475,12 +516,14 @@ impl CustomOp3 for Backward {
         dy: &CpuStorage,
         ldy: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (grads, len) = by_dtype!(
+        let (dx, weight_grads) = by_types!(
             self.name(),
             x.dtype(),
+            gamma.dtype(),
             backward_cpu(self.norm, &self.stats, x, lx, gamma, lg, dy, ldy)
         )?;
-        Ok((grads, len.into()))
+        self.leave(Storage::Cpu(weight_grads));
+        Ok((dx, lx.shape().clone()))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -493,12 +536,68 @@ impl CustomOp3 for Backward {
         dy: &CudaStorage,
         ldy: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (grads, len) = by_dtype!(
+        let (dx, weight_grads) = by_types!(
             self.name(),
             x.dtype(),
+            gamma.dtype(),
             backward_cuda(self.norm, &self.stats, x, lx, gamma, lg, dy, ldy)
         )?;
-        Ok((grads, len.into()))
+        self.leave(Storage::Cuda(weight_grads));
+        Ok((dx, lx.shape().clone()))
+    }
+}
+
+/// Applied to gamma right after [`Backward`]: the weights' gradients that op left, as this
+/// op's output (`params * n` elements of the weights' dtype), handed over without a copy.
+struct Handover {
+    norm: Norm,
+    weight_grads: Arc<Mutex<Option<Storage>>>,
+}
+
+impl Handover {
+    fn take(&self, gamma: &Layout) -> Result<(Storage, Shape)> {
+        let grads = self
+            .weight_grads
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let grads = grads.ok_or_else(|| {
+            Error::Msg(format!(
+                "{}: the weights' gradients are not there",
+                backward_name(self.norm)
+            ))
+            .bt()
+        })?;
+        Ok((grads, (params(self.norm) * gamma.shape().elem_count()).into()))
+    }
+}
+
+impl CustomOp1 for Handover {
+    fn name(&self) -> &'static str {
+        backward_name(self.norm)
+    }
+
+    fn cpu_fwd(&self, _gamma: &CpuStorage, lg: &Layout) -> Result<(CpuStorage, Shape)> {
+        match self.take(lg)? {
+            (Storage::Cpu(grads), shape) => Ok((grads, shape)),
+            _ => Err(Error::Msg(format!(
+                "{}: gradients on another device",
+                backward_name(self.norm)
+            ))
+            .bt()),
+        }
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(&self, _gamma: &CudaStorage, lg: &Layout) -> Result<(CudaStorage, Shape)> {
+        match self.take(lg)? {
+            (Storage::Cuda(grads), shape) => Ok((grads, shape)),
+            _ => Err(Error::Msg(format!(
+                "{}: gradients on another device",
+                backward_name(self.norm)
+            ))
+            .bt()),
+        }
     }
 }
 
@@ -545,7 +644,7 @@ fn host<'a, T: WithDType>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'
 /// An operand's storage and layout.
 type Operand<'a, S> = (&'a S, &'a Layout);
 
-fn forward_cpu<T: Element + WithDType>(
+fn forward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
     norm: Norm,
     eps: f32,
     (x, lx): Operand<'_, CpuStorage>,
@@ -560,13 +659,13 @@ fn forward_cpu<T: Element + WithDType>(
         let beta = match beta {
             Some((beta, lb)) => host(beta, lb)?,
             None => {
-                no_beta = zeroed::<T>(norm, n)?;
+                no_beta = zeroed::<W>(norm, n)?;
                 &no_beta
             }
         };
         let o = ForwardOperands {
             x: In::Host(host(x, lx)?),
-            gamma: In::Host(host(gamma, lg)?),
+            gamma: In::Host(host::<W>(gamma, lg)?),
             beta: In::Host(beta),
             y: Out::Host(&mut y),
             mean: Out::Host(&mut mean),
@@ -638,7 +737,7 @@ fn cuda_zeros<T: DeviceRepr + ValidAsZeroBits>(
 }
 
 #[cfg(feature = "candle-cuda")]
-fn forward_cuda<T: Element + CudaDType + ValidAsZeroBits>(
+fn forward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType + ValidAsZeroBits>(
     norm: Norm,
     eps: f32,
     (x, lx): Operand<'_, CudaStorage>,
@@ -655,13 +754,13 @@ fn forward_cuda<T: Element + CudaDType + ValidAsZeroBits>(
         let beta = match beta {
             Some(beta) => cuda_in(&device, norm, "beta", beta)?,
             None => {
-                no_beta = cuda_zeros::<T>(norm, &stream, n)?;
+                no_beta = cuda_zeros::<W>(norm, &stream, n)?;
                 no_beta.as_view()
             }
         };
         let o = ForwardOperands {
             x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
-            gamma: In::Cuda(cuda_in(&device, norm, "gamma", (gamma, lg))?),
+            gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
             beta: In::Cuda(beta),
             y: Out::Cuda(y.as_view_mut()),
             mean: Out::Cuda(mean.as_view_mut()),
@@ -673,8 +772,9 @@ fn forward_cuda<T: Element + CudaDType + ValidAsZeroBits>(
     Ok((y, Stats::Cuda { mean, rstd }))
 }
 
+/// dx in candle's CPU memory, and the weights' gradients (dgamma, then LayerNorm's dbeta).
 #[allow(clippy::too_many_arguments)] // the op's three operands and their layouts
-fn backward_cpu<T: Element + WithDType>(
+fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
     norm: Norm,
     stats: &Stats,
     x: &CpuStorage,
@@ -683,34 +783,34 @@ fn backward_cpu<T: Element + WithDType>(
     lg: &Layout,
     dy: &CpuStorage,
     ldy: &Layout,
-) -> Result<(CpuStorage, usize)> {
+) -> Result<(CpuStorage, CpuStorage)> {
     let [rows, n] = rows_and_n(norm, lx.shape())?;
     same_shape(norm, lx, ldy)?;
     let (mean, rstd) = stats.host()?;
-    let (len, total) = (rows * n, rows * n + params(norm) * n);
-    let mut grads = zeroed::<T>(norm, total)?;
+    let mut dx = zeroed::<T>(norm, rows * n)?;
+    let mut weight_grads = zeroed::<W>(norm, params(norm) * n)?;
     if n > 0 {
-        let (dx, params) = grads.split_at_mut(len);
-        let (dgamma, dbeta) = params.split_at_mut(n);
+        let (dgamma, dbeta) = weight_grads.split_at_mut(n);
         let o = BackwardOperands {
             x: In::Host(host(x, lx)?),
             dy: In::Host(host(dy, ldy)?),
-            gamma: In::Host(host(gamma, lg)?),
+            gamma: In::Host(host::<W>(gamma, lg)?),
             mean: In::Host(mean),
             rstd: In::Host(rstd),
-            dx: Out::Host(dx),
+            dx: Out::Host(&mut dx),
             dgamma: Some(Out::Host(dgamma)),
             dbeta: (norm == Norm::Layer).then_some(Out::Host(dbeta)),
         };
         let mode = BackwardMode::Deterministic;
         backward_rows(&Device::cpu(), norm, mode, rows, n, o).map_err(wrap(norm))?;
     }
-    Ok((T::to_cpu_storage_owned(grads), total))
+    Ok((T::to_cpu_storage_owned(dx), W::to_cpu_storage_owned(weight_grads)))
 }
 
+/// dx in candle's CUDA memory, and the weights' gradients, as [`backward_cpu`].
 #[cfg(feature = "candle-cuda")]
 #[allow(clippy::too_many_arguments)] // the op's three operands and their layouts
-fn backward_cuda<T: Element + CudaDType>(
+fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType>(
     norm: Norm,
     stats: &Stats,
     x: &CudaStorage,
@@ -719,29 +819,31 @@ fn backward_cuda<T: Element + CudaDType>(
     lg: &Layout,
     dy: &CudaStorage,
     ldy: &Layout,
-) -> Result<(CudaStorage, usize)> {
+) -> Result<(CudaStorage, CudaStorage)> {
     let [rows, n] = rows_and_n(norm, lx.shape())?;
     same_shape(norm, lx, ldy)?;
     let (mean, rstd) = stats.cuda()?;
     let device = device_of(norm, &x.device)?;
-    let (len, total) = (rows * n, rows * n + params(norm) * n);
-    let mut grads = cuda_out::<T>(norm, &x.device.cuda_stream(), total)?;
+    let stream = x.device.cuda_stream();
+    let mut dx = cuda_out::<T>(norm, &stream, rows * n)?;
+    let mut weight_grads = cuda_out::<W>(norm, &stream, params(norm) * n)?;
     if n > 0 {
-        let (dx, mut params) = grads.split_at_mut(len);
-        let (dgamma, dbeta) = params.split_at_mut(n);
+        let (dgamma, dbeta) = weight_grads.split_at_mut(n);
         let o = BackwardOperands {
             x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
             dy: In::Cuda(cuda_in(&device, norm, "dy", (dy, ldy))?),
-            gamma: In::Cuda(cuda_in(&device, norm, "gamma", (gamma, lg))?),
+            gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
             mean: In::Cuda(mean.as_view()),
             rstd: In::Cuda(rstd.as_view()),
-            dx: Out::Cuda(dx),
+            dx: Out::Cuda(dx.as_view_mut()),
             dgamma: Some(Out::Cuda(dgamma)),
             dbeta: (norm == Norm::Layer).then_some(Out::Cuda(dbeta)),
         };
         let mode = BackwardMode::Deterministic;
         backward_rows(&device, norm, mode, rows, n, o).map_err(wrap(norm))?;
     }
-    let grads = CudaStorage::wrap_cuda_slice(grads, x.device.clone());
-    Ok((grads, total))
+    Ok((
+        CudaStorage::wrap_cuda_slice(dx, x.device.clone()),
+        CudaStorage::wrap_cuda_slice(weight_grads, x.device.clone()),
+    ))
 }

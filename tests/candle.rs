@@ -11,7 +11,7 @@ mod common;
 use candle_core::{D, DType, Error, Module, Tensor, Var, WithDType};
 use common::{Rng, mixed_matrix, random_matrix, random_vec, rel_err, tolerance};
 use layernorm_cuda::candle::{LayerNorm, RmsNorm, as_layernorm_error, layer_norm, rms_norm};
-use layernorm_cuda::{Element, bf16, f16};
+use layernorm_cuda::{Element, Weight, bf16, f16};
 use ndarray::ArrayView1;
 
 const EPS: f32 = 1e-5;
@@ -19,17 +19,17 @@ const EPS: f32 = 1e-5;
 /// Shapes `[..., n]`: 1-D, 3-D, n = 1, odd n (no 16-byte packs), whole packs, a long row.
 const SHAPES: &[&[usize]] = &[&[7], &[2, 3, 64], &[5, 1], &[7, 3], &[9, 1024], &[3, 4097]];
 
-/// x, gamma, beta, and w (dy: the loss is sum(y * w)) for `shape`, in T.
-struct Problem<T> {
+/// x and w (dy: the loss is sum(y * w)) in T, gamma and beta in W, for `shape`.
+struct Problem<T, W = T> {
     shape: Vec<usize>,
     x: Vec<T>,
-    gamma: Vec<T>,
-    beta: Vec<T>,
+    gamma: Vec<W>,
+    beta: Vec<W>,
     w: Vec<T>,
 }
 
-impl<T: Element + WithDType> Problem<T> {
-    fn new(shape: &[usize], seed: u64) -> Problem<T> {
+impl<T: Element + WithDType, W: Element + WithDType> Problem<T, W> {
+    fn new(shape: &[usize], seed: u64) -> Problem<T, W> {
         let mut rng = Rng::new(seed);
         let (&n, leading) = shape.split_last().expect("a shape [..., n]");
         let rows = leading.iter().product();
@@ -73,44 +73,72 @@ impl Norm {
     }
 }
 
-/// y, dx, dgamma, dbeta of `layer_norm` and candle's backward of sum(y * w), on the host.
-fn by_layer_norm<T: WithDType>(x: &Var, gamma: &Var, beta: &Var, w: &Tensor) -> [Vec<T>; 4] {
+/// A tensor's elements widened to f32 (exact for all three dtypes), after checking that its
+/// dtype is `dtype`.
+fn host(t: &Tensor, dtype: DType, what: &str) -> Vec<f32> {
+    assert_eq!(t.dtype(), dtype, "{what}: dtype");
+    t.flatten_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_vec1()
+        .unwrap()
+}
+
+/// y, dx, dgamma, dbeta of `layer_norm` and candle's backward of sum(y * w), on the host;
+/// y and dx of x's dtype, the weights' gradients of theirs.
+fn by_layer_norm(x: &Var, gamma: &Var, beta: &Var, w: &Tensor) -> Vec<Vec<f32>> {
     let y = layer_norm(x.as_tensor(), gamma.as_tensor(), beta.as_tensor(), EPS).unwrap();
     let grads = (&y * w).unwrap().sum_all().unwrap().backward().unwrap();
     let grad = |v: &Var| grads.get(v.as_tensor()).expect("a gradient for every variable");
-    [&y, grad(x), grad(gamma), grad(beta)].map(host)
+    let (t, weights) = (x.dtype(), gamma.dtype());
+    vec![
+        host(&y, t, "y"),
+        host(grad(x), t, "dx"),
+        host(grad(gamma), weights, "dgamma"),
+        host(grad(beta), weights, "dbeta"),
+    ]
 }
 
 /// The outputs of `norm` (see [`Norm::outputs`]) by this crate's candle op, on the host.
-fn by_candle_op<T: WithDType>(norm: Norm, x: &Var, gamma: &Var, beta: &Var, w: &Tensor) -> Vec<Vec<T>> {
+fn by_candle_op(norm: Norm, x: &Var, gamma: &Var, beta: &Var, w: &Tensor) -> Vec<Vec<f32>> {
     match norm {
-        Norm::Layer => by_layer_norm(x, gamma, beta, w).to_vec(),
+        Norm::Layer => by_layer_norm(x, gamma, beta, w),
         Norm::Rms => {
             let y = rms_norm(x.as_tensor(), gamma.as_tensor(), EPS).unwrap();
             let grads = (&y * w).unwrap().sum_all().unwrap().backward().unwrap();
             let grad = |v: &Var| grads.get(v.as_tensor()).expect("a gradient for every variable");
             assert!(grads.get(beta.as_tensor()).is_none(), "RMSNorm has no beta");
-            [&y, grad(x), grad(gamma)].map(host).to_vec()
+            let t = x.dtype();
+            vec![
+                host(&y, t, "y"),
+                host(grad(x), t, "dx"),
+                host(grad(gamma), gamma.dtype(), "dgamma"),
+            ]
         }
     }
-}
-
-fn host<T: WithDType>(t: &Tensor) -> Vec<T> {
-    t.flatten_all().unwrap().to_vec1().unwrap()
 }
 
 /// The same as [`by_candle_op`] by candle's own ops and autograd, in f64 on the CPU from
 /// the problem's (rounded) T values: the reference. RMSNorm is LayerNorm without the mean
 /// and the bias: x / sqrt(mean(x^2) + eps) * gamma.
-fn by_candle_ops<T: Element + WithDType>(norm: Norm, p: &Problem<T>) -> Vec<Vec<f64>> {
+fn by_candle_ops<T: Element + WithDType, W: Element + WithDType>(
+    norm: Norm,
+    p: &Problem<T, W>,
+) -> Vec<Vec<f64>> {
     let cpu = candle_core::Device::Cpu;
-    let f64s = |v: &[T], shape: &[usize]| {
-        let v: Vec<f64> = v.iter().map(|e| e.to_f32() as f64).collect();
-        Var::from_vec(v, shape, &cpu).unwrap()
-    };
+    let f64s = |v: Vec<f64>, shape: &[usize]| Var::from_vec(v, shape, &cpu).unwrap();
+    let (t, weights) = (
+        |v: &[T]| v.iter().map(|e| e.to_f32() as f64).collect(),
+        |v: &[W]| v.iter().map(|e| e.to_f32() as f64).collect(),
+    );
     let n = p.n();
-    let (x, gamma, beta) = (f64s(&p.x, &p.shape), f64s(&p.gamma, &[n]), f64s(&p.beta, &[n]));
-    let w = f64s(&p.w, &p.shape).into_inner();
+    let (x, gamma, beta) = (
+        f64s(t(&p.x), &p.shape),
+        f64s(weights(&p.gamma), &[n]),
+        f64s(weights(&p.beta), &[n]),
+    );
+    let w = f64s(t(&p.w), &p.shape).into_inner();
     let centered = match norm {
         Norm::Layer => x.broadcast_sub(&x.mean_keepdim(D::Minus1).unwrap()).unwrap(),
         Norm::Rms => x.as_tensor().clone(),
@@ -132,29 +160,37 @@ fn by_candle_ops<T: Element + WithDType>(norm: Norm, p: &Problem<T>) -> Vec<Vec<
     if let Norm::Layer = norm {
         outputs.push(grad(&beta));
     }
-    outputs.iter().map(host).collect()
+    outputs
+        .iter()
+        .map(|t| t.flatten_all().unwrap().to_vec1().unwrap())
+        .collect()
 }
 
-/// Each output of `p` within T's tolerance of the reference (twice that for the gradients,
-/// as tests/backward.rs allows). RMSNorm's dx error is measured against the size of its
+/// Each output of `p` within its dtype's tolerance of the reference (T's for y and dx, W's
+/// for the weights' gradients; twice that for the gradients, as tests/backward.rs allows).
+/// RMSNorm's dx error is measured against the size of its
 /// terms, the largest rstd * |gamma * dy|, as tests/rms_norm.rs does: at n = 1 they cancel
 /// to about eps / x^2 of that size, below what f32 resolves.
-fn assert_near<T: Element + WithDType>(
+fn assert_near<T: Element + WithDType, W: Element + WithDType>(
     norm: Norm,
-    p: &Problem<T>,
-    got: &[Vec<T>],
+    p: &Problem<T, W>,
+    got: &[Vec<f32>],
     reference: &[Vec<f64>],
     what: &str,
 ) {
     assert_eq!(got.len(), norm.outputs().len(), "{what}: outputs");
     for (i, &name) in norm.outputs().iter().enumerate() {
-        let tol = if i == 0 { 1.0 } else { 2.0 } * tolerance::<T>();
+        let tol = match i {
+            0 => tolerance::<T>(),
+            1 => 2.0 * tolerance::<T>(),
+            _ => 2.0 * tolerance::<W>(),
+        };
         let err = match (norm, name) {
             (Norm::Rms, "dx") => {
                 let largest_diff = got[i]
                     .iter()
                     .zip(&reference[i])
-                    .fold(0.0f64, |m, (g, r)| m.max((g.to_f32() as f64 - r).abs()));
+                    .fold(0.0f64, |m, (&g, r)| m.max((g as f64 - r).abs()));
                 largest_diff / largest_rms_dx_term(p)
             }
             _ => rel_err(ArrayView1::from(&got[i]), ArrayView1::from(&reference[i])),
@@ -164,73 +200,98 @@ fn assert_near<T: Element + WithDType>(
 }
 
 /// The largest rstd * |gamma * dy| of `p` (dy = w), rstd of each row in f64.
-fn largest_rms_dx_term<T: Element + WithDType>(p: &Problem<T>) -> f64 {
+fn largest_rms_dx_term<T: Element + WithDType, W: Element + WithDType>(p: &Problem<T, W>) -> f64 {
     let n = p.n();
     let f = |v: &T| v.to_f32() as f64;
     let mut largest = f64::MIN_POSITIVE;
     for (x, w) in p.x.chunks(n).zip(p.w.chunks(n)) {
         let rstd = 1.0 / (x.iter().map(|v| f(v) * f(v)).sum::<f64>() / n as f64 + EPS as f64).sqrt();
         for (g, d) in p.gamma.iter().zip(w) {
-            largest = largest.max(rstd * (f(g) * f(d)).abs());
+            largest = largest.max(rstd * (g.to_f32() as f64 * f(d)).abs());
         }
     }
     largest
 }
 
-/// The outputs of `norm` by this crate's own `LayerNorm` or `RmsNorm` on `device`, dy = w.
-fn by_this_crate<T: Element>(norm: Norm, p: &Problem<T>, device: &layernorm_cuda::Device) -> Vec<Vec<T>> {
+/// The outputs of `norm` by this crate's own `LayerNorm` or `RmsNorm` on `device`, dy = w,
+/// widened to f32.
+fn by_this_crate<T: Element, W: Weight<T>>(
+    norm: Norm,
+    p: &Problem<T, W>,
+    device: &layernorm_cuda::Device,
+) -> Vec<Vec<f32>> {
     let up = |v: &[T]| device.upload(ArrayView1::from(v)).unwrap();
+    let up_w = |v: &[W]| device.upload(ArrayView1::from(v)).unwrap();
     let (x, dy) = (
         up(&p.x).view(0, &p.shape).unwrap(),
         up(&p.w).view(0, &p.shape).unwrap(),
     );
-    let outputs = match norm {
+    let (y, dx, weight_grads) = match norm {
         Norm::Layer => {
-            let ln = layernorm_cuda::LayerNorm::new(up(&p.gamma), up(&p.beta), EPS).unwrap();
+            let ln = layernorm_cuda::LayerNorm::<T, W>::new(up_w(&p.gamma), up_w(&p.beta), EPS).unwrap();
             let (y, ctx) = ln.forward(&x).unwrap();
             let g = ln.backward(&ctx, &dy).unwrap();
-            vec![y, g.dx, g.dgamma.unwrap(), g.dbeta.unwrap()]
+            (y, g.dx, vec![g.dgamma.unwrap(), g.dbeta.unwrap()])
         }
         Norm::Rms => {
-            let rms = layernorm_cuda::RmsNorm::new(up(&p.gamma), EPS).unwrap();
+            let rms = layernorm_cuda::RmsNorm::<T, W>::new(up_w(&p.gamma), EPS).unwrap();
             let (y, ctx) = rms.forward(&x).unwrap();
             let g = rms.backward(&ctx, &dy).unwrap();
-            vec![y, g.dx, g.dgamma.unwrap()]
+            (y, g.dx, vec![g.dgamma.unwrap()])
         }
     };
-    outputs.iter().map(|t| t.to_vec().unwrap()).collect()
+    let widen = |v: Vec<_>| v.into_iter().map(|e: T| e.to_f32()).collect::<Vec<f32>>();
+    let widen_w = |v: Vec<_>| v.into_iter().map(|e: W| e.to_f32()).collect::<Vec<f32>>();
+    let mut outputs = vec![widen(y.to_vec().unwrap()), widen(dx.to_vec().unwrap())];
+    outputs.extend(weight_grads.iter().map(|g| widen_w(g.to_vec().unwrap())));
+    outputs
 }
 
-fn bits<T: Element>(v: &[T]) -> Vec<u32> {
-    v.iter().map(|e| e.to_f32().to_bits()).collect()
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|e| e.to_bits()).collect()
 }
 
-fn assert_bitwise<T: Element>(norm: Norm, got: &[Vec<T>], expected: &[Vec<T>], what: &str) {
+fn assert_bitwise(norm: Norm, got: &[Vec<f32>], expected: &[Vec<f32>], what: &str) {
     for (i, name) in norm.outputs().iter().enumerate() {
         assert_eq!(bits(&got[i]), bits(&expected[i]), "{what}: {name}");
     }
 }
 
-/// For each norm and shape: gradients near the candle-ops reference, and this crate's bits.
-fn check_device<T: Element + WithDType>(candle: &candle_core::Device, ours: &layernorm_cuda::Device) {
+/// For each norm and shape, x of type T and weights of W: gradients near the candle-ops
+/// reference, of the weights' dtype, and this crate's bits.
+fn check_device<T: Element + WithDType, W: Weight<T> + WithDType>(
+    candle: &candle_core::Device,
+    ours: &layernorm_cuda::Device,
+) {
     for norm in [Norm::Layer, Norm::Rms] {
         for (i, shape) in SHAPES.iter().enumerate() {
-            let p = Problem::<T>::new(shape, 9000 + i as u64);
+            let p = Problem::<T, W>::new(shape, 9000 + i as u64);
             let (x, gamma, beta, w) = p.tensors(candle);
-            let got = by_candle_op::<T>(norm, &x, &gamma, &beta, &w);
-            let what = format!("{norm:?} {} {shape:?} on {candle:?}", T::NAME);
+            let got = by_candle_op(norm, &x, &gamma, &beta, &w);
+            let what = format!(
+                "{norm:?} {} with {} weights {shape:?} on {candle:?}",
+                T::NAME,
+                W::NAME
+            );
             assert_near(norm, &p, &got, &by_candle_ops(norm, &p), &what);
             assert_bitwise(norm, &got, &by_this_crate(norm, &p, ours), &what);
         }
     }
 }
 
+/// Every dtype with weights of its own, and f16 and bf16 with f32 weights.
+fn check_all_types(candle: &candle_core::Device, ours: &layernorm_cuda::Device) {
+    check_device::<f32, f32>(candle, ours);
+    check_device::<f16, f16>(candle, ours);
+    check_device::<bf16, bf16>(candle, ours);
+    check_device::<f16, f32>(candle, ours);
+    check_device::<bf16, f32>(candle, ours);
+}
+
 #[test]
 fn cpu_gradients_match_candle_ops_and_this_crates_cpu_path() {
     let (candle, ours) = (candle_core::Device::Cpu, layernorm_cuda::Device::cpu());
-    check_device::<f32>(&candle, &ours);
-    check_device::<f16>(&candle, &ours);
-    check_device::<bf16>(&candle, &ours);
+    check_all_types(&candle, &ours);
 }
 
 /// A strided x (a transpose, made contiguous by a copy) and an x at an offset in its
@@ -239,7 +300,7 @@ fn cpu_gradients_match_candle_ops_and_this_crates_cpu_path() {
 fn check_views(device: &candle_core::Device) {
     let p = Problem::<f32>::new(&[6, 77], 9100);
     let (x, gamma, beta, w) = p.tensors(device);
-    let expected = by_layer_norm::<f32>(&x, &gamma, &beta, &w);
+    let expected = by_layer_norm(&x, &gamma, &beta, &w);
     let what = format!("on {device:?}");
 
     // x^T as a variable [77, 6]; its transpose is p's x, strided.
@@ -248,9 +309,13 @@ fn check_views(device: &candle_core::Device) {
     let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
     let dxt = grads.get(xt.as_tensor()).unwrap();
     assert_eq!(dxt.dims(), &[77, 6], "{what}");
-    assert_eq!(bits(&host::<f32>(&y)), bits(&expected[0]), "{what}: strided y");
     assert_eq!(
-        bits(&host::<f32>(&dxt.t().unwrap())),
+        bits(&host(&y, DType::F32, &what)),
+        bits(&expected[0]),
+        "{what}: strided y"
+    );
+    assert_eq!(
+        bits(&host(&dxt.t().unwrap(), DType::F32, &what)),
         bits(&expected[1]),
         "{what}: strided dx"
     );
@@ -273,9 +338,13 @@ fn check_views(device: &candle_core::Device) {
     )
     .unwrap();
     let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
-    let dbig = host::<f32>(grads.get(big.as_tensor()).unwrap());
+    let dbig = host(grads.get(big.as_tensor()).unwrap(), DType::F32, &what);
     let view = before * n..(before + 6) * n;
-    assert_eq!(bits(&host::<f32>(&y)), bits(&expected[0]), "{what}: offset y");
+    assert_eq!(
+        bits(&host(&y, DType::F32, &what)),
+        bits(&expected[0]),
+        "{what}: offset y"
+    );
     assert_eq!(bits(&dbig[view.clone()]), bits(&expected[1]), "{what}: offset dx");
     assert!(
         dbig[..view.start]
@@ -291,24 +360,39 @@ fn cpu_strided_and_offset_inputs() {
     check_views(&candle_core::Device::Cpu);
 }
 
-/// The layer gives `layer_norm`'s bits, without variables (no graph) too.
-#[test]
-fn module_forward_is_layer_norm() {
-    let p = Problem::<bf16>::new(&[4, 96], 9200);
+/// The layers give the functions' bits, without variables (no graph) too, for bf16 x with
+/// weights of `W`.
+fn check_layers<W: Element + WithDType>() {
+    let p = Problem::<bf16, W>::new(&[4, 96], 9200);
     let (x, gamma, beta, _) = p.tensors(&candle_core::Device::Cpu);
+    let what = format!("bf16 x, {} weights", W::NAME);
     let layer = LayerNorm::new(gamma.as_detached_tensor(), beta.as_detached_tensor(), EPS).unwrap();
     assert_eq!(layer.eps(), EPS);
     assert_eq!(layer.weight().dims(), &[96]);
     let y = layer.forward(&x.as_detached_tensor()).unwrap();
     let direct = layer_norm(x.as_tensor(), layer.weight(), layer.bias(), EPS).unwrap();
-    assert_eq!(bits(&host::<bf16>(&y)), bits(&host::<bf16>(&direct)));
+    assert_eq!(
+        bits(&host(&y, DType::BF16, &what)),
+        bits(&host(&direct, DType::BF16, &what)),
+        "{what}"
+    );
 
     let layer = RmsNorm::new(gamma.as_detached_tensor(), EPS).unwrap();
     assert_eq!(layer.eps(), EPS);
     assert_eq!(layer.weight().dims(), &[96]);
     let y = layer.forward(&x.as_detached_tensor()).unwrap();
     let direct = rms_norm(x.as_tensor(), layer.weight(), EPS).unwrap();
-    assert_eq!(bits(&host::<bf16>(&y)), bits(&host::<bf16>(&direct)));
+    assert_eq!(
+        bits(&host(&y, DType::BF16, &what)),
+        bits(&host(&direct, DType::BF16, &what)),
+        "{what}"
+    );
+}
+
+#[test]
+fn module_forward_is_the_function() {
+    check_layers::<bf16>();
+    check_layers::<f32>();
 }
 
 /// M = 0: empty y and dx, zero dgamma and dbeta (sums over no rows). N = 0: all empty.
@@ -322,7 +406,7 @@ fn check_empty(device: &candle_core::Device) {
         let beta = Var::from_tensor(&ones(&[n])).unwrap();
         let w = ones(&[shape.0, shape.1]);
         for norm in [Norm::Layer, Norm::Rms] {
-            let outputs = by_candle_op::<f32>(norm, &x, &gamma, &beta, &w);
+            let outputs = by_candle_op(norm, &x, &gamma, &beta, &w);
             let what = format!("{norm:?} {shape:?} on {device:?}");
             assert!(outputs[0].is_empty() && outputs[1].is_empty(), "{what}");
             // dgamma and (LayerNorm's) dbeta: sums over no rows.
@@ -365,6 +449,34 @@ fn refusals_are_typed_candle_errors() {
             Error::DTypeMismatchBinaryOp {
                 lhs: DType::F32,
                 rhs: DType::F16,
+                ..
+            }
+        ),
+        "{e}"
+    );
+
+    // f32 weights go with f16 and bf16 x, but not f16 weights with bf16 x, nor gamma and
+    // beta of different dtypes.
+    let (xh, wh) = (t(&[2, 4], DType::BF16), t(&[4], DType::F16));
+    let e = layer_norm(&xh, &wh, &wh, EPS).unwrap_err();
+    assert!(
+        matches!(
+            bare(&e),
+            Error::DTypeMismatchBinaryOp {
+                lhs: DType::BF16,
+                rhs: DType::F16,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    let e = layer_norm(&xh, &w, &t(&[4], DType::BF16), EPS).unwrap_err();
+    assert!(
+        matches!(
+            bare(&e),
+            Error::DTypeMismatchBinaryOp {
+                lhs: DType::F32,
+                rhs: DType::BF16,
                 ..
             }
         ),
@@ -414,6 +526,8 @@ fn rms_norm_refusals_are_typed_candle_errors() {
     );
     let e = rms_norm(&x, &t(&[4], DType::BF16), EPS).unwrap_err();
     assert!(matches!(bare(&e), Error::DTypeMismatchBinaryOp { .. }), "{e}");
+    let e = rms_norm(&t(&[2, 4], DType::F16), &t(&[4], DType::BF16), EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::DTypeMismatchBinaryOp { .. }), "{e}");
     let e = rms_norm(&x, &t(&[5], DType::F32), EPS).unwrap_err();
     assert!(matches!(bare(&e), Error::UnexpectedShape { .. }), "{e}");
     assert!(e.to_string().contains("gamma"), "{e}");
@@ -451,9 +565,7 @@ fn gpu_gradients_match_candle_ops_and_this_crates_kernels() {
     let Some((candle, ours)) = candle_gpu_or_skip() else {
         return;
     };
-    check_device::<f32>(&candle, &ours);
-    check_device::<f16>(&candle, &ours);
-    check_device::<bf16>(&candle, &ours);
+    check_all_types(&candle, &ours);
 }
 
 #[cfg(feature = "candle-cuda")]
