@@ -38,8 +38,8 @@ use crate::cpu::zeroed_with;
 use crate::device::Device;
 use crate::element::{Element, Weight};
 use crate::layer_norm::{
-    BackwardMode, BackwardOperands, ForwardOperands, In, Out, backward_rows, check_config, check_dim,
-    forward_rows,
+    BackwardMode, BackwardOperands, ForwardOperands, In, Out, PLAIN_WEIGHT, backward_rows, check_config,
+    check_dim, forward_rows,
 };
 use crate::plan::Norm;
 
@@ -666,6 +666,7 @@ fn forward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
         let o = ForwardOperands {
             x: In::Host(host(x, lx)?),
             gamma: In::Host(host::<W>(gamma, lg)?),
+            gamma_offset: PLAIN_WEIGHT,
             beta: In::Host(beta),
             y: Out::Host(&mut y),
             mean: Out::Host(&mut mean),
@@ -761,6 +762,7 @@ fn forward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType + ValidAsZeroBi
         let o = ForwardOperands {
             x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
             gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
+            gamma_offset: PLAIN_WEIGHT,
             beta: In::Cuda(beta),
             y: Out::Cuda(y.as_view_mut()),
             mean: Out::Cuda(mean.as_view_mut()),
@@ -795,6 +797,7 @@ fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
             x: In::Host(host(x, lx)?),
             dy: In::Host(host(dy, ldy)?),
             gamma: In::Host(host::<W>(gamma, lg)?),
+            gamma_offset: PLAIN_WEIGHT,
             mean: In::Host(mean),
             rstd: In::Host(rstd),
             dx: Out::Host(&mut dx),
@@ -833,6 +836,7 @@ fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType>(
             x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
             dy: In::Cuda(cuda_in(&device, norm, "dy", (dy, ldy))?),
             gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
+            gamma_offset: PLAIN_WEIGHT,
             mean: In::Cuda(mean.as_view()),
             rstd: In::Cuda(rstd.as_view()),
             dx: Out::Cuda(dx.as_view_mut()),

@@ -15,16 +15,19 @@ use crate::tensor::host_vec;
 /// a thread costs more than the rows it would take.
 const ELEMENTS_PER_THREAD: usize = 1 << 16;
 
-/// Per row: y = (x - mean) * rstd * gamma + beta, with mean and rstd = 1/sqrt(var + eps)
+/// Per row: y = (x - mean) * rstd * (gamma + gamma_offset) + beta (the offset as the
+/// kernels' `Affine` takes it: 1 for zero-centred weights, else -0), with mean and rstd = 1/sqrt(var + eps)
 /// (var biased) written out. Two passes over the row for the statistics (mean, then squared
 /// deviations), sums in f64, then y. Rows are split over the machine's threads, each row is
 /// widened to f32 in one go (vector conversions for f16 and bf16), and the sums keep
 /// [`LANES`] partial sums, so that the loops vectorize. Its scratch (gamma, beta and two row
 /// buffers a thread) is taken before anything is written, so where host memory cannot hold
 /// it the outputs are left as they were.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<T: Element, W: Element>(
     x: ArrayView2<'_, T>,
     gamma: ArrayView1<'_, W>,
+    gamma_offset: f32,
     beta: ArrayView1<'_, W>,
     norm: Normalization,
     mut y: ArrayViewMut2<'_, T>,
@@ -33,12 +36,13 @@ pub(crate) fn forward<T: Element, W: Element>(
 ) -> Result<()> {
     let (rows, n) = x.dim();
     let during = "allocating the CPU forward's scratch";
-    let widened = |v: ArrayView1<'_, W>| -> Result<Vec<f32>> {
+    let widened = |v: ArrayView1<'_, W>, offset: f32| -> Result<Vec<f32>> {
         let mut out = host_vec(n, during)?;
-        out.extend(v.iter().map(|e| e.to_f32()));
+        out.extend(v.iter().map(|e| e.to_f32() + offset));
         Ok(out)
     };
-    let (gamma, beta) = (widened(gamma)?, widened(beta)?);
+    // Beta's offset is -0, which leaves every value's bits (as gamma's does for plain weights).
+    let (gamma, beta) = (widened(gamma, gamma_offset)?, widened(beta, -0.0)?);
     let available = std::thread::available_parallelism().map_or(1, |t| t.get());
     let threads = available.min(rows).min((rows * n / ELEMENTS_PER_THREAD).max(1));
     let chunk = rows.div_ceil(threads.max(1)).max(1);
@@ -238,7 +242,7 @@ fn sum_f64(v: &[f32], f: impl Fn(f32) -> f64) -> f64 {
 const BACKWARD_PARTS: usize = 16;
 
 /// dx per row, dgamma and dbeta summed over rows (see `kernels-gpu/src/backward/mod.rs` for
-/// the formulas). As the forward: rows split over the machine's threads, each row widened
+/// the formulas), gamma taken with its offset as [`forward`] takes it. As the forward: rows split over the machine's threads, each row widened
 /// to f32 in one go and dx narrowed the same way, sums kept in [`LANES`] partial sums. The
 /// column sums of dgamma and dbeta run in f64, in row order within each of at most
 /// [`BACKWARD_PARTS`] parts of consecutive rows, then over the parts in order. All scratch
@@ -249,6 +253,7 @@ pub(crate) fn backward<T: Element, W: Element>(
     x: ArrayView2<'_, T>,
     dy: ArrayView2<'_, T>,
     gamma: ArrayView1<'_, W>,
+    gamma_offset: f32,
     mean: ArrayView1<'_, f32>,
     rstd: ArrayView1<'_, f32>,
     mut dx: ArrayViewMut2<'_, T>,
@@ -266,7 +271,7 @@ pub(crate) fn backward<T: Element, W: Element>(
     gamma_f32
         .iter_mut()
         .zip(&gamma)
-        .for_each(|(d, g)| *d = g.to_f32());
+        .for_each(|(d, g)| *d = g.to_f32() + gamma_offset);
     let mut sums = Vec::new();
     for _ in 0..rows.div_ceil(rows_per_part) {
         sums.push((zeroed::<f64>(n)?, zeroed::<f64>(n)?));

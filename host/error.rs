@@ -110,6 +110,9 @@ pub enum Error {
     /// The number of lock groups for the locked backward must be at least 1.
     #[error("the locked backward needs at least 1 group, got {0}")]
     BadGroups(u32),
+    /// A zero-centred weight asked of an op without a weight (`without_affine`).
+    #[error("the op has no weight to take as zero-centred")]
+    NoWeight,
 }
 
 /// This crate's `Result`.

@@ -120,6 +120,8 @@ pub struct LayerNorm<T: Element, W: Element = T> {
     gamma: Param<W>,
     beta: Param<W>,
     eps: f32,
+    /// Added to each gamma_j as it is read: [`PLAIN_WEIGHT`] or [`ZERO_CENTERED_WEIGHT`].
+    gamma_offset: f32,
     mode: BackwardMode,
     /// LayerNorm, or RMSNorm (`crate::rms_norm::RmsNorm` is this op with `Norm::Rms`).
     norm: Norm,
@@ -175,6 +177,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
             gamma,
             beta,
             eps,
+            gamma_offset: PLAIN_WEIGHT,
             mode: BackwardMode::default(),
             norm,
             rows: std::marker::PhantomData,
@@ -198,6 +201,25 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
         }
         self.mode = mode;
         Ok(self)
+    }
+
+    /// The same op with a zero-centred weight: gamma holds each weight's distance from 1,
+    /// and y = xhat * (1 + gamma) + beta, 1 + gamma formed in f32 as the weight is read (so
+    /// a small f16 or bf16 gamma keeps its precision). dgamma is unchanged, since d(1 +
+    /// gamma) / dgamma = 1. Gemma's RMSNorm, flash-attention's `zero_centered_weight` and
+    /// QuACK's `weight_offset = 1` keep weights so. An op without a weight
+    /// ([`LayerNorm::without_affine`]) has nothing to centre: [`Error::NoWeight`].
+    pub fn with_zero_centered_weight(mut self) -> Result<Self> {
+        if self.gamma.given().is_none() {
+            return Err(Error::NoWeight);
+        }
+        self.gamma_offset = ZERO_CENTERED_WEIGHT;
+        Ok(self)
+    }
+
+    /// Whether the weight is zero-centred ([`LayerNorm::with_zero_centered_weight`]).
+    pub fn zero_centered_weight(&self) -> bool {
+        self.gamma_offset == ZERO_CENTERED_WEIGHT
     }
 
     pub fn device(&self) -> &Device {
@@ -357,6 +379,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
         let o = ForwardOperands {
             x,
             gamma,
+            gamma_offset: self.gamma_offset,
             beta,
             y,
             mean,
@@ -414,6 +437,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
                 x: input(dev, &ctx.x)?,
                 dy: input(dev, dy)?,
                 gamma: input(dev, self.gamma.tensor())?,
+                gamma_offset: self.gamma_offset,
                 mean: input(dev, &ctx.mean)?,
                 rstd: input(dev, &ctx.rstd)?,
                 dx: output(dev, dx)?,
@@ -462,6 +486,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
                 x: In::Cuda(ctx.x.view()),
                 dy: In::Cuda(dy.view()),
                 gamma: input(dev, self.gamma.tensor())?,
+                gamma_offset: self.gamma_offset,
                 mean: input(dev, &ctx.mean)?,
                 rstd: input(dev, &ctx.rstd)?,
                 dx: Out::Cuda(grads.dx.view_mut()),
@@ -531,6 +556,7 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
     let ForwardOperands {
         x,
         gamma,
+        gamma_offset,
         beta,
         y,
         mean,
@@ -541,6 +567,7 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
             cpu::forward(
                 rows_of(x, rows, n),
                 ArrayView1::from(gamma),
+                gamma_offset,
                 ArrayView1::from(beta),
                 cpu::Normalization {
                     eps,
@@ -571,6 +598,7 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
                 rows: rows as u32,
                 n: n as u32,
                 eps,
+                gamma_offset,
                 packed,
                 norm,
             };
@@ -626,6 +654,7 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>>(
             rows_of(x, rows, n),
             rows_of(dy, rows, n),
             ArrayView1::from(gamma),
+            o.gamma_offset,
             ArrayView1::from(mean),
             ArrayView1::from(rstd),
             rows_of_mut(dx, rows, n),
@@ -649,6 +678,7 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>>(
                 x,
                 dy,
                 gamma,
+                gamma_offset: o.gamma_offset,
                 mean,
                 rstd,
                 dx,
@@ -669,10 +699,20 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>>(
     }
 }
 
+/// What the kernels and the CPU path add to each gamma_j as they read it, for weights kept
+/// as they are: gamma_j + (-0) is gamma_j to the bit, -0 included.
+pub(crate) const PLAIN_WEIGHT: f32 = -0.0;
+
+/// The same for zero-centred weights ([`LayerNorm::with_zero_centered_weight`]): the
+/// weight is 1 + gamma_j, formed in f32.
+const ZERO_CENTERED_WEIGHT: f32 = 1.0;
+
 /// The operands of a forward, checked and ordered for the op's stream.
 pub(crate) struct ForwardOperands<'a, T, W> {
     pub(crate) x: In<'a, T>,
     pub(crate) gamma: In<'a, W>,
+    /// Added to each gamma_j as it is read: [`PLAIN_WEIGHT`] or [`ZERO_CENTERED_WEIGHT`].
+    pub(crate) gamma_offset: f32,
     pub(crate) beta: In<'a, W>,
     pub(crate) y: Out<'a, T>,
     pub(crate) mean: Out<'a, f32>,
@@ -685,6 +725,8 @@ pub(crate) struct BackwardOperands<'a, T, W> {
     pub(crate) x: In<'a, T>,
     pub(crate) dy: In<'a, T>,
     pub(crate) gamma: In<'a, W>,
+    /// As [`ForwardOperands::gamma_offset`].
+    pub(crate) gamma_offset: f32,
     pub(crate) mean: In<'a, f32>,
     pub(crate) rstd: In<'a, f32>,
     pub(crate) dx: Out<'a, T>,

@@ -54,6 +54,19 @@ impl<T: Element, W: Weight<T>> RmsNorm<T, W> {
     }
 
     /// The device its weight (or its rows) live on.
+    /// The same op with a zero-centred weight: y = x * rstd * (1 + gamma), as Gemma keeps
+    /// its RMSNorm weights (see [`LayerNorm::with_zero_centered_weight`]).
+    pub fn with_zero_centered_weight(self) -> Result<Self> {
+        Ok(RmsNorm {
+            op: self.op.with_zero_centered_weight()?,
+        })
+    }
+
+    /// Whether the weight is zero-centred.
+    pub fn zero_centered_weight(&self) -> bool {
+        self.op.zero_centered_weight()
+    }
+
     pub fn device(&self) -> &Device {
         self.op.device()
     }

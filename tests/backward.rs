@@ -3,9 +3,7 @@
 
 mod common;
 
-use common::{
-    Rng, SHAPES, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, rel_err, to_f64, tolerance,
-};
+use common::{Problem, Rng, SHAPES, gpu_or_skip, poisoned, rel_err, to_f64, tolerance};
 use layernorm_cuda::{BackwardMode, Device, Element, Gradients, LayerNorm, bf16, f16};
 use layernorm_reference as reference;
 use ndarray::{Array1, Array2};
@@ -62,25 +60,8 @@ fn finite_difference_matches_reference() {
     }
 }
 
-/// Inputs of one backward check.
-struct Problem<T: Element> {
-    x: Array2<T>,
-    dy: Array2<T>,
-    gamma: Array1<T>,
-    beta: Array1<T>,
-}
-
+/// Backward checks of a problem of weights of the rows' own type.
 impl<T: Element> Problem<T> {
-    fn random(rows: usize, n: usize, seed: u64) -> Self {
-        let mut rng = Rng::new(seed);
-        Problem {
-            x: mixed_matrix(&mut rng, rows, n),
-            dy: random_matrix(&mut rng, rows, n),
-            gamma: random_vec(&mut rng, n, 1.0, 0.5),
-            beta: random_vec(&mut rng, n, 0.0, 0.5),
-        }
-    }
-
     /// Forward then backward on `device` with `mode`, into NaN-poisoned outputs.
     fn run(&self, device: &Device, mode: BackwardMode) -> (Array2<T>, Array1<T>, Array1<T>) {
         let (rows, n) = self.x.dim();

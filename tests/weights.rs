@@ -12,7 +12,7 @@
 
 mod common;
 
-use common::{Rng, SHAPES, gpu_or_skip, mixed_matrix, random_matrix, random_vec, rel_err, to_f64, tolerance};
+use common::{Problem, Rng, SHAPES, gpu_or_skip, mixed_matrix, random_vec, rel_err, to_f64, tolerance};
 use layernorm_cuda::plan::{Pass, plan};
 use layernorm_cuda::{BackwardMode, Device, Element, LayerNorm, RmsNorm, Weight, bf16, f16};
 use layernorm_reference as reference;
@@ -34,26 +34,6 @@ struct Outputs<T, W> {
     dgamma: Array1<W>,
     /// None for RMSNorm, which has no bias.
     dbeta: Option<Array1<W>>,
-}
-
-/// The inputs of one check: `[rows, n]` rows of `T`, weights of f32.
-struct Problem<T> {
-    x: Array2<T>,
-    dy: Array2<T>,
-    gamma: Array1<f32>,
-    beta: Array1<f32>,
-}
-
-impl<T: Element> Problem<T> {
-    fn random(rows: usize, n: usize, seed: u64) -> Self {
-        let mut rng = Rng::new(seed);
-        Problem {
-            x: mixed_matrix(&mut rng, rows, n),
-            dy: random_matrix(&mut rng, rows, n),
-            gamma: random_vec(&mut rng, n, 1.0, 0.5),
-            beta: random_vec(&mut rng, n, 0.0, 0.5),
-        }
-    }
 }
 
 /// Forward and backward of `norm` with weights `gamma` and `beta` (beta unused by RMSNorm).
@@ -98,8 +78,13 @@ fn run<T: Element, W: Weight<T>>(
 
 /// `LayerNorm<T, f32>` or `RmsNorm<T, f32>` against the float64 reference: y and dx to the
 /// rows' type's tolerance, dgamma and dbeta to f32's.
-fn check_reference<T: Element>(device: &Device, norm: Norm, mode: BackwardMode, p: &Problem<T>, what: &str)
-where
+fn check_reference<T: Element>(
+    device: &Device,
+    norm: Norm,
+    mode: BackwardMode,
+    p: &Problem<T, f32>,
+    what: &str,
+) where
     f32: Weight<T>,
 {
     let out = run::<T, f32>(device, norm, mode, &p.x, &p.dy, &p.gamma, &p.beta);
@@ -173,7 +158,7 @@ where
         for mode in MODES {
             for (i, &(rows, n)) in SHAPES.iter().enumerate() {
                 let seed = seed + i as u64;
-                let p = Problem::<T>::random(rows, n, seed);
+                let p = Problem::<T, f32>::random(rows, n, seed);
                 check_reference(device, norm, mode, &p, &format!("seed {seed}"));
             }
         }
@@ -195,7 +180,7 @@ fn gpu_f32_weights_match_reference() {
     // Long rows: the block-team and (sm_90) cluster kernels, held and not.
     for norm in [Norm::Layer, Norm::Rms] {
         for (rows, n, seed) in [(257, 32768, 9300), (33, 65536, 9301), (9, 40000, 9302)] {
-            let p = Problem::<bf16>::random(rows, n, seed);
+            let p = Problem::<bf16, f32>::random(rows, n, seed);
             check_reference(&gpu, norm, BackwardMode::Deterministic, &p, "long rows");
         }
     }
@@ -229,7 +214,7 @@ where
     for norm in [Norm::Layer, Norm::Rms] {
         for (i, &(rows, n)) in SHAPES.iter().enumerate() {
             let seed = seed + i as u64;
-            let p = Problem::<T>::random(rows, n, seed);
+            let p = Problem::<T, f32>::random(rows, n, seed);
             let narrow = |v: &Array1<f32>| v.mapv(T::from_f32);
             let (gamma, beta) = (narrow(&p.gamma), narrow(&p.beta));
             let widen = |v: &Array1<T>| v.mapv(|e| e.to_f32());

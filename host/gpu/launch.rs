@@ -115,6 +115,8 @@ pub(crate) struct Forward<'a, T, W> {
     pub(crate) rows: u32,
     pub(crate) n: u32,
     pub(crate) eps: f32,
+    /// Added to each gamma_j as the kernels read it (`params::Forward::gamma_offset`).
+    pub(crate) gamma_offset: f32,
     /// Every row of x and y, gamma and beta start 16-byte aligned (aligned views and n a
     /// whole number of packs).
     pub(crate) packed: bool,
@@ -150,7 +152,7 @@ pub(crate) fn forward<T: Element, W: Weight<T>>(
         output(gpu, &mut a.mean),
         output(gpu, &mut a.rstd),
     );
-    let (rows, n, eps) = (a.rows, a.n, a.eps);
+    let (rows, n, eps, gamma_offset) = (a.rows, a.n, a.eps, a.gamma_offset);
     let p = ByValue(params::Forward {
         x,
         gamma,
@@ -161,6 +163,7 @@ pub(crate) fn forward<T: Element, W: Weight<T>>(
         rows,
         n,
         eps,
+        gamma_offset,
     });
     let mut b = gpu.stream.launch_builder(f.func());
     b.arg(&p);
@@ -175,6 +178,8 @@ pub(crate) struct Backward<'a, T, W> {
     pub(crate) x: CudaView<'a, T>,
     pub(crate) dy: CudaView<'a, T>,
     pub(crate) gamma: CudaView<'a, W>,
+    /// As [`Forward::gamma_offset`].
+    pub(crate) gamma_offset: f32,
     pub(crate) mean: CudaView<'a, f32>,
     pub(crate) rstd: CudaView<'a, f32>,
     pub(crate) dx: CudaViewMut<'a, T>,
@@ -195,7 +200,7 @@ impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
             (input(gpu, &self.x), input(gpu, &self.dy), input(gpu, &self.gamma));
         let ((mean, gmean), (rstd, grstd)) = (input(gpu, &self.mean), input(gpu, &self.rstd));
         let (dx, gdx) = output(gpu, &mut self.dx);
-        let (rows, n) = (self.rows, self.n);
+        let (rows, n, gamma_offset) = (self.rows, self.n, self.gamma_offset);
         let p = ByValue(BackwardRows {
             x,
             dy,
@@ -205,6 +210,7 @@ impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
             dx,
             rows,
             n,
+            gamma_offset,
         });
         (p, [gx, gdy, ggamma, gmean, grstd, gdx])
     }

@@ -65,7 +65,9 @@ impl<T> Out<T> {
 pub unsafe trait KernelParams: Copy {}
 
 /// The forward's: `[rows, n]` x in, y out (of type `T`), `[n]` gamma and beta (of type `W`:
-/// `T`, or f32 beside f16 and bf16), `[rows]` f32 mean and rstd out, and eps.
+/// `T`, or f32 beside f16 and bf16), `[rows]` f32 mean and rstd out, eps, and what each
+/// gamma_j takes added as it is read (1 for zero-centred weights, else -0, which leaves
+/// every value's bits as they are).
 #[derive(Clone, Copy)]
 #[repr(C)]
 pub struct Forward<T, W> {
@@ -78,10 +80,11 @@ pub struct Forward<T, W> {
     pub rows: u32,
     pub n: u32,
     pub eps: f32,
+    pub gamma_offset: f32,
 }
 
 /// Every stage 1's rows: `[rows, n]` x and dy in, dx out (of type `T`), `[n]` gamma (of type
-/// `W`), and the forward's `[rows]` mean and rstd.
+/// `W`) and its offset (as [`Forward`]'s), and the forward's `[rows]` mean and rstd.
 #[derive(Clone, Copy)]
 #[repr(C)]
 pub struct BackwardRows<T, W> {
@@ -93,6 +96,7 @@ pub struct BackwardRows<T, W> {
     pub dx: Out<T>,
     pub rows: u32,
     pub n: u32,
+    pub gamma_offset: f32,
 }
 
 /// An owned-mode stage 1's partial buffers: `[R, n]` f32 each, one row per block (or

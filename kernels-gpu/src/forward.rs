@@ -4,8 +4,9 @@
 //!   mean = sum_j x_j / n
 //!   var  = sum_j (x_j - mean)^2 / n          (biased, as PyTorch)
 //!   rstd = 1 / sqrt(var + eps)
-//!   y_j  = (x_j - mean) * rstd * gamma_j + beta_j
-//! `mean` and `rstd` are written per row for the backward. RMSNorm (`CENTERED` = false, the
+//!   y_j  = (x_j - mean) * rstd * (gamma_j + gamma_offset) + beta_j
+//! (`gamma_offset` 1 for zero-centred weights, else -0: see [`Affine`]). `mean` and `rstd`
+//! are written per row for the backward. RMSNorm (`CENTERED` = false, the
 //! `rms_norm_fwd_*` kernels) takes the same statistics and normalizes as if the mean were 0:
 //!   rstd = 1 / sqrt(sum_j x_j^2 / n + eps) = 1 / sqrt(var + mean^2 + eps)
 //!   y_j  = x_j * rstd * gamma_j + beta_j     (the host passes zeros for an absent beta)
@@ -144,6 +145,30 @@ impl RowNorm {
     }
 }
 
+/// A launch's gamma and beta, and the offset each gamma_j takes as it is read:
+///   y_j = xhat_j * (gamma_j + gamma_offset) + beta_j
+/// 1 for zero-centred weights (the stored gamma is the weight's distance from 1, as Gemma
+/// and flash-attention's `zero_centered_weight` keep it), -0 otherwise: g + (-0) is g for
+/// every g, -0 included, so plain weights lose no bit to the add. The offset stays a kernel
+/// parameter, which the multiply reads from the constant bank, not a register.
+#[derive(Clone, Copy)]
+struct Affine<W> {
+    gamma: *const W,
+    beta: *const W,
+    gamma_offset: f32,
+}
+
+impl<W: Copy> Affine<W> {
+    #[inline(always)]
+    fn of<T: Copy>(p: Forward<T, W>) -> Self {
+        Affine {
+            gamma: p.gamma.ptr(),
+            beta: p.beta.ptr(),
+            gamma_offset: p.gamma_offset,
+        }
+    }
+}
+
 /// Normalizes rows `S::id(), S::id() + S::count(), ...`, one team per row.
 ///
 /// # Safety
@@ -151,7 +176,7 @@ impl RowNorm {
 /// hold `rows`.
 #[inline(always)]
 unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(p: Forward<T, W>) {
-    let (x, gamma, beta, y) = (p.x.ptr(), p.gamma.ptr(), p.beta.ptr(), p.y.ptr());
+    let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let staged = Staged::<PART_HELD>::after(SCRATCH_BYTES);
     let mut row = S::id();
@@ -161,24 +186,24 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
         let (x_row, y_row) = unsafe { (x.add(offset), y.add(offset)) };
         let packed = is_pack_aligned(x_row)
             && is_pack_aligned(y_row)
-            && is_pack_aligned(gamma)
-            && is_pack_aligned(beta);
+            && is_pack_aligned(affine.gamma)
+            && is_pack_aligned(affine.beta);
         // SAFETY: as above; `packed` was checked for every pointer the packed path reads.
         let norm = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
-                forward_row::<T, W, S, CENTERED, true, FWD_HELD>(x_row, gamma, beta, y_row, n, eps)
+                forward_row::<T, W, S, CENTERED, true, FWD_HELD>(x_row, affine, y_row, n, eps)
             } else if packed && S::HOLDS_PART_OF_LONG_ROWS && staged.holds::<T, S>(n) {
-                forward_row_staged::<T, W, S, CENTERED>(x_row, gamma, beta, y_row, n, eps, staged)
+                forward_row_staged::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps, staged)
             } else if packed {
-                forward_row::<T, W, S, CENTERED, true, 0>(x_row, gamma, beta, y_row, n, eps)
+                forward_row::<T, W, S, CENTERED, true, 0>(x_row, affine, y_row, n, eps)
             } else {
-                forward_row::<T, W, S, CENTERED, false, 0>(x_row, gamma, beta, y_row, n, eps)
+                forward_row::<T, W, S, CENTERED, false, 0>(x_row, affine, y_row, n, eps)
             }
         };
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
         unsafe {
-            let norm = norm
-                .unwrap_or_else(|| forward_row_huge::<T, W, S, CENTERED>(x_row, gamma, beta, y_row, n, eps));
+            let norm =
+                norm.unwrap_or_else(|| forward_row_huge::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps));
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         row += S::count();
@@ -202,8 +227,7 @@ unsafe fn forward_row<
     const HELD: usize,
 >(
     x: *const T,
-    gamma: *const W,
-    beta: *const W,
+    affine: Affine<W>,
     y: *mut T,
     n: u32,
     eps: f32,
@@ -239,7 +263,7 @@ unsafe fn forward_row<
         RowNorm::of(mean, m2, n, eps)?
     };
     // SAFETY: as for this function.
-    unsafe { write_y::<T, W, S, PACKED, HELD>(&held, x, gamma, beta, y, n, norm) };
+    unsafe { write_y::<T, W, S, PACKED, HELD>(&held, x, affine, y, n, norm) };
     Some(norm)
 }
 
@@ -254,8 +278,7 @@ unsafe fn forward_row<
 #[inline(always)]
 unsafe fn forward_row_huge<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     x: *const T,
-    gamma: *const W,
-    beta: *const W,
+    affine: Affine<W>,
     y: *mut T,
     n: u32,
     eps: f32,
@@ -280,7 +303,7 @@ unsafe fn forward_row_huge<T: Element, W: Element, S: StatsTeam, const CENTERED:
     };
     for_each_chunk::<T, S, false, 0>(n, |j, len, _| {
         // SAFETY: as above; the caller's guarantee for y, gamma and beta.
-        unsafe { write_y_chunk(gamma, beta, y, j, len, read(x, j, len), norm) }
+        unsafe { write_y_chunk(affine, y, j, len, read(x, j, len), norm) }
     });
     norm
 }
@@ -296,8 +319,7 @@ unsafe fn forward_row_huge<T: Element, W: Element, S: StatsTeam, const CENTERED:
 #[inline(always)]
 unsafe fn forward_row_staged<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     x: *const T,
-    gamma: *const W,
-    beta: *const W,
+    affine: Affine<W>,
     y: *mut T,
     n: u32,
     eps: f32,
@@ -333,8 +355,8 @@ unsafe fn forward_row_staged<T: Element, W: Element, S: StatsTeam, const CENTERE
     // SAFETY: y holds the row and gamma, beta its n columns (the caller's guarantee), all
     // 16-byte aligned; `held` and the staging hold this row's x.
     unsafe {
-        write_y::<T, W, S, true, PART_HELD>(&held, x, gamma, beta, y, n, norm);
-        staged.for_each::<T, S>(n, |j, v| write_y_chunk(gamma, beta, y, j, T::PACK, v, norm));
+        write_y::<T, W, S, true, PART_HELD>(&held, x, affine, y, n, norm);
+        staged.for_each::<T, S>(n, |j, v| write_y_chunk(affine, y, j, T::PACK, v, norm));
     }
     Some(norm)
 }
@@ -380,7 +402,8 @@ unsafe fn rank_m2<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usiz
     m2
 }
 
-/// y = xhat * gamma + beta over the row (xhat as `norm` gives it), x from registers where held. A
+/// y = xhat * (gamma + offset) + beta over the row (xhat as `norm` gives it, the weights as
+/// [`Affine`] holds them), x from registers where held. A
 /// streamed row is read again: from L2, not DRAM, while the rows in flight fit there.
 ///
 /// # Safety
@@ -389,15 +412,14 @@ unsafe fn rank_m2<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usiz
 unsafe fn write_y<T: Element, W: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
     held: &Held<HELD>,
     x: *const T,
-    gamma: *const W,
-    beta: *const W,
+    affine: Affine<W>,
     y: *mut T,
     n: u32,
     norm: RowNorm,
 ) {
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-        unsafe { write_y_chunk(gamma, beta, y, j, len, values(held, x, j, len, slot), norm) }
+        unsafe { write_y_chunk(affine, y, j, len, values(held, x, j, len, slot), norm) }
     });
 }
 
@@ -407,8 +429,7 @@ unsafe fn write_y<T: Element, W: Element, S: StatsTeam, const PACKED: bool, cons
 /// The chunk lies inside the row; a whole pack is 16-byte aligned in y, gamma and beta.
 #[inline(always)]
 unsafe fn write_y_chunk<T: Element, W: Element>(
-    gamma: *const W,
-    beta: *const W,
+    affine: Affine<W>,
     y: *mut T,
     j: u32,
     len: usize,
@@ -418,10 +439,10 @@ unsafe fn write_y_chunk<T: Element, W: Element>(
     let mut out = xv;
     // SAFETY: the caller's guarantee.
     unsafe {
-        for_each_weight_pack(gamma, j, len, |at, step, g| {
-            let b = read_cached(beta, j + at as u32, step);
+        for_each_weight_pack(affine.gamma, j, len, |at, step, g| {
+            let b = read_cached(affine.beta, j + at as u32, step);
             for k in 0..step {
-                out[at + k] = norm.xhat(xv[at + k]) * g[k] + b[k];
+                out[at + k] = norm.xhat(xv[at + k]) * (g[k] + affine.gamma_offset) + b[k];
             }
         })
     };
@@ -445,7 +466,7 @@ const PIPE_HELD: usize = crate::layout::PIPE_HELD as usize;
 unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     p: Forward<T, W>,
 ) {
-    let (x, gamma, beta, y) = (p.x.ptr(), p.gamma.ptr(), p.beta.ptr(), p.y.ptr());
+    let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let row_of = |row: u32| x.wrapping_add(row as usize * n as usize);
     // Past the last row nothing is loaded (the pipeline's end).
@@ -475,10 +496,10 @@ unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CEN
             let (m, m2) = uncentered::<CENTERED>(m, m2, n);
             let norm = match RowNorm::of(m, m2, n, eps) {
                 Some(norm) => {
-                    write_y::<T, W, S, true, PIPE_HELD>(&held, x_row, gamma, beta, y_row, n, norm);
+                    write_y::<T, W, S, true, PIPE_HELD>(&held, x_row, affine, y_row, n, norm);
                     norm
                 }
-                None => forward_row_huge::<T, W, S, CENTERED>(x_row, gamma, beta, y_row, n, eps),
+                None => forward_row_huge::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps),
             };
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }

@@ -23,6 +23,28 @@ pub const SHAPES: &[(usize, usize)] = &[
     (2, 262144),
 ];
 
+/// One forward-and-backward problem: `[rows, n]` x (rows of mixed scales) and dy of `T`,
+/// gamma (about 1) and beta (about 0) of `W`.
+pub struct Problem<T, W = T> {
+    pub x: Array2<T>,
+    pub dy: Array2<T>,
+    pub gamma: Array1<W>,
+    pub beta: Array1<W>,
+}
+
+impl<T: Element, W: Element> Problem<T, W> {
+    /// The same values for a seed whatever `W` is (drawn in f64, then rounded).
+    pub fn random(rows: usize, n: usize, seed: u64) -> Self {
+        let mut rng = Rng::new(seed);
+        Problem {
+            x: mixed_matrix(&mut rng, rows, n),
+            dy: random_matrix(&mut rng, rows, n),
+            gamma: random_vec(&mut rng, n, 1.0, 0.5),
+            beta: random_vec(&mut rng, n, 0.0, 0.5),
+        }
+    }
+}
+
 /// SplitMix64: small, seedable and the same on every platform, so a failing seed replays.
 pub struct Rng(u64);
 

@@ -3,7 +3,7 @@
 
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device::{self, fma};
-use crate::element::{Element, MAX_PACK, Pack, read_cached, write};
+use crate::element::{Element, MAX_PACK, Pack, write};
 use crate::row::{BWD_HELD, Held, for_each_chunk};
 use crate::team::Team;
 
@@ -169,7 +169,7 @@ pub(crate) unsafe fn backward_row_held<T: Element, W: Element, S: Team>(
     let held = |j: u32, slot: Option<usize>| {
         let c = slot.unwrap_or(0);
         // SAFETY: j is a pack of the row, aligned (the caller's guarantee).
-        let g = unsafe { read_cached(r.gamma, j, T::PACK) };
+        let g = unsafe { r.gamma(j, T::PACK) };
         (c, xs.pack::<T>(c), dys.pack::<T>(c), g)
     };
 

@@ -1,12 +1,15 @@
 //! LayerNorm and RMSNorm backward, in two stages.
 //!
-//! Per row i, with xhat_j = (x_j - mean_i) * rstd_i and wdy_j = gamma_j * dy_j:
+//! Per row i, with xhat_j = (x_j - mean_i) * rstd_i and wdy_j = w_j * dy_j, where the
+//! weight w_j is gamma_j + gamma_offset (1 for zero-centred weights, else -0; see
+//! [`Rows::gamma`]):
 //!   c1   = sum_j xhat_j * wdy_j / n
 //!   c2   = sum_j wdy_j / n                         (RMSNorm: 0, since y does not depend on
 //!                                                   x through a mean)
 //!   dx_j = rstd_i * ((wdy_j - c2) - xhat_j * c1)   (computed in halves, see `Centering`)
 //! and over all rows:
 //!   dgamma_j = sum_i dy_ij * xhat_ij        dbeta_j = sum_i dy_ij
+//! (dw_j / dgamma_j = 1, so the offset leaves dgamma as it is).
 //! RMSNorm's forward wrote 0 as each row's mean, so its xhat is x_j * rstd_i here.
 //!
 //! Stage 1 writes dx and adds each row's (dy * xhat, dy) into one row of an f32 partial
@@ -73,6 +76,7 @@ mod stage2;
 pub(crate) mod streamed;
 
 use crate::device::{self, fma};
+use crate::element::{Element, Pack, read_cached};
 use crate::layout::params::{BackwardRows, Groups, Partials, Reduce};
 use crate::team::{Block, SCRATCH_BYTES, StackedBlock, Warp};
 use held::stage1_held;
@@ -88,6 +92,8 @@ pub(crate) struct Rows<T, W> {
     pub(crate) x: *const T,
     pub(crate) dy: *const T,
     pub(crate) gamma: *const W,
+    /// Added to each gamma_j as it is read (see [`Rows::gamma`]).
+    pub(crate) gamma_offset: f32,
     pub(crate) mean: *const f32,
     pub(crate) rstd: *const f32,
     pub(crate) dx: *mut T,
@@ -110,6 +116,25 @@ impl<T, W> Rows<T, W> {
         if self.centered { sum_wdy } else { 0.0 }
     }
 
+    /// The weights of `len` columns from `j` (one, or a pack of the row's type), each with
+    /// the launch's offset added: gamma_j + 1 for zero-centred weights, and for others
+    /// gamma_j + (-0), which is gamma_j to the bit (the forward's `Affine` says why).
+    ///
+    /// # Safety
+    /// As [`read_cached`] requires of `gamma` + `j`.
+    #[inline(always)]
+    pub(crate) unsafe fn gamma(&self, j: u32, len: usize) -> Pack
+    where
+        W: Element,
+    {
+        // SAFETY: the caller's guarantee.
+        let mut g = unsafe { read_cached(self.gamma, j, len) };
+        for g in &mut g[..len] {
+            *g += self.gamma_offset;
+        }
+        g
+    }
+
     /// A launch's rows, all `n` columns of each.
     #[inline(always)]
     pub(crate) fn of(p: BackwardRows<T, W>, centered: bool) -> Self {
@@ -119,6 +144,7 @@ impl<T, W> Rows<T, W> {
             x,
             dy,
             gamma,
+            gamma_offset: p.gamma_offset,
             mean,
             rstd,
             dx,

@@ -5,7 +5,7 @@
 use super::partials::{GroupLock, PartialRow, padded, padded_len};
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device;
-use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, read_cached, write};
+use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, write};
 use crate::row::{BWD_HELD, Held, fits, for_each_chunk, prefetch, values};
 use crate::team::{SCRATCH_BYTES, Team};
 
@@ -69,7 +69,7 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
             (
                 values(&xs, x, j, len, slot),
                 values(&dys, dy, j, len, slot),
-                read_cached(r.gamma, j, len),
+                r.gamma(j, len),
             )
         };
         let (mut xhat, mut wdy) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
