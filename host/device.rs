@@ -46,8 +46,10 @@ impl Device {
     /// [`crate::BorrowedTensor`]). The context's cudarc event tracking stays as you set it;
     /// tensors are ordered across streams either way (README, "Guarantees").
     ///
-    /// Errors: [`Error::UnsupportedDevice`] before sm_80, [`Error::Driver`] where the module
-    /// does not load.
+    /// Errors: [`Error::UnsupportedDevice`] before sm_80. The kernels load later, each
+    /// norm's of each type pair when its first op is made ([`crate::LayerNorm::new`] and
+    /// the other constructors, or a candle op's first call): [`Error::Driver`] there where
+    /// a module does not load.
     pub fn from_cuda_stream(stream: Arc<cudarc::driver::CudaStream>) -> Result<Device> {
         Ok(Device {
             kind: Kind::Cuda(Arc::new(Gpu::on_stream(stream)?)),

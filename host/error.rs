@@ -113,6 +113,10 @@ pub enum Error {
     /// A zero-centred weight asked of an op without a weight (`without_affine`).
     #[error("the op has no weight to take as zero-centred")]
     NoWeight,
+    /// The embedded PTX lacks a kernel the registry lists: a build of this crate that is
+    /// out of step with itself (report it).
+    #[error("layernorm-cuda's PTX has no kernel {name}")]
+    MissingKernel { name: String },
 }
 
 /// This crate's `Result`.

@@ -170,6 +170,11 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
 
     fn build(n: usize, gamma: Param<W>, beta: Param<W>, eps: f32, norm: Norm) -> Result<Self> {
         check_config(n, eps)?;
+        if let Kind::Cuda(g) = &gamma.tensor().device().kind {
+            // The op's kernels are loaded (JIT-compiled, the first time on this device) here,
+            // not at its first call: that may be inside a CUDA graph capture, or timed.
+            g.kernels.of_norm::<T, W>(norm)?;
+        }
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
         Ok(LayerNorm {
             id,

@@ -39,7 +39,7 @@ fn driver_present() -> bool {
 }
 
 impl Gpu {
-    /// Opens device `ordinal` and loads the kernels.
+    /// Opens device `ordinal`; its kernels load at their first use (gpu/module.rs).
     pub(crate) fn open(ordinal: usize) -> Result<Gpu> {
         if !driver_present() {
             return Err(Error::NoDriver);
@@ -77,7 +77,7 @@ impl Gpu {
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .during("reading the multiprocessor count")? as u32;
-        let kernels = Arc::new(KernelTable::load(&ctx, major)?);
+        let kernels = Arc::new(KernelTable::new(&ctx, major)?);
         Ok(Gpu {
             stream,
             kernels,

@@ -274,7 +274,7 @@ pub(crate) fn backward_owned<T: Element, W: Weight<T>>(
         "owned smem",
     );
     require(local || team == Team::Block, "warp teams sum in shared memory");
-    let k = gpu.kernels.of_norm::<T, W>(a.norm);
+    let k = gpu.kernels.of_norm::<T, W>(a.norm)?;
     let f = k.any(if team == Team::Warp {
         Variant::BwdOwnedWarp
     } else {
@@ -319,7 +319,7 @@ pub(crate) fn backward_held<T: Element, W: Weight<T>>(
         launch.smem as usize >= held_smem::<T>(launch.threads * launch.stacked),
         "held smem",
     );
-    let k = gpu.kernels.of_norm::<T, W>(a.norm);
+    let k = gpu.kernels.of_norm::<T, W>(a.norm)?;
     let f = k.any(if team == Team::Warp {
         Variant::BwdHeldWarp
     } else {
@@ -367,7 +367,7 @@ pub(crate) fn backward_cluster<T: Element, W: Weight<T>>(
         part_dgamma.len() >= parts && part_dbeta.len() >= parts,
         "cluster partials",
     );
-    let k = gpu.kernels.of_norm::<T, W>(a.norm);
+    let k = gpu.kernels.of_norm::<T, W>(a.norm)?;
     let (kernel, smem) = if held {
         let slice = cluster_slice::<T>(a.n, size);
         let slice_fits = a.packed && fits_held::<T>(Team::Block, launch.threads, slice, BWD_HELD);
@@ -434,7 +434,7 @@ pub(crate) fn backward_locked<T: Element, W: Weight<T>>(
     );
     require(words.len() >= 2 * groups as usize, "lock words");
     require(launch.smem >= SCRATCH_BYTES, "scratch");
-    let k = gpu.kernels.of_norm::<T, W>(a.norm);
+    let k = gpu.kernels.of_norm::<T, W>(a.norm)?;
     let f = k.any(if team == Team::Warp {
         Variant::BwdLockedWarp
     } else {
@@ -459,11 +459,12 @@ pub(crate) fn backward_locked<T: Element, W: Weight<T>>(
     Ok(())
 }
 
-/// Stage 2: column sums of `[rows, n]` partials into dgamma and dbeta.
+/// Stage 2 (`f`, the module's `BwdReduce` kernel): column sums of `[rows, n]` partials into
+/// dgamma and dbeta.
 pub(crate) fn backward_reduce<W: Element>(
     gpu: &Gpu,
-    part_dgamma: &CudaViewMut<'_, f32>,
-    part_dbeta: &CudaViewMut<'_, f32>,
+    f: &Kernel,
+    (part_dgamma, part_dbeta): (&CudaViewMut<'_, f32>, &CudaViewMut<'_, f32>),
     rows: u32,
     n: u32,
     dgamma: &mut CudaViewMut<'_, W>,
@@ -496,7 +497,7 @@ pub(crate) fn backward_reduce<W: Element>(
         rows,
         n,
     });
-    let mut b = gpu.stream.launch_builder(gpu.kernels.reduce::<W>().func());
+    let mut b = gpu.stream.launch_builder(f.func());
     b.arg(&p);
     // SAFETY: `layer_norm_bwd_reduce_<W>` in kernels-gpu/src/backward/mod.rs takes one
     // `Reduce`, and every buffer holds what the kernel indexes.

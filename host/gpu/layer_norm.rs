@@ -62,7 +62,7 @@ fn balanced(launch: Launch, rows: u32, team: Team) -> Launch {
 /// Queues the forward of `[rows, n]` (rows, n >= 1).
 pub(crate) fn forward<T: Element, W: Weight<T>>(gpu: &Gpu, a: Forward<'_, T, W>) -> Result<()> {
     let plan = plan::<T, W>(a.n, Pass::Forward, a.packed, gpu.kernels.limits)?;
-    let kernel = gpu.kernels.of_norm::<T, W>(a.norm).any(plan.variant);
+    let kernel = gpu.kernels.of_norm::<T, W>(a.norm)?.any(plan.variant);
     let launch = resident(gpu, kernel, a.rows, &plan)?;
     launch::forward(gpu, kernel, launch, a)
 }
@@ -105,7 +105,8 @@ pub(crate) fn backward<T: Element, W: Weight<T>>(
     };
     let plan = plan::<T, W>(n, pass, stage1.packed, gpu.kernels.limits)?;
     let team = team_of(&plan);
-    let kernel = gpu.kernels.of_norm::<T, W>(stage1.norm).any(plan.variant);
+    let kernels = gpu.kernels.of_norm::<T, W>(stage1.norm)?;
+    let kernel = kernels.any(plan.variant);
     let (parts_dgamma, parts_dbeta, part_rows) = match (mode, plan.variant) {
         (
             Reduction::Owned,
@@ -159,8 +160,8 @@ pub(crate) fn backward<T: Element, W: Weight<T>>(
     };
     launch::backward_reduce(
         gpu,
-        &parts_dgamma,
-        &parts_dbeta,
+        kernels.any(Variant::BwdReduce),
+        (&parts_dgamma, &parts_dbeta),
         part_rows,
         n,
         &mut dgamma,

@@ -1,16 +1,19 @@
-//! The embedded PTX and its kernels: the module for the device's compute capability, loaded
-//! once, and every kernel the registry (`crate::layout::registry`) lists, by variant and
-//! type pair, with their occupancy queries.
+//! The embedded PTX and its kernels, with their occupancy queries. The PTX for the device's
+//! compute capability is loaded in parts, one module per norm and type pair, each when an op
+//! of that norm and pair is first made on the device: the driver JIT-compiles a module
+//! whole, and all 143 kernels of the sm_90 PTX take it about 29 s where its JIT cache is
+//! cold (docs/PERF.md, v18), of which a program that uses one norm on one type pair needs
+//! a tenth.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 
 use crate::element::{Element, Weight};
-use crate::error::{DriverContext, Result};
-use crate::layout::registry::{self, TYPE_PAIRS};
+use crate::error::{DriverContext, Error, Result};
+use crate::layout::registry::{self, TYPE_PAIRS, TypePair};
 use crate::plan::{Arch, DeviceLimits, Norm, Variant};
 
 /// The kernels for sm_80 and later, built from `kernels-gpu/` by build.rs.
@@ -102,85 +105,165 @@ impl Kernel {
     }
 }
 
-/// Every kernel of the loaded module, as the registry (`crate::layout::registry`) lists
-/// them, by norm, variant and type pair.
+/// The kernels of the device's PTX, loaded a module at a time: one module for each norm and
+/// type pair, holding the kernels its ops launch (`registry::kernels_of`).
 pub(crate) struct KernelTable {
-    /// `kernels[norm][variant][pair]`, in `Norm::ALL`, `Variant::ALL` and `TYPE_PAIRS` order;
-    /// None where the module lacks the kernel (the cluster kernels before sm_90), the norm
-    /// has none of its own (stage 2, which LayerNorm's serves for both), or the kernel does
-    /// not come in the pair (stage 2 of mixed pairs, whose weights' own pair serves).
-    kernels: [Vec<[Option<Kernel>; TYPE_PAIRS.len()]>; 2],
+    ctx: Arc<CudaContext>,
+    /// `modules[norm][pair]`, in `Norm::ALL` and `TYPE_PAIRS` order, set at first use.
+    modules: [[OnceLock<Module>; TYPE_PAIRS.len()]; 2],
+    /// Held while a module loads, so that two threads asking for one module at once
+    /// compile it once.
+    loading: Mutex<()>,
     /// What the planner needs of this device: its module, and the dynamic shared memory a
     /// block may have (the opt-in maximum).
     pub(crate) limits: DeviceLimits,
 }
 
+/// One loaded module's kernels, by variant (`Variant::ALL` order); None where the device's
+/// PTX lacks the variant (the cluster kernels before sm_90).
+struct Module {
+    kernels: Vec<Option<Kernel>>,
+}
+
 impl KernelTable {
-    /// JIT-compiles the PTX for this device (once per device) and looks up every kernel the
-    /// registry lists for its module: the sm_90 module (with the cluster kernels) on compute
-    /// capability 9.0 and later.
-    pub(crate) fn load(ctx: &Arc<CudaContext>, major: i32) -> Result<KernelTable> {
+    /// The kernel table of the device of `ctx`, whose compute capability is `major`.x:
+    /// the sm_90 PTX (with the cluster kernels) on 9.0 and later. Loads nothing yet.
+    pub(crate) fn new(ctx: &Arc<CudaContext>, major: i32) -> Result<KernelTable> {
         let max_smem = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .during("reading the shared memory limit")? as u32;
         let arch = if major >= 9 { Arch::Sm90 } else { Arch::Sm80 };
+        Ok(KernelTable {
+            ctx: ctx.clone(),
+            modules: Default::default(),
+            loading: Mutex::new(()),
+            limits: DeviceLimits { arch, max_smem },
+        })
+    }
+
+    /// `norm`'s kernels of x of type `T` with weights of type `W`, loading their module
+    /// (JIT-compiling its PTX) the first time they are asked for.
+    pub(crate) fn of_norm<T: Element, W: Weight<T>>(&self, norm: Norm) -> Result<TypeKernels<'_>> {
+        let slot = &self.modules[norm.index()][W::PAIR];
+        if let Some(module) = slot.get() {
+            return Ok(TypeKernels { module });
+        }
+        let _loading = self.loading.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.get().is_none() {
+            // Not set by another thread while this one waited: set only here, under the lock.
+            let module = self.load(norm, TYPE_PAIRS[W::PAIR])?;
+            let _ = slot.set(module);
+        }
+        let module = slot.get().expect("set above, under the lock");
+        Ok(TypeKernels { module })
+    }
+
+    /// JIT-compiles the module of `norm` and `pair`, and looks up each of its kernels.
+    fn load(&self, norm: Norm, pair: TypePair) -> Result<Module> {
+        let arch = self.limits.arch;
         let ptx = match arch {
             Arch::Sm90 => PTX_SM90,
             Arch::Sm80 => PTX_SM80,
         };
-        let module = ctx
-            .load_module(Ptx::from_src(ptx))
-            .during("loading the PTX module")?;
-        let mut kernels: [Vec<[Option<Kernel>; TYPE_PAIRS.len()]>; 2] = Default::default();
-        for table in &mut kernels {
-            table.resize_with(Variant::ALL.len(), Default::default);
+        let names: Vec<(Variant, String)> = registry::kernels_of(arch, norm, pair)
+            .map(|(norm, v, pair)| (v, format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name)))
+            .collect();
+        let part = ptx_part(ptx, names.iter().map(|(_, name)| name.as_str()))?;
+        let module = self
+            .ctx
+            .load_module(Ptx::from_src(part))
+            .during("loading a PTX module")?;
+        let mut kernels: Vec<Option<Kernel>> = Vec::new();
+        kernels.resize_with(Variant::ALL.len(), || None);
+        for (v, name) in &names {
+            kernels[*v as usize] = Some(Kernel::load(&module, name, self.limits.max_smem)?);
         }
-        for (norm, v, pair) in registry::kernels(arch) {
-            let name = format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name);
-            let at = TYPE_PAIRS
-                .iter()
-                .position(|&p| p == pair)
-                .expect("a registry pair");
-            kernels[norm.index()][v as usize][at] = Some(Kernel::load(&module, &name, max_smem)?);
-        }
-        let limits = DeviceLimits { arch, max_smem };
-        Ok(KernelTable { kernels, limits })
-    }
-
-    /// `norm`'s kernels of x of type `T` with weights of type `W`.
-    pub(crate) fn of_norm<T: Element, W: Weight<T>>(&self, norm: Norm) -> TypeKernels<'_> {
-        TypeKernels {
-            table: self,
-            norm,
-            pair: W::PAIR,
-        }
-    }
-
-    /// Stage 2 writing dgamma and dbeta of type `W` (LayerNorm's, which serves both norms
-    /// and every x type with those weights).
-    pub(crate) fn reduce<W: Element>(&self) -> &Kernel {
-        self.of_norm::<W, W>(Norm::Layer).any(Variant::BwdReduce)
+        Ok(Module { kernels })
     }
 }
 
-/// One type pair's kernels.
+/// The marker LLVM writes before each function of a PTX file.
+const FUNCTION_MARKER: &str = "\t// .globl\t";
+
+/// The PTX of the kernels `names` alone: the file's header (version, target, address size,
+/// the dynamic shared memory every kernel shares), then each kernel's text, from its
+/// `// .globl` marker to the next function's. Every kernel is one self-contained function
+/// (the kernels call nothing: `.ci/run` refuses a `call` in the PTX), so the part compiles
+/// as the whole does. A name the PTX lacks is this crate's bug, reported as
+/// `Error::MissingKernel`.
+fn ptx_part<'a>(ptx: &str, names: impl Iterator<Item = &'a str>) -> Result<String> {
+    let header_end = ptx.find(FUNCTION_MARKER).unwrap_or(ptx.len());
+    let mut part = String::with_capacity(ptx.len() / 8);
+    part.push_str(&ptx[..header_end]);
+    for name in names {
+        let marker = format!("{FUNCTION_MARKER}{name}\n");
+        let start = ptx.find(&marker).ok_or_else(|| Error::MissingKernel {
+            name: name.to_string(),
+        })?;
+        let body = start + marker.len();
+        let end = ptx[body..]
+            .find(FUNCTION_MARKER)
+            .map_or(ptx.len(), |at| body + at);
+        part.push_str(&ptx[start..end]);
+    }
+    Ok(part)
+}
+
+/// One type pair's kernels of one norm.
 #[derive(Clone, Copy)]
 pub(crate) struct TypeKernels<'a> {
-    table: &'a KernelTable,
-    norm: Norm,
-    pair: usize,
+    module: &'a Module,
 }
 
 impl<'a> TypeKernels<'a> {
-    /// The kernel, where the loaded module has it.
+    /// The kernel, where the device's PTX has it.
     pub(crate) fn get(self, v: Variant) -> Option<&'a Kernel> {
-        let norm = if self.norm.has(v) { self.norm } else { Norm::Layer };
-        self.table.kernels[norm.index()][v as usize][self.pair].as_ref()
+        self.module.kernels[v as usize].as_ref()
     }
 
     /// A kernel every module has.
     pub(crate) fn any(self, v: Variant) -> &'a Kernel {
         self.get(v)
             .unwrap_or_else(|| panic!("layernorm-cuda bug: {v:?} asked of a module that lacks it"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every module's part of both PTX files holds each of its kernels once, with the
+    /// header, and no other kernel: what the driver then compiles (on a GPU, every test
+    /// that launches).
+    #[test]
+    fn each_part_holds_its_kernels_whole() {
+        for (arch, ptx) in [(Arch::Sm80, PTX_SM80), (Arch::Sm90, PTX_SM90)] {
+            for norm in Norm::ALL {
+                for pair in TYPE_PAIRS {
+                    let names: Vec<String> = registry::kernels_of(arch, norm, pair)
+                        .map(|(norm, v, pair)| format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name))
+                        .collect();
+                    let part = ptx_part(ptx, names.iter().map(String::as_str)).unwrap();
+                    assert!(part.contains(".address_size 64") && part.contains("dynamic_smem[]"));
+                    assert_eq!(
+                        part.matches(".entry ").count(),
+                        names.len(),
+                        "{norm:?} {}",
+                        pair.name
+                    );
+                    for name in &names {
+                        assert_eq!(part.matches(&format!(".entry {name}(")).count(), 1, "{name}");
+                        // The kernel's text ends where the next function's marker starts.
+                        let whole = &ptx[ptx.find(&format!(".entry {name}(")).unwrap()..];
+                        let end = whole.find(FUNCTION_MARKER).unwrap_or(whole.len());
+                        assert!(part.contains(&whole[..end]), "{name} whole");
+                    }
+                }
+            }
+        }
+        assert!(matches!(
+            ptx_part(PTX_SM80, ["no_such_kernel"].into_iter()),
+            Err(Error::MissingKernel { .. })
+        ));
     }
 }

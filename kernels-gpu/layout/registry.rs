@@ -135,6 +135,28 @@ pub fn kernels(arch: Arch) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
     })
 }
 
+/// The kernels that `norm`'s ops on `pair` launch on `arch`, one per variant of the module,
+/// as (norm, variant, type pair) of the kernel's name: `norm`'s own kernel of `pair` where
+/// there is one, else the one that serves it (stage 2: LayerNorm's, of the weights' own
+/// type). What one lazily loaded module of the host holds.
+pub fn kernels_of(arch: Arch, norm: Norm, pair: TypePair) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
+    Variant::ALL
+        .into_iter()
+        .filter(move |&v| v.in_module(arch))
+        .map(move |v| {
+            let owner = if norm.has(v) { norm } else { Norm::Layer };
+            let served = if v.has_pair(pair) {
+                pair
+            } else {
+                match type_pair(pair.weights, pair.weights) {
+                    Some(p) => TYPE_PAIRS[p],
+                    None => panic!("every weight type has kernels of its own pair"),
+                }
+            };
+            (owner, v, served)
+        })
+}
+
 /// The two PTX modules: sm_80 (every GPU from the A100 on) and sm_90 (Hopper, with the
 /// cluster kernels).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
