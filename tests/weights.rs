@@ -12,8 +12,9 @@
 
 mod common;
 
-use common::{Problem, Rng, SHAPES, gpu_or_skip, mixed_matrix, random_vec, rel_err, to_f64, tolerance};
-use layernorm_cuda::plan::{Pass, plan};
+use common::{
+    Problem, Rng, SHAPES, gpu_or_skip, mixed_matrix, random_vec, rel_err, same_plans, to_f64, tolerance,
+};
 use layernorm_cuda::{BackwardMode, Device, Element, LayerNorm, RmsNorm, Weight, bf16, f16};
 use layernorm_reference as reference;
 use ndarray::{Array1, Array2};
@@ -184,26 +185,6 @@ fn gpu_f32_weights_match_reference() {
             check_reference(&gpu, norm, BackwardMode::Deterministic, &p, "long rows");
         }
     }
-}
-
-/// Whether the ops of weights `T` and f32 take the same kernels with the same blocks for
-/// rows of `n` on `device` (always on the CPU, which has one path).
-fn same_plans<T: Element>(device: &Device, n: usize, mode: BackwardMode) -> bool
-where
-    f32: Weight<T>,
-{
-    let Some(limits) = device.plan_limits() else {
-        return true;
-    };
-    let aligned = (n * size_of::<T>()).is_multiple_of(16);
-    let backward = match mode {
-        BackwardMode::Deterministic => Pass::BackwardDeterministic,
-        BackwardMode::Locked { .. } => Pass::BackwardLocked,
-    };
-    [Pass::Forward, backward].into_iter().all(|pass| {
-        plan::<T, T>(n as u32, pass, aligned, limits).ok()
-            == plan::<T, f32>(n as u32, pass, aligned, limits).ok()
-    })
 }
 
 /// With weights that are values of `T`, the f32-weight op against the op of `T` weights.

@@ -3,7 +3,8 @@
 //! (reference/), which ln-bench's check uses too.
 #![allow(dead_code)] // each test binary uses its own subset
 
-use layernorm_cuda::{Device, Element, Error, Tensor};
+use layernorm_cuda::plan::{Pass, plan};
+use layernorm_cuda::{BackwardMode, Device, Element, Error, Tensor, Weight};
 use ndarray::{Array, Array1, Array2, ArrayView, Dimension};
 
 /// (rows, n): single elements and rows; n odd (every row misaligned for 16-byte packs) or
@@ -174,4 +175,25 @@ pub fn poisoned<T: Element>(device: &Device, shape: &[usize]) -> Tensor<T> {
     device
         .full(shape, T::from_f32(f32::NAN))
         .expect("allocate a poisoned tensor")
+}
+
+/// Whether the ops of weights `T` and of f32 weights take the same kernels with the same
+/// blocks for rows of `n` on `device`, forward and backward in `mode` (always on the CPU,
+/// which has one path): where they do, the two sum in the same order.
+pub fn same_plans<T: Element>(device: &Device, n: usize, mode: BackwardMode) -> bool
+where
+    f32: Weight<T>,
+{
+    let Some(limits) = device.plan_limits() else {
+        return true;
+    };
+    let aligned = (n * size_of::<T>()).is_multiple_of(16);
+    let backward = match mode {
+        BackwardMode::Deterministic => Pass::BackwardDeterministic,
+        BackwardMode::Locked { .. } => Pass::BackwardLocked,
+    };
+    [Pass::Forward, backward].into_iter().all(|pass| {
+        plan::<T, T>(n as u32, pass, aligned, limits).ok()
+            == plan::<T, f32>(n as u32, pass, aligned, limits).ok()
+    })
 }
