@@ -678,7 +678,8 @@ fn forward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
 }
 
 /// This crate's device on the stream of a candle CUDA device. Made at the first call on
-/// that candle device, which loads the kernels into its context (too slow to do per call),
+/// that candle device, whose kernels then load into its context (each norm's of each type
+/// pair at its first call; far too slow to do per call),
 /// and kept for the life of the process, since nothing tells this crate when candle drops
 /// the device (programs make their few devices once): a later call finds it here, with the
 /// backward's scratch it keeps between calls.

@@ -40,7 +40,8 @@ impl Device {
 
     /// A handle on a stream of yours, in your context (`cudarc`'s, as you made it): this
     /// crate's work is queued on `stream`, in order with yours, and its kernels are loaded
-    /// into that context (once per call of this function). Tensors of this device and your
+    /// into that context (each norm's of each type pair when its first op is made on the
+    /// returned device, once per call of this function). Tensors of this device and your
     /// `CudaSlice`s of the same context pass between the two without a copy
     /// ([`crate::Tensor::from_cuda_slice`], [`crate::Tensor::into_cuda_slice`],
     /// [`crate::BorrowedTensor`]). The context's cudarc event tracking stays as you set it;

@@ -9,8 +9,8 @@ use super::module::KernelTable;
 use super::workspace::Workspace;
 use crate::error::{DriverContext, Error, Result};
 
-/// One device's context, the stream every operation of a `Device` handle runs on, and the
-/// loaded kernels.
+/// One device's context, the stream every operation of a `Device` handle runs on, and its
+/// kernels (each module loaded at first use).
 pub(crate) struct Gpu {
     pub(crate) stream: Arc<CudaStream>,
     pub(crate) kernels: Arc<KernelTable>,
@@ -62,7 +62,7 @@ impl Gpu {
     }
 
     /// A handle on `stream`, in whatever context it belongs to (this crate's or a caller's),
-    /// with the kernels loaded into that context. The context's cudarc event tracking is
+    /// whose kernels load into that context as they are first used. The context's cudarc event tracking is
     /// left as it is: in a caller's context that is the caller's setting (gpu/storage.rs
     /// says why either setting is sound for tensors).
     pub(crate) fn on_stream(stream: Arc<CudaStream>) -> Result<Gpu> {
