@@ -38,8 +38,8 @@ use crate::cpu::zeroed_with;
 use crate::device::Device;
 use crate::element::{Element, Weight};
 use crate::layer_norm::{
-    BackwardMode, BackwardOperands, ForwardOperands, In, Out, PLAIN_WEIGHT, backward_rows, check_config,
-    check_dim, forward_rows,
+    BackwardMode, BackwardOperands, ForwardOperands, In, Out, PLAIN_WEIGHT, ZERO_CENTERED_WEIGHT,
+    backward_rows, check_config, check_dim, forward_rows,
 };
 use crate::plan::Norm;
 
@@ -78,11 +78,18 @@ fn backward_name(norm: Norm) -> &'static str {
 /// them. CUDA tensors need the `candle-cuda` feature: candle's `cuda` links cudarc in a
 /// way this crate compiles with only when that feature is on (README, "From candle").
 pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result<Tensor> {
+    layer_norm_with(x, gamma, beta, eps, PLAIN_WEIGHT)
+}
+
+/// [`layer_norm`] with each gamma_j taken as gamma_j + `gamma_offset` (the op's
+/// `gamma_offset`: 1 for zero-centred weights, else -0).
+fn layer_norm_with(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32, gamma_offset: f32) -> Result<Tensor> {
     let norm = Norm::Layer;
     let [_, n] = rows_and_n(norm, x.shape())?;
     check_params(norm, x.dtype(), n, &[("gamma", gamma), ("beta", beta)], eps)?;
+    let op = Forward::new(norm, eps, gamma_offset);
     x.contiguous()?
-        .apply_op3(&gamma.contiguous()?, &beta.contiguous()?, Forward::new(norm, eps))
+        .apply_op3(&gamma.contiguous()?, &beta.contiguous()?, op)
 }
 
 /// y = RMSNorm(x) over the last dimension of x `[..., n]`: y = x * rstd * gamma with
@@ -91,11 +98,16 @@ pub fn layer_norm(x: &Tensor, gamma: &Tensor, beta: &Tensor, eps: f32) -> Result
 /// Where x or gamma are variables of candle's graph, `backward()` of a loss built on y gives
 /// their gradients. Inputs and errors as [`layer_norm`]'s.
 pub fn rms_norm(x: &Tensor, gamma: &Tensor, eps: f32) -> Result<Tensor> {
+    rms_norm_with(x, gamma, eps, PLAIN_WEIGHT)
+}
+
+/// [`rms_norm`] with gamma's offset as [`layer_norm_with`] takes it.
+fn rms_norm_with(x: &Tensor, gamma: &Tensor, eps: f32, gamma_offset: f32) -> Result<Tensor> {
     let norm = Norm::Rms;
     let [_, n] = rows_and_n(norm, x.shape())?;
     check_params(norm, x.dtype(), n, &[("gamma", gamma)], eps)?;
     x.contiguous()?
-        .apply_op2(&gamma.contiguous()?, Forward::new(norm, eps))
+        .apply_op2(&gamma.contiguous()?, Forward::new(norm, eps, gamma_offset))
 }
 
 /// LayerNorm as a candle layer: weight and bias `[n]`, applied by [`layer_norm`] to the
@@ -105,6 +117,8 @@ pub struct LayerNorm {
     weight: Tensor,
     bias: Tensor,
     eps: f32,
+    /// PLAIN_WEIGHT, or ZERO_CENTERED_WEIGHT ([`LayerNorm::with_zero_centered_weight`]).
+    gamma_offset: f32,
 }
 
 impl LayerNorm {
@@ -116,7 +130,27 @@ impl LayerNorm {
         let n = weight.dims1()?;
         let params = [("gamma", &weight), ("beta", &bias)];
         check_params(Norm::Layer, weight.dtype(), n, &params, eps)?;
-        Ok(LayerNorm { weight, bias, eps })
+        Ok(LayerNorm {
+            weight,
+            bias,
+            eps,
+            gamma_offset: PLAIN_WEIGHT,
+        })
+    }
+
+    /// The same layer with a zero-centred weight: y = xhat * (1 + weight) + bias, 1 +
+    /// weight formed in f32 as the kernels read it (as `crate::LayerNorm`'s
+    /// `with_zero_centered_weight`). The weight's gradient is the same sum as without.
+    pub fn with_zero_centered_weight(self) -> LayerNorm {
+        LayerNorm {
+            gamma_offset: ZERO_CENTERED_WEIGHT,
+            ..self
+        }
+    }
+
+    /// Whether the weight is zero-centred.
+    pub fn zero_centered_weight(&self) -> bool {
+        self.gamma_offset == ZERO_CENTERED_WEIGHT
     }
 
     pub fn weight(&self) -> &Tensor {
@@ -134,7 +168,7 @@ impl LayerNorm {
 
 impl Module for LayerNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        layer_norm(x, &self.weight, &self.bias, self.eps)
+        layer_norm_with(x, &self.weight, &self.bias, self.eps, self.gamma_offset)
     }
 }
 
@@ -144,6 +178,8 @@ impl Module for LayerNorm {
 pub struct RmsNorm {
     weight: Tensor,
     eps: f32,
+    /// As [`LayerNorm`]'s.
+    gamma_offset: f32,
 }
 
 impl RmsNorm {
@@ -153,7 +189,25 @@ impl RmsNorm {
     pub fn new(weight: Tensor, eps: f32) -> Result<RmsNorm> {
         let n = weight.dims1()?;
         check_params(Norm::Rms, weight.dtype(), n, &[("gamma", &weight)], eps)?;
-        Ok(RmsNorm { weight, eps })
+        Ok(RmsNorm {
+            weight,
+            eps,
+            gamma_offset: PLAIN_WEIGHT,
+        })
+    }
+
+    /// The same layer with a zero-centred weight: y = x * rstd * (1 + weight), as Gemma
+    /// keeps its RMSNorm weights (see [`LayerNorm::with_zero_centered_weight`]).
+    pub fn with_zero_centered_weight(self) -> RmsNorm {
+        RmsNorm {
+            gamma_offset: ZERO_CENTERED_WEIGHT,
+            ..self
+        }
+    }
+
+    /// Whether the weight is zero-centred.
+    pub fn zero_centered_weight(&self) -> bool {
+        self.gamma_offset == ZERO_CENTERED_WEIGHT
     }
 
     pub fn weight(&self) -> &Tensor {
@@ -167,7 +221,7 @@ impl RmsNorm {
 
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        rms_norm(x, &self.weight, self.eps)
+        rms_norm_with(x, &self.weight, self.eps, self.gamma_offset)
     }
 }
 
@@ -309,16 +363,20 @@ fn moved() -> Error {
 struct Forward {
     norm: Norm,
     eps: f32,
+    /// Added to each gamma_j as it is read (`crate::layer_norm::PLAIN_WEIGHT` or
+    /// `ZERO_CENTERED_WEIGHT`).
+    gamma_offset: f32,
     /// Set by the forward, which runs once: each call of [`layer_norm`] or [`rms_norm`]
     /// applies an op of its own.
     stats: OnceLock<Arc<Stats>>,
 }
 
 impl Forward {
-    fn new(norm: Norm, eps: f32) -> Forward {
+    fn new(norm: Norm, eps: f32, gamma_offset: f32) -> Forward {
         Forward {
             norm,
             eps,
+            gamma_offset,
             stats: OnceLock::new(),
         }
     }
@@ -336,12 +394,11 @@ impl Forward {
         gamma: Operand<'_, CpuStorage>,
         beta: Option<Operand<'_, CpuStorage>>,
     ) -> Result<(CpuStorage, Shape)> {
-        let (norm, eps) = (self.norm, self.eps);
         let (y, stats) = by_types!(
-            op_name(norm),
+            op_name(self.norm),
             x.0.dtype(),
             gamma.0.dtype(),
-            forward_cpu(norm, eps, x, gamma, beta)
+            forward_cpu(self, x, gamma, beta)
         )?;
         self.keep(stats)?;
         Ok((y, x.1.shape().clone()))
@@ -355,12 +412,11 @@ impl Forward {
         gamma: Operand<'_, CudaStorage>,
         beta: Option<Operand<'_, CudaStorage>>,
     ) -> Result<(CudaStorage, Shape)> {
-        let (norm, eps) = (self.norm, self.eps);
         let (y, stats) = by_types!(
-            op_name(norm),
+            op_name(self.norm),
             x.0.dtype(),
             gamma.0.dtype(),
-            forward_cuda(norm, eps, x, gamma, beta)
+            forward_cuda(self, x, gamma, beta)
         )?;
         self.keep(stats)?;
         Ok((y, x.1.shape().clone()))
@@ -375,6 +431,7 @@ impl Forward {
         let weight_grads = Arc::new(Mutex::new(None));
         let op = Backward {
             norm: self.norm,
+            gamma_offset: self.gamma_offset,
             stats,
             weight_grads: weight_grads.clone(),
         };
@@ -483,6 +540,8 @@ impl CustomOp2 for Forward {
 /// buffer of the weights' dtype, left in `weight_grads` for [`Handover`].
 struct Backward {
     norm: Norm,
+    /// The forward's.
+    gamma_offset: f32,
     stats: Arc<Stats>,
     weight_grads: Arc<Mutex<Option<Storage>>>,
 }
@@ -520,7 +579,7 @@ impl CustomOp3 for Backward {
             self.name(),
             x.dtype(),
             gamma.dtype(),
-            backward_cpu(self.norm, &self.stats, x, lx, gamma, lg, dy, ldy)
+            backward_cpu(self, x, lx, gamma, lg, dy, ldy)
         )?;
         self.leave(Storage::Cpu(weight_grads));
         Ok((dx, lx.shape().clone()))
@@ -540,7 +599,7 @@ impl CustomOp3 for Backward {
             self.name(),
             x.dtype(),
             gamma.dtype(),
-            backward_cuda(self.norm, &self.stats, x, lx, gamma, lg, dy, ldy)
+            backward_cuda(self, x, lx, gamma, lg, dy, ldy)
         )?;
         self.leave(Storage::Cuda(weight_grads));
         Ok((dx, lx.shape().clone()))
@@ -645,12 +704,12 @@ fn host<'a, T: WithDType>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'
 type Operand<'a, S> = (&'a S, &'a Layout);
 
 fn forward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
-    norm: Norm,
-    eps: f32,
+    op: &Forward,
     (x, lx): Operand<'_, CpuStorage>,
     (gamma, lg): Operand<'_, CpuStorage>,
     beta: Option<Operand<'_, CpuStorage>>,
 ) -> Result<(CpuStorage, Stats)> {
+    let (norm, eps) = (op.norm, op.eps);
     let [rows, n] = rows_and_n(norm, lx.shape())?;
     let mut y = zeroed::<T>(norm, rows * n)?;
     let (mut mean, mut rstd) = (zeroed(norm, rows)?, zeroed(norm, rows)?);
@@ -666,7 +725,7 @@ fn forward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
         let o = ForwardOperands {
             x: In::Host(host(x, lx)?),
             gamma: In::Host(host::<W>(gamma, lg)?),
-            gamma_offset: PLAIN_WEIGHT,
+            gamma_offset: op.gamma_offset,
             beta: In::Host(beta),
             y: Out::Host(&mut y),
             mean: Out::Host(&mut mean),
@@ -740,12 +799,12 @@ fn cuda_zeros<T: DeviceRepr + ValidAsZeroBits>(
 
 #[cfg(feature = "candle-cuda")]
 fn forward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType + ValidAsZeroBits>(
-    norm: Norm,
-    eps: f32,
+    op: &Forward,
     (x, lx): Operand<'_, CudaStorage>,
     (gamma, lg): Operand<'_, CudaStorage>,
     beta: Option<Operand<'_, CudaStorage>>,
 ) -> Result<(CudaStorage, Stats)> {
+    let (norm, eps) = (op.norm, op.eps);
     let [rows, n] = rows_and_n(norm, lx.shape())?;
     let device = device_of(norm, &x.device)?;
     let stream = x.device.cuda_stream();
@@ -763,7 +822,7 @@ fn forward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType + ValidAsZeroBi
         let o = ForwardOperands {
             x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
             gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
-            gamma_offset: PLAIN_WEIGHT,
+            gamma_offset: op.gamma_offset,
             beta: In::Cuda(beta),
             y: Out::Cuda(y.as_view_mut()),
             mean: Out::Cuda(mean.as_view_mut()),
@@ -776,10 +835,8 @@ fn forward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType + ValidAsZeroBi
 }
 
 /// dx in candle's CPU memory, and the weights' gradients (dgamma, then LayerNorm's dbeta).
-#[allow(clippy::too_many_arguments)] // the op's three operands and their layouts
 fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
-    norm: Norm,
-    stats: &Stats,
+    op: &Backward,
     x: &CpuStorage,
     lx: &Layout,
     gamma: &CpuStorage,
@@ -787,6 +844,7 @@ fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
     dy: &CpuStorage,
     ldy: &Layout,
 ) -> Result<(CpuStorage, CpuStorage)> {
+    let (norm, stats) = (op.norm, &op.stats);
     let [rows, n] = rows_and_n(norm, lx.shape())?;
     same_shape(norm, lx, ldy)?;
     let (mean, rstd) = stats.host()?;
@@ -798,7 +856,7 @@ fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
             x: In::Host(host(x, lx)?),
             dy: In::Host(host(dy, ldy)?),
             gamma: In::Host(host::<W>(gamma, lg)?),
-            gamma_offset: PLAIN_WEIGHT,
+            gamma_offset: op.gamma_offset,
             mean: In::Host(mean),
             rstd: In::Host(rstd),
             dx: Out::Host(&mut dx),
@@ -813,10 +871,8 @@ fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
 
 /// dx in candle's CUDA memory, and the weights' gradients, as [`backward_cpu`].
 #[cfg(feature = "candle-cuda")]
-#[allow(clippy::too_many_arguments)] // the op's three operands and their layouts
 fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType>(
-    norm: Norm,
-    stats: &Stats,
+    op: &Backward,
     x: &CudaStorage,
     lx: &Layout,
     gamma: &CudaStorage,
@@ -824,6 +880,7 @@ fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType>(
     dy: &CudaStorage,
     ldy: &Layout,
 ) -> Result<(CudaStorage, CudaStorage)> {
+    let (norm, stats) = (op.norm, &op.stats);
     let [rows, n] = rows_and_n(norm, lx.shape())?;
     same_shape(norm, lx, ldy)?;
     let (mean, rstd) = stats.cuda()?;
@@ -837,7 +894,7 @@ fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType>(
             x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
             dy: In::Cuda(cuda_in(&device, norm, "dy", (dy, ldy))?),
             gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
-            gamma_offset: PLAIN_WEIGHT,
+            gamma_offset: op.gamma_offset,
             mean: In::Cuda(mean.as_view()),
             rstd: In::Cuda(rstd.as_view()),
             dx: Out::Cuda(dx.as_view_mut()),

@@ -710,7 +710,7 @@ pub(crate) const PLAIN_WEIGHT: f32 = -0.0;
 
 /// The same for zero-centred weights ([`LayerNorm::with_zero_centered_weight`]): the
 /// weight is 1 + gamma_j, formed in f32.
-const ZERO_CENTERED_WEIGHT: f32 = 1.0;
+pub(crate) const ZERO_CENTERED_WEIGHT: f32 = 1.0;
 
 /// The operands of a forward, checked and ordered for the op's stream.
 pub(crate) struct ForwardOperands<'a, T, W> {

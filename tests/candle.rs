@@ -395,6 +395,68 @@ fn module_forward_is_the_function() {
     check_layers::<f32>();
 }
 
+/// The layers with a zero-centred weight w - 1 give the bits of the plain layers with w,
+/// forward and backward (w in [0.5, 1.5], so w - 1 and 1 + (w - 1) are exact), and the
+/// gradient of the zero-centred weight is the plain weight's.
+fn check_zero_centered<T: Element + WithDType, W: Element + WithDType>(device: &candle_core::Device) {
+    let p = Problem::<T, W>::new(&[5, 96], 9300);
+    let (x, gamma, beta, w) = p.tensors(device);
+    let centered = Var::from_tensor(&(gamma.as_tensor() - 1.0).unwrap()).unwrap();
+    let what = format!("{} x, {} weights on {device:?}", T::NAME, W::NAME);
+    for norm in [Norm::Layer, Norm::Rms] {
+        let run = |weight: &Var, zero_centered: bool| {
+            let y = match norm {
+                Norm::Layer => {
+                    let layer =
+                        LayerNorm::new(weight.as_tensor().clone(), beta.as_tensor().clone(), EPS).unwrap();
+                    let layer = if zero_centered {
+                        layer.with_zero_centered_weight()
+                    } else {
+                        layer
+                    };
+                    assert_eq!(layer.zero_centered_weight(), zero_centered);
+                    layer.forward(x.as_tensor()).unwrap()
+                }
+                Norm::Rms => {
+                    let layer = RmsNorm::new(weight.as_tensor().clone(), EPS).unwrap();
+                    let layer = if zero_centered {
+                        layer.with_zero_centered_weight()
+                    } else {
+                        layer
+                    };
+                    assert_eq!(layer.zero_centered_weight(), zero_centered);
+                    layer.forward(x.as_tensor()).unwrap()
+                }
+            };
+            let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let grad = |v: &Var| grads.get(v.as_tensor()).expect("a gradient").clone();
+            [y, grad(&x), grad(weight)].map(|t| {
+                let dtype = t.dtype();
+                host(&t, dtype, &what)
+            })
+        };
+        let (plain, zero_centered) = (run(&gamma, false), run(&centered, true));
+        for (i, name) in ["y", "dx", "dweight"].iter().enumerate() {
+            assert_eq!(
+                bits(&zero_centered[i]),
+                bits(&plain[i]),
+                "{norm:?} {what}: {name}"
+            );
+        }
+    }
+}
+
+fn check_zero_centered_all(device: &candle_core::Device) {
+    check_zero_centered::<f32, f32>(device);
+    check_zero_centered::<bf16, bf16>(device);
+    check_zero_centered::<f16, f32>(device);
+}
+
+#[test]
+fn cpu_zero_centered_layers() {
+    check_zero_centered_all(&candle_core::Device::Cpu);
+}
+
 /// M = 0: empty y and dx, zero dgamma and dbeta (sums over no rows). N = 0: all empty.
 fn check_empty(device: &candle_core::Device) {
     for (shape, n) in [((0, 5), 5), ((3, 0), 0)] {
@@ -584,6 +646,15 @@ fn gpu_empty_inputs() {
         return;
     };
     check_empty(&candle);
+}
+
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn gpu_zero_centered_layers() {
+    let Some((candle, _)) = candle_gpu_or_skip() else {
+        return;
+    };
+    check_zero_centered_all(&candle);
 }
 
 /// A CPU tensor beside a CUDA one is candle's device mismatch, not a panic.
