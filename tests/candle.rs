@@ -405,28 +405,23 @@ fn check_zero_centered<T: Element + WithDType, W: Element + WithDType>(device: &
     let what = format!("{} x, {} weights on {device:?}", T::NAME, W::NAME);
     for norm in [Norm::Layer, Norm::Rms] {
         let run = |weight: &Var, zero_centered: bool| {
+            // The two layers have the same calls, but no trait in common but `Module`.
+            macro_rules! forward {
+                ($layer:expr) => {{
+                    let layer = $layer.unwrap();
+                    let layer = if zero_centered {
+                        layer.with_zero_centered_weight()
+                    } else {
+                        layer
+                    };
+                    assert_eq!(layer.zero_centered_weight(), zero_centered);
+                    layer.forward(x.as_tensor()).unwrap()
+                }};
+            }
+            let weight_tensor = weight.as_tensor().clone();
             let y = match norm {
-                Norm::Layer => {
-                    let layer =
-                        LayerNorm::new(weight.as_tensor().clone(), beta.as_tensor().clone(), EPS).unwrap();
-                    let layer = if zero_centered {
-                        layer.with_zero_centered_weight()
-                    } else {
-                        layer
-                    };
-                    assert_eq!(layer.zero_centered_weight(), zero_centered);
-                    layer.forward(x.as_tensor()).unwrap()
-                }
-                Norm::Rms => {
-                    let layer = RmsNorm::new(weight.as_tensor().clone(), EPS).unwrap();
-                    let layer = if zero_centered {
-                        layer.with_zero_centered_weight()
-                    } else {
-                        layer
-                    };
-                    assert_eq!(layer.zero_centered_weight(), zero_centered);
-                    layer.forward(x.as_tensor()).unwrap()
-                }
+                Norm::Layer => forward!(LayerNorm::new(weight_tensor, beta.as_tensor().clone(), EPS)),
+                Norm::Rms => forward!(RmsNorm::new(weight_tensor, EPS)),
             };
             let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
             let grad = |v: &Var| grads.get(v.as_tensor()).expect("a gradient").clone();
