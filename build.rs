@@ -337,9 +337,13 @@ fn build_ptx(tc: &Toolchain, module: &Module, manifest: &Path, out: &Path) -> Re
             // Every helper inlined into its kernel, whatever LLVM's cost model says: with
             // twice the kernels sharing each helper it left a row loop's closure as a
             // called function in the f16 locked kernels, which ran 3x slower (docs/PERF.md,
-            // v18). `.ci/run` refuses a kernel that calls a function.
+            // v18). `.ci/run` refuses a kernel that calls a function. Calls in blocks that
+            // LLVM guesses cold (below 2% of the entry's frequency, behind nested branches,
+            // without a profile) have a threshold of their own, 45 by default.
             "-C",
             "llvm-args=-inline-threshold=100000",
+            "-C",
+            "llvm-args=-inline-cold-callsite-threshold=100000",
         ])
         .args(module.flags);
     let cargo = tc.cargo.display();
@@ -400,6 +404,9 @@ fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
             let (_, variant, pair) = expected.swap_remove(at);
             directives.clear();
             directives.push(format!(".maxntid {}, 1, 1", variant.max_threads(arch, pair)));
+            if variant.one_block_per_sm() {
+                directives.push(".minnctapersm 1".to_string());
+            }
             if variant.cluster() > 1 {
                 directives.push(format!(".reqnctapercluster {}, 1, 1", variant.cluster()));
             }

@@ -724,6 +724,7 @@ fn forward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
         };
         let o = ForwardOperands {
             x: In::Host(host(x, lx)?),
+            residual: None,
             gamma: In::Host(host::<W>(gamma, lg)?),
             gamma_offset: op.gamma_offset,
             beta: In::Host(beta),
@@ -821,6 +822,7 @@ fn forward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType + ValidAsZeroBi
         };
         let o = ForwardOperands {
             x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
+            residual: None,
             gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
             gamma_offset: op.gamma_offset,
             beta: In::Cuda(beta),
@@ -855,6 +857,7 @@ fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
         let o = BackwardOperands {
             x: In::Host(host(x, lx)?),
             dy: In::Host(host(dy, ldy)?),
+            dsum: None,
             gamma: In::Host(host::<W>(gamma, lg)?),
             gamma_offset: op.gamma_offset,
             mean: In::Host(mean),
@@ -893,6 +896,7 @@ fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType>(
         let o = BackwardOperands {
             x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
             dy: In::Cuda(cuda_in(&device, norm, "dy", (dy, ldy))?),
+            dsum: None,
             gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
             gamma_offset: op.gamma_offset,
             mean: In::Cuda(mean.as_view()),

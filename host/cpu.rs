@@ -252,6 +252,7 @@ const BACKWARD_PARTS: usize = 16;
 pub(crate) fn backward<T: Element, W: Element>(
     x: ArrayView2<'_, T>,
     dy: ArrayView2<'_, T>,
+    dsum: Option<ArrayView2<'_, T>>,
     gamma: ArrayView1<'_, W>,
     gamma_offset: f32,
     mean: ArrayView1<'_, f32>,
@@ -291,24 +292,33 @@ pub(crate) fn backward<T: Element, W: Element>(
         });
     }
     let gamma = &gamma_f32[..];
+    // Each part's rows of dsum, where there is one.
+    let dsum_parts: Vec<Option<ArrayView2<'_, T>>> = match &dsum {
+        Some(d) => d.axis_chunks_iter(Axis(0), rows_per_part).map(Some).collect(),
+        None => vec![None; sums.len()],
+    };
     let mut runs: Vec<BackwardRun<'_, T>> = x
         .axis_chunks_iter(Axis(0), rows_per_part)
         .zip(dy.axis_chunks_iter(Axis(0), rows_per_part))
+        .zip(dsum_parts)
         .zip(dx.axis_chunks_iter_mut(Axis(0), rows_per_part))
         .zip(mean.axis_chunks_iter(Axis(0), rows_per_part))
         .zip(rstd.axis_chunks_iter(Axis(0), rows_per_part))
         .zip(sums.iter_mut())
-        .map(|(((((x, dy), dx), mean), rstd), (dgamma, dbeta))| BackwardRun {
-            x,
-            dy,
-            dx,
-            mean,
-            rstd,
-            gamma,
-            centered,
-            dgamma,
-            dbeta,
-        })
+        .map(
+            |((((((x, dy), dsum), dx), mean), rstd), (dgamma, dbeta))| BackwardRun {
+                x,
+                dy,
+                dsum,
+                dx,
+                mean,
+                rstd,
+                gamma,
+                centered,
+                dgamma,
+                dbeta,
+            },
+        )
         .collect();
     // Each thread takes consecutive parts with a row scratch of its own.
     let per_thread = runs.len().div_ceil(threads);
@@ -334,6 +344,14 @@ pub(crate) fn backward<T: Element, W: Element>(
     Ok(())
 }
 
+/// The residual add of [`forward`] with a residual: s = x + residual, each element summed
+/// in f32 and rounded once to `T`, as the kernels form it.
+pub(crate) fn add_residual<T: Element>(x: &[T], residual: &[T], sum: &mut [T]) {
+    for ((s, x), r) in sum.iter_mut().zip(x).zip(residual) {
+        *s = T::from_f32(x.to_f32() + r.to_f32());
+    }
+}
+
 /// One thread's rows of f32 scratch in [`backward`].
 struct RowScratch {
     xs: Vec<f32>,
@@ -346,6 +364,7 @@ struct RowScratch {
 struct BackwardRun<'a, T> {
     x: ArrayView2<'a, T>,
     dy: ArrayView2<'a, T>,
+    dsum: Option<ArrayView2<'a, T>>,
     dx: ArrayViewMut2<'a, T>,
     mean: ArrayView1<'a, f32>,
     rstd: ArrayView1<'a, f32>,
@@ -368,7 +387,7 @@ impl<T: Element> RowLoop<T> for (&mut BackwardRun<'_, T>, &mut RowScratch) {
 ///   xhat = (x - mean) * rstd            (in f64: x - mean overflows f32 for rows that span
 ///                                        its range)
 ///   c1 = mean(xhat * g), c2 = mean(g)   (c2 = 0 for RMSNorm: no mean in its y)
-///   dx = rstd * (g - (xhat * c1 + c2))
+///   dx = rstd * (g - (xhat * c1 + c2))   (+ dsum, in f32, where given)
 /// and the part's sums dgamma += dy * xhat, dbeta += dy.
 #[inline(always)]
 fn backward_rows<T: Element>(
@@ -406,6 +425,11 @@ fn backward_rows<T: Element>(
         {
             *sg += (d * h) as f64;
             *sb += d as f64;
+        }
+        if let Some(dsum) = &run.dsum {
+            // x's row is done with: it takes dsum's.
+            widen_row(dsum.row(i), xs, &widen);
+            dxs.iter_mut().zip(xs.iter()).for_each(|(d, &s)| *d += s);
         }
         narrow_row(dxs, run.dx.row_mut(i), &narrow);
     }

@@ -260,21 +260,84 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
     /// As [`LayerNorm::forward`], writing y into `y` (same shape as x, a whole tensor and its
     /// storage's sole handle, even where x is empty).
     pub fn forward_into(&self, x: &Tensor<T>, y: &mut Tensor<T>) -> Result<Context<T>> {
+        self.forward_tensors(x, None, y)
+    }
+
+    /// The residual add of a pre-norm block fused with the norm, in one pass over memory:
+    ///   s = x + residual   (each element summed in f32 and rounded once to `T`)
+    ///   y = norm(s)
+    /// for x and residual `[..., n]` of one shape. Returns y, s (the residual stream's next
+    /// value) and the context, which holds s: the backward
+    /// ([`LayerNorm::backward_residual`]) differentiates through s, and its dx is the
+    /// gradient of x and of the residual alike.
+    pub fn forward_residual(
+        &self,
+        x: &Tensor<T>,
+        residual: &Tensor<T>,
+    ) -> Result<(Tensor<T>, Tensor<T>, Context<T>)> {
+        let mut y = self.device().empty(x.shape())?;
+        let mut sum = self.device().empty(x.shape())?;
+        let ctx = self.forward_residual_into(x, residual, &mut y, &mut sum)?;
+        Ok((y, sum, ctx))
+    }
+
+    /// As [`LayerNorm::forward_residual`], writing y and s into `y` and `sum` (x's shape,
+    /// whole tensors, each its storage's sole handle).
+    pub fn forward_residual_into(
+        &self,
+        x: &Tensor<T>,
+        residual: &Tensor<T>,
+        y: &mut Tensor<T>,
+        sum: &mut Tensor<T>,
+    ) -> Result<Context<T>> {
+        self.forward_tensors(x, Some((residual, sum)), y)
+    }
+
+    /// [`LayerNorm::forward_into`] and [`LayerNorm::forward_residual_into`]: the context
+    /// holds x, or s where there is a residual.
+    fn forward_tensors(
+        &self,
+        x: &Tensor<T>,
+        residual: Option<(&Tensor<T>, &mut Tensor<T>)>,
+        y: &mut Tensor<T>,
+    ) -> Result<Context<T>> {
         let [rows, n] = self.check_input("x", x)?;
         y.expect_shape("y", x.shape())?;
         self.device().check("y", y)?;
+        if let Some((r, s)) = &residual {
+            self.check_input("residual", r)?;
+            r.expect_shape("residual", x.shape())?;
+            s.expect_shape("sum", x.shape())?;
+            self.device().check("sum", s)?;
+        }
         // Refused whatever the shape, as the backward refuses its outputs, even where
         // nothing would be written.
         let y = y.data_mut("y")?;
+        let (residual, mut sum) = residual.unzip();
+        let sum_d = sum.as_mut().map(|s| s.data_mut("sum")).transpose()?;
         let dev = self.device();
         let (mut mean, mut rstd) = self.stats(rows)?;
         if rows > 0 && n > 0 {
             let (mean_d, rstd_d) = (mean.data_mut("mean")?, rstd.data_mut("rstd")?);
+            let residual = match (residual, sum_d) {
+                (Some(r), Some(s)) => Some((input(dev, r)?, output(dev, s)?)),
+                _ => None,
+            };
             let x = input(dev, x)?;
             let y = output(dev, y)?;
-            self.run_forward(rows, n, x, y, output(dev, mean_d)?, output(dev, rstd_d)?)?;
+            self.run_forward(
+                rows,
+                n,
+                x,
+                residual,
+                y,
+                output(dev, mean_d)?,
+                output(dev, rstd_d)?,
+            )?;
         }
-        Ok(self.context(x.clone(), mean, rstd))
+        // The rows normalized: s where there is a residual, else x.
+        let normalized = sum.map_or_else(|| x.clone(), |s| s.clone());
+        Ok(self.context(normalized, mean, rstd))
     }
 
     /// As [`LayerNorm::forward_into`], writing the statistics into `ctx`'s own mean and
@@ -306,7 +369,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
             let (mean_d, rstd_d) = (mean.data_mut("mean")?, rstd.data_mut("rstd")?);
             let x = input(dev, x)?;
             let y = output(dev, y)?;
-            self.run_forward(rows, n, x, y, output(dev, mean_d)?, output(dev, rstd_d)?)?;
+            self.run_forward(rows, n, x, None, y, output(dev, mean_d)?, output(dev, rstd_d)?)?;
         }
         if let Some((mean, rstd)) = fresh {
             (ctx.mean, ctx.rstd) = (mean, rstd);
@@ -338,7 +401,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
         if rows > 0 && n > 0 {
             let (mean_d, rstd_d) = (mean.data_mut("mean")?, rstd.data_mut("rstd")?);
             let (x, y) = (In::Cuda(x.view()), Out::Cuda(y.view_mut()));
-            self.run_forward(rows, n, x, y, output(dev, mean_d)?, output(dev, rstd_d)?)?;
+            self.run_forward(rows, n, x, None, y, output(dev, mean_d)?, output(dev, rstd_d)?)?;
         }
         Ok(self.context(x.clone(), mean, rstd))
     }
@@ -370,19 +433,22 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
 
     /// The forward of `[rows, n]` (both >= 1) with this op's parameters, on memory already
     /// checked and ordered for the op's stream.
-    fn run_forward(
+    #[allow(clippy::too_many_arguments)]
+    fn run_forward<'a>(
         &self,
         rows: usize,
         n: usize,
-        x: In<'_, T>,
-        y: Out<'_, T>,
-        mean: Out<'_, f32>,
-        rstd: Out<'_, f32>,
+        x: In<'a, T>,
+        residual: Option<(In<'a, T>, Out<'a, T>)>,
+        y: Out<'a, T>,
+        mean: Out<'a, f32>,
+        rstd: Out<'a, f32>,
     ) -> Result<()> {
         let dev = self.device();
         let (gamma, beta) = (input(dev, self.gamma.tensor())?, input(dev, self.beta.tensor())?);
         let o = ForwardOperands {
             x,
+            residual,
             gamma,
             gamma_offset: self.gamma_offset,
             beta,
@@ -396,6 +462,26 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
     /// dx, and dgamma and dbeta for the parameters the op has, for upstream gradient `dy`
     /// (the shape of x).
     pub fn backward(&self, ctx: &Context<T>, dy: &Tensor<T>) -> Result<Gradients<T, W>> {
+        self.backward_residual(ctx, dy, None)
+    }
+
+    /// As [`LayerNorm::backward`], writing into `grads` (shapes as `backward` returns them;
+    /// dgamma and dbeta `Some` exactly where the op has gamma and beta).
+    pub fn backward_into(&self, ctx: &Context<T>, dy: &Tensor<T>, grads: &mut Gradients<T, W>) -> Result<()> {
+        self.backward_residual_into(ctx, dy, None, grads)
+    }
+
+    /// The backward of [`LayerNorm::forward_residual`]: `dy` is y's gradient, and `dsum`
+    /// the gradient that reaches s from the residual stream (the next block's input), where
+    /// there is one. dx = d/ds (through the norm) + dsum, which is the gradient of both x
+    /// and the residual; dgamma and dbeta as [`LayerNorm::backward`]'s. With `dsum` `None`
+    /// this is `backward`.
+    pub fn backward_residual(
+        &self,
+        ctx: &Context<T>,
+        dy: &Tensor<T>,
+        dsum: Option<&Tensor<T>>,
+    ) -> Result<Gradients<T, W>> {
         let dev = self.device();
         let n = self.n;
         let param_grad = |p: &Param<W>| p.given().map(|_| dev.empty(&[n])).transpose();
@@ -404,18 +490,28 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
             dgamma: param_grad(&self.gamma)?,
             dbeta: param_grad(&self.beta)?,
         };
-        self.backward_into(ctx, dy, &mut grads)?;
+        self.backward_residual_into(ctx, dy, dsum, &mut grads)?;
         Ok(grads)
     }
 
-    /// As [`LayerNorm::backward`], writing into `grads` (shapes as `backward` returns them;
-    /// dgamma and dbeta `Some` exactly where the op has gamma and beta).
-    pub fn backward_into(&self, ctx: &Context<T>, dy: &Tensor<T>, grads: &mut Gradients<T, W>) -> Result<()> {
+    /// As [`LayerNorm::backward_residual`], writing into `grads` (as
+    /// [`LayerNorm::backward_into`]).
+    pub fn backward_residual_into(
+        &self,
+        ctx: &Context<T>,
+        dy: &Tensor<T>,
+        dsum: Option<&Tensor<T>>,
+        grads: &mut Gradients<T, W>,
+    ) -> Result<()> {
         if ctx.op != self.id {
             return Err(Error::ForeignContext);
         }
         let [rows, n] = self.check_input("dy", dy)?;
         dy.expect_shape("dy", ctx.x.shape())?;
+        if let Some(d) = dsum {
+            self.check_input("dsum", d)?;
+            d.expect_shape("dsum", ctx.x.shape())?;
+        }
         grads.dx.expect_shape("dx", dy.shape())?;
         self.check_param_grad("dgamma", &self.gamma, grads.dgamma.as_ref().map(Tensor::shape))?;
         self.check_param_grad("dbeta", &self.beta, grads.dbeta.as_ref().map(Tensor::shape))?;
@@ -441,6 +537,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
             BackwardOperands {
                 x: input(dev, &ctx.x)?,
                 dy: input(dev, dy)?,
+                dsum: dsum.map(|d| input(dev, d)).transpose()?,
                 gamma: input(dev, self.gamma.tensor())?,
                 gamma_offset: self.gamma_offset,
                 mean: input(dev, &ctx.mean)?,
@@ -490,6 +587,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
             BackwardOperands {
                 x: In::Cuda(ctx.x.view()),
                 dy: In::Cuda(dy.view()),
+                dsum: None,
                 gamma: input(dev, self.gamma.tensor())?,
                 gamma_offset: self.gamma_offset,
                 mean: input(dev, &ctx.mean)?,
@@ -560,6 +658,7 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
 ) -> Result<()> {
     let ForwardOperands {
         x,
+        residual,
         gamma,
         gamma_offset,
         beta,
@@ -569,6 +668,15 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
     } = o;
     match (x, gamma, beta, y, mean, rstd, &dev.kind) {
         (In::Host(x), In::Host(gamma), In::Host(beta), Out::Host(y), Out::Host(mean), Out::Host(rstd), _) => {
+            // With a residual, s is formed first and normalized as x would be.
+            let x: &[T] = match residual {
+                Some((In::Host(r), Out::Host(s))) => {
+                    cpu::add_residual(x, r, s);
+                    s
+                }
+                None => x,
+                Some(_) => unreachable!("checked: every operand lives on the op's device"),
+            };
             cpu::forward(
                 rows_of(x, rows, n),
                 ArrayView1::from(gamma),
@@ -592,9 +700,18 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
             Out::Cuda(rstd),
             Kind::Cuda(g),
         ) => {
-            let packed = packed_rows(n, &g.stream, &[&x], &[&gamma, &beta], &y);
+            let residual = match residual {
+                Some((In::Cuda(r), Out::Cuda(s))) => Some((r, s)),
+                None => None,
+                Some(_) => unreachable!("checked: every operand lives on the op's device"),
+            };
+            let packed = match &residual {
+                Some((r, s)) => packed_rows(n, &g.stream, &[&x, r], &[&gamma, &beta], &[&y, s]),
+                None => packed_rows(n, &g.stream, &[&x], &[&gamma, &beta], &[&y]),
+            };
             let a = Forward {
                 x,
+                residual,
                 gamma,
                 beta,
                 y,
@@ -658,6 +775,10 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>>(
         ) => cpu::backward(
             rows_of(x, rows, n),
             rows_of(dy, rows, n),
+            o.dsum.map(|d| match d {
+                In::Host(d) => rows_of(d, rows, n),
+                In::Cuda(_) => unreachable!("checked: every operand lives on the op's device"),
+            }),
             ArrayView1::from(gamma),
             o.gamma_offset,
             ArrayView1::from(mean),
@@ -678,10 +799,18 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>>(
             Out::Cuda(dbeta),
             Kind::Cuda(g),
         ) => {
-            let packed = packed_rows(n, &g.stream, &[&x, &dy], &[&gamma], &dx);
+            let dsum = o.dsum.map(|d| match d {
+                In::Cuda(d) => d,
+                In::Host(_) => unreachable!("checked: every operand lives on the op's device"),
+            });
+            let packed = match &dsum {
+                Some(d) => packed_rows(n, &g.stream, &[&x, &dy, d], &[&gamma], &[&dx]),
+                None => packed_rows(n, &g.stream, &[&x, &dy], &[&gamma], &[&dx]),
+            };
             let a = Backward {
                 x,
                 dy,
+                dsum,
                 gamma,
                 gamma_offset: o.gamma_offset,
                 mean,
@@ -715,6 +844,8 @@ pub(crate) const ZERO_CENTERED_WEIGHT: f32 = 1.0;
 /// The operands of a forward, checked and ordered for the op's stream.
 pub(crate) struct ForwardOperands<'a, T, W> {
     pub(crate) x: In<'a, T>,
+    /// The residual, and s = x + residual out, which is then normalized in x's place.
+    pub(crate) residual: Option<(In<'a, T>, Out<'a, T>)>,
     pub(crate) gamma: In<'a, W>,
     /// Added to each gamma_j as it is read: [`PLAIN_WEIGHT`] or [`ZERO_CENTERED_WEIGHT`].
     pub(crate) gamma_offset: f32,
@@ -727,8 +858,11 @@ pub(crate) struct ForwardOperands<'a, T, W> {
 /// The operands of a backward, checked and ordered for the op's stream. dgamma and dbeta
 /// are `None` for the parameters the op lacks.
 pub(crate) struct BackwardOperands<'a, T, W> {
+    /// x, or s after a residual forward.
     pub(crate) x: In<'a, T>,
     pub(crate) dy: In<'a, T>,
+    /// The gradient reaching s from the residual stream, which dx includes.
+    pub(crate) dsum: Option<In<'a, T>>,
     pub(crate) gamma: In<'a, W>,
     /// As [`ForwardOperands::gamma_offset`].
     pub(crate) gamma_offset: f32,
@@ -827,8 +961,8 @@ fn rows_of_mut<T: Element>(v: &mut [T], rows: usize, n: usize) -> ArrayViewMut2<
     ArrayViewMut2::from_shape((rows, n), v).expect("checked shape")
 }
 
-/// Whether every row of `n` elements starts on a 16-byte boundary in each of `inputs`, in
-/// `output` and in the `weights`: n a whole number of 16-byte packs of `T` (then also of
+/// Whether every row of `n` elements starts on a 16-byte boundary in each of `inputs`,
+/// `outputs` and `weights`: n a whole number of 16-byte packs of `T` (then also of
 /// `W`, which is no narrower), and each start address a multiple of 16 (this crate's whole
 /// tensors always are: device allocations are aligned for any type, 256 bytes or more;
 /// views and memory of the caller's need not be).
@@ -837,7 +971,7 @@ fn packed_rows<T: Element, W: Weight<T>>(
     stream: &cudarc::driver::CudaStream,
     inputs: &[&CudaView<'_, T>],
     weights: &[&CudaView<'_, W>],
-    output: &CudaViewMut<'_, T>,
+    outputs: &[&CudaViewMut<'_, T>],
 ) -> bool {
     // Where the context tracks events, `device_ptr` records a read on `stream`, which the
     // launch that follows does anyway.
@@ -848,5 +982,5 @@ fn packed_rows<T: Element, W: Weight<T>>(
     (n * size_of::<T>()).is_multiple_of(16)
         && inputs.iter().all(|v| aligned(*v, stream))
         && weights.iter().all(|v| aligned(*v, stream))
-        && aligned(output, stream)
+        && outputs.iter().all(|v| aligned(*v, stream))
 }

@@ -8,7 +8,8 @@
 //!   per row, about 4 packs a thread.
 //! - Forward: rows all of aligned packs that fit 4 packs a thread take the pipelined kernel
 //!   (two rows in flight a team); the others the general one, which holds rows of up to 8
-//!   packs a thread and stages longer aligned rows in shared memory where it has room.
+//!   packs a thread and stages longer aligned rows in shared memory where it has room. With
+//!   a residual add, the residual kernel of the team (the general one's rows, no staging).
 //! - Backward, deterministic: on sm_90, block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
 //!   of 2, 4 or 8 blocks whose slices fit, else the general cluster of 8; rows all of
@@ -16,6 +17,7 @@
 //!   the thread limit and shared memory allow); the rest the owned kernel, summing in shared
 //!   memory where it fits.
 //! - Backward, locked: the locked kernel of the team.
+//! - Backward with a residual's dsum: as above, without clusters.
 
 pub use crate::layout::registry::{Arch, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
@@ -51,10 +53,17 @@ impl DeviceLimits {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Pass {
     Forward,
+    /// The forward with a residual add (s = x + residual normalized): its own kernels, which
+    /// form s before each row and then take it as the general forward does, without
+    /// staging in shared memory.
+    ForwardResidual,
     /// Backward stage 1, each team owning its partial rows (bitwise reproducible).
     BackwardDeterministic,
     /// Backward stage 1, partials into spinlocked groups.
     BackwardLocked,
+    /// As `BackwardDeterministic`, with the gradient reaching a residual forward's s added
+    /// to dx: never over clusters, whose kernels take none (long rows take the owned kernel).
+    BackwardDeterministicResidual,
 }
 
 /// One launch's kernel and block.
@@ -109,7 +118,9 @@ pub fn plan<T: Element, W: Weight<T>>(
     };
     match pass {
         Pass::Forward => Ok(planner.forward()),
-        Pass::BackwardDeterministic => planner.deterministic(),
+        Pass::ForwardResidual => Ok(planner.forward_residual()),
+        Pass::BackwardDeterministic => planner.deterministic(true),
+        Pass::BackwardDeterministicResidual => planner.deterministic(false),
         Pass::BackwardLocked => Ok(planner.locked()),
     }
 }
@@ -203,12 +214,16 @@ impl<T: Element> Planner<T> {
         }
     }
 
+    fn forward_residual(&self) -> Plan {
+        self.team_plan(Variant::FwdResidualWarp, Variant::FwdResidualBlock)
+    }
+
     fn locked(&self) -> Plan {
         self.team_plan(Variant::BwdLockedWarp, Variant::BwdLockedBlock)
     }
 
-    fn deterministic(&self) -> Result<Plan> {
-        if let Some(plan) = self.cluster() {
+    fn deterministic(&self, clusters: bool) -> Result<Plan> {
+        if let Some(plan) = self.cluster().filter(|_| clusters) {
             return Ok(plan);
         }
         if let Some(plan) = self.held() {

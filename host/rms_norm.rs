@@ -53,7 +53,6 @@ impl<T: Element, W: Weight<T>> RmsNorm<T, W> {
         })
     }
 
-    /// The device its weight (or its rows) live on.
     /// The same op with a zero-centred weight: y = x * rstd * (1 + gamma), as Gemma keeps
     /// its RMSNorm weights (see [`LayerNorm::with_zero_centered_weight`]).
     pub fn with_zero_centered_weight(self) -> Result<Self> {
@@ -67,6 +66,7 @@ impl<T: Element, W: Weight<T>> RmsNorm<T, W> {
         self.op.zero_centered_weight()
     }
 
+    /// The device its weight (or its rows) live on.
     pub fn device(&self) -> &Device {
         self.op.device()
     }
@@ -99,6 +99,27 @@ impl<T: Element, W: Weight<T>> RmsNorm<T, W> {
         self.op.forward_into(x, y)
     }
 
+    /// The residual add fused with the norm (as [`LayerNorm::forward_residual`]): s = x +
+    /// residual, y = RMSNorm(s); returns y, s and the context (of s).
+    pub fn forward_residual(
+        &self,
+        x: &Tensor<T>,
+        residual: &Tensor<T>,
+    ) -> Result<(Tensor<T>, Tensor<T>, Context<T>)> {
+        self.op.forward_residual(x, residual)
+    }
+
+    /// As [`RmsNorm::forward_residual`], into `y` and `sum` (x's shape).
+    pub fn forward_residual_into(
+        &self,
+        x: &Tensor<T>,
+        residual: &Tensor<T>,
+        y: &mut Tensor<T>,
+        sum: &mut Tensor<T>,
+    ) -> Result<Context<T>> {
+        self.op.forward_residual_into(x, residual, y, sum)
+    }
+
     /// As [`LayerNorm::forward_into_context`]: the statistics into an earlier call's
     /// context, allocating nothing where it holds them alone (for CUDA graphs).
     pub fn forward_into_context(&self, x: &Tensor<T>, y: &mut Tensor<T>, ctx: &mut Context<T>) -> Result<()> {
@@ -122,6 +143,29 @@ impl<T: Element, W: Weight<T>> RmsNorm<T, W> {
     /// As [`RmsNorm::backward`], into `grads` (its `dbeta` must be `None`).
     pub fn backward_into(&self, ctx: &Context<T>, dy: &Tensor<T>, grads: &mut Gradients<T, W>) -> Result<()> {
         self.op.backward_into(ctx, dy, grads)
+    }
+
+    /// The backward of [`RmsNorm::forward_residual`] (as [`LayerNorm::backward_residual`]):
+    /// dx (of x and of the residual alike) includes `dsum`, the gradient reaching s from the
+    /// residual stream, where given.
+    pub fn backward_residual(
+        &self,
+        ctx: &Context<T>,
+        dy: &Tensor<T>,
+        dsum: Option<&Tensor<T>>,
+    ) -> Result<Gradients<T, W>> {
+        self.op.backward_residual(ctx, dy, dsum)
+    }
+
+    /// As [`RmsNorm::backward_residual`], into `grads` (its `dbeta` must be `None`).
+    pub fn backward_residual_into(
+        &self,
+        ctx: &Context<T>,
+        dy: &Tensor<T>,
+        dsum: Option<&Tensor<T>>,
+        grads: &mut Gradients<T, W>,
+    ) -> Result<()> {
+        self.op.backward_residual_into(ctx, dy, dsum, grads)
     }
 
     /// As [`LayerNorm::backward_borrowed`]: on memory the caller keeps owning.

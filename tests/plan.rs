@@ -22,10 +22,16 @@ use layernorm_cuda::{Element, Weight, bf16, f16};
 
 /// (type pair, pass, n) the GPU tests run on whole tensors (aligned where n is whole
 /// packs): every shape of `common::SHAPES` in every type pair (tests/weights.rs runs the
-/// f32 weights), pass and mode, and the long rows of tests/forward.rs and tests/backward.rs
+/// f32 weights), pass and mode (tests/residual.rs the residual passes), and the long rows of tests/forward.rs and tests/backward.rs
 /// in the types they use.
 fn test_cases() -> Vec<(usize, Pass, u32)> {
-    let passes = [Pass::Forward, Pass::BackwardDeterministic, Pass::BackwardLocked];
+    let passes = [
+        Pass::Forward,
+        Pass::BackwardDeterministic,
+        Pass::BackwardLocked,
+        Pass::ForwardResidual,
+        Pass::BackwardDeterministicResidual,
+    ];
     let mut cases = Vec::new();
     for &(_, n) in common::SHAPES {
         for dtype in 0..layout::registry::TYPE_PAIRS.len() {

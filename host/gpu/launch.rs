@@ -107,6 +107,9 @@ fn require(cond: bool, what: &str) {
 /// alignment).
 pub(crate) struct Forward<'a, T, W> {
     pub(crate) x: CudaView<'a, T>,
+    /// The residual add: the residual, and s = x + residual out (`[rows, n]` each), which
+    /// the kernel then normalizes.
+    pub(crate) residual: Option<(CudaView<'a, T>, CudaViewMut<'a, T>)>,
     pub(crate) gamma: CudaView<'a, W>,
     pub(crate) beta: CudaView<'a, W>,
     pub(crate) y: CudaViewMut<'a, T>,
@@ -144,9 +147,19 @@ pub(crate) fn forward<T: Element, W: Weight<T>>(
     require(a.gamma.len() >= n && a.beta.len() >= n, "gamma/beta");
     require(a.mean.len() >= rows && a.rstd.len() >= rows, "mean/rstd");
     require(launch.smem >= SCRATCH_BYTES, "scratch");
+    if let Some((r, s)) = &a.residual {
+        require(r.len() >= rows * n && s.len() >= rows * n, "residual/sum");
+    }
     let config = launch.config(gpu, "the forward kernel")?;
     let ((x, _x), (gamma, _gamma), (beta, _beta)) =
         (input(gpu, &a.x), input(gpu, &a.gamma), input(gpu, &a.beta));
+    let ((residual, _residual), (sum, _sum)) = match &mut a.residual {
+        Some((r, s)) => {
+            let ((r, gr), (s, gs)) = (input(gpu, r), output(gpu, s));
+            ((r, Some(gr)), (s, Some(gs)))
+        }
+        None => ((In::none(), None), (Out::none(), None)),
+    };
     let ((y, _y), (mean, _mean), (rstd, _rstd)) = (
         output(gpu, &mut a.y),
         output(gpu, &mut a.mean),
@@ -155,6 +168,8 @@ pub(crate) fn forward<T: Element, W: Weight<T>>(
     let (rows, n, eps, gamma_offset) = (a.rows, a.n, a.eps, a.gamma_offset);
     let p = ByValue(params::Forward {
         x,
+        residual,
+        sum,
         gamma,
         beta,
         y,
@@ -177,6 +192,8 @@ pub(crate) fn forward<T: Element, W: Weight<T>>(
 pub(crate) struct Backward<'a, T, W> {
     pub(crate) x: CudaView<'a, T>,
     pub(crate) dy: CudaView<'a, T>,
+    /// The gradient reaching a residual forward's s from elsewhere, which dx includes.
+    pub(crate) dsum: Option<CudaView<'a, T>>,
     pub(crate) gamma: CudaView<'a, W>,
     /// As [`Forward::gamma_offset`].
     pub(crate) gamma_offset: f32,
@@ -195,15 +212,23 @@ pub(crate) struct Backward<'a, T, W> {
 impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
     /// Every stage 1's first parameter, and cudarc's guards for its buffers (to be dropped
     /// after the launch is queued).
-    fn params<'s>(&'s mut self, gpu: &'s Gpu) -> (ByValue<BackwardRows<T, W>>, [SyncOnDrop<'s>; 6]) {
+    fn params<'s>(&'s mut self, gpu: &'s Gpu) -> (ByValue<BackwardRows<T, W>>, [Option<SyncOnDrop<'s>>; 7]) {
         let ((x, gx), (dy, gdy), (gamma, ggamma)) =
             (input(gpu, &self.x), input(gpu, &self.dy), input(gpu, &self.gamma));
+        let (dsum, gdsum) = match &self.dsum {
+            Some(d) => {
+                let (d, g) = input(gpu, d);
+                (d, Some(g))
+            }
+            None => (In::none(), None),
+        };
         let ((mean, gmean), (rstd, grstd)) = (input(gpu, &self.mean), input(gpu, &self.rstd));
         let (dx, gdx) = output(gpu, &mut self.dx);
         let (rows, n, gamma_offset) = (self.rows, self.n, self.gamma_offset);
         let p = ByValue(BackwardRows {
             x,
             dy,
+            dsum,
             gamma,
             mean,
             rstd,
@@ -212,7 +237,18 @@ impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
             n,
             gamma_offset,
         });
-        (p, [gx, gdy, ggamma, gmean, grstd, gdx])
+        (
+            p,
+            [
+                Some(gx),
+                Some(gdy),
+                gdsum,
+                Some(ggamma),
+                Some(gmean),
+                Some(grstd),
+                Some(gdx),
+            ],
+        )
     }
 
     /// Launches `f` with (rows, partials); `what` names it in errors.
@@ -245,6 +281,7 @@ impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
         require(self.x.len() >= rows * n && self.dy.len() >= rows * n, "x/dy");
         require(self.dx.len() >= rows * n && self.gamma.len() >= n, "dx/gamma");
         require(self.mean.len() >= rows && self.rstd.len() >= rows, "mean/rstd");
+        require(self.dsum.as_ref().is_none_or(|d| d.len() >= rows * n), "dsum");
     }
 }
 
@@ -361,6 +398,7 @@ pub(crate) fn backward_cluster<T: Element, W: Weight<T>>(
     part_dbeta: &mut CudaViewMut<'_, f32>,
 ) -> Result<()> {
     a.check();
+    require(a.dsum.is_none(), "cluster kernels take no dsum");
     require(launch.blocks.is_multiple_of(size), "whole clusters");
     let parts = (launch.blocks / size) as usize * a.n as usize;
     require(

@@ -61,7 +61,12 @@ fn balanced(launch: Launch, rows: u32, team: Team) -> Launch {
 
 /// Queues the forward of `[rows, n]` (rows, n >= 1).
 pub(crate) fn forward<T: Element, W: Weight<T>>(gpu: &Gpu, a: Forward<'_, T, W>) -> Result<()> {
-    let plan = plan::<T, W>(a.n, Pass::Forward, a.packed, gpu.kernels.limits)?;
+    let pass = if a.residual.is_some() {
+        Pass::ForwardResidual
+    } else {
+        Pass::Forward
+    };
+    let plan = plan::<T, W>(a.n, pass, a.packed, gpu.kernels.limits)?;
     let kernel = gpu.kernels.of_norm::<T, W>(a.norm)?.any(plan.variant);
     let launch = resident(gpu, kernel, a.rows, &plan)?;
     launch::forward(gpu, kernel, launch, a)
@@ -100,6 +105,7 @@ pub(crate) fn backward<T: Element, W: Weight<T>>(
     // Held until stage 2 is queued: the buffers are this stream's, reused call after call.
     let mut workspace = gpu.workspace.lock().unwrap_or_else(PoisonError::into_inner);
     let pass = match mode {
+        Reduction::Owned if stage1.dsum.is_some() => Pass::BackwardDeterministicResidual,
         Reduction::Owned => Pass::BackwardDeterministic,
         Reduction::Locked { .. } => Pass::BackwardLocked,
     };

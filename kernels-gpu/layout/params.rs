@@ -35,6 +35,10 @@ impl<T> In<T> {
             points_at: PhantomData,
         }
     }
+    /// No buffer: address 0, for an optional input that is absent.
+    pub const fn none() -> Self {
+        In::new(0)
+    }
     /// As a pointer: only a kernel can read through it.
     #[inline(always)]
     pub fn ptr(self) -> *const T {
@@ -49,6 +53,10 @@ impl<T> Out<T> {
             address,
             points_at: PhantomData,
         }
+    }
+    /// No buffer: address 0, for an optional output that is absent.
+    pub const fn none() -> Self {
+        Out::new(0)
     }
     /// As a pointer: only a kernel can write through it.
     #[inline(always)]
@@ -67,11 +75,15 @@ pub unsafe trait KernelParams: Copy {}
 /// The forward's: `[rows, n]` x in, y out (of type `T`), `[n]` gamma and beta (of type `W`:
 /// `T`, or f32 beside f16 and bf16), `[rows]` f32 mean and rstd out, eps, and what each
 /// gamma_j takes added as it is read (1 for zero-centred weights, else -0, which leaves
-/// every value's bits as they are).
+/// every value's bits as they are). With a residual (address not 0), the rows normalized
+/// are s = x + residual, which the kernel writes to `sum` (`[rows, n]` of `T` each; address
+/// 0 for both where there is none).
 #[derive(Clone, Copy)]
 #[repr(C)]
 pub struct Forward<T, W> {
     pub x: In<T>,
+    pub residual: In<T>,
+    pub sum: Out<T>,
     pub gamma: In<W>,
     pub beta: In<W>,
     pub y: Out<T>,
@@ -84,12 +96,15 @@ pub struct Forward<T, W> {
 }
 
 /// Every stage 1's rows: `[rows, n]` x and dy in, dx out (of type `T`), `[n]` gamma (of type
-/// `W`) and its offset (as [`Forward`]'s), and the forward's `[rows]` mean and rstd.
+/// `W`) and its offset (as [`Forward`]'s), and the forward's `[rows]` mean and rstd. `dsum`,
+/// where its address is not 0, is the gradient that reaches a residual forward's s from
+/// elsewhere (`[rows, n]` of `T`), which dx then includes.
 #[derive(Clone, Copy)]
 #[repr(C)]
 pub struct BackwardRows<T, W> {
     pub x: In<T>,
     pub dy: In<T>,
+    pub dsum: In<T>,
     pub gamma: In<W>,
     pub mean: In<f32>,
     pub rstd: In<f32>,
@@ -148,9 +163,12 @@ pub const fn param_bytes(variant: Variant) -> &'static [usize] {
     use core::mem::size_of;
     const ROWS: usize = size_of::<BackwardRows<f32, f32>>();
     match variant {
-        Variant::FwdWarp | Variant::FwdBlock | Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock => {
-            &[size_of::<Forward<f32, f32>>()]
-        }
+        Variant::FwdWarp
+        | Variant::FwdBlock
+        | Variant::FwdPipelinedWarp
+        | Variant::FwdPipelinedBlock
+        | Variant::FwdResidualWarp
+        | Variant::FwdResidualBlock => &[size_of::<Forward<f32, f32>>()],
         Variant::BwdOwnedWarp | Variant::BwdOwnedBlock => &[ROWS, size_of::<Partials>(), size_of::<u32>()],
         Variant::BwdHeldWarp
         | Variant::BwdHeldBlock

@@ -20,6 +20,8 @@
 //!   rows' Kahan sums load a pack of four rows at once (sm_80's ptxas: 128 for the warp
 //!   kernels); the cluster kernels (a slice per block) fit 96 (640) in f16/bf16 and need 128
 //!   (512) in f32 and when held.
+//! - The residual forward keeps the row pointers of x, the residual, s and y, and runs at
+//!   512 (128) with `.minnctapersm 1` (see `Variant::one_block_per_sm`).
 //! - f32 weights beside f16/bf16 rows cost the kernels that hold rows in registers the
 //!   weights' extra words: the general block forward needs 80 (768), and the held cluster
 //!   kernels 168 (384).
@@ -175,6 +177,9 @@ pub enum Variant {
     /// Forward for rows all of aligned packs that fit 4 a rank: two rows in flight a team.
     FwdPipelinedWarp,
     FwdPipelinedBlock,
+    /// Forward of s = x + residual (the pre-norm residual add), which it also writes.
+    FwdResidualWarp,
+    FwdResidualBlock,
     /// Backward stage 1, owned (deterministic) mode, rows streamed or held.
     BwdOwnedWarp,
     BwdOwnedBlock,
@@ -196,11 +201,13 @@ pub enum Variant {
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 15] = [
+    pub const ALL: [Variant; 17] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
         Variant::FwdPipelinedBlock,
+        Variant::FwdResidualWarp,
+        Variant::FwdResidualBlock,
         Variant::BwdOwnedWarp,
         Variant::BwdOwnedBlock,
         Variant::BwdHeldWarp,
@@ -221,6 +228,8 @@ impl Variant {
             Variant::FwdBlock => "fwd_block",
             Variant::FwdPipelinedWarp => "fwd_pipelined_warp",
             Variant::FwdPipelinedBlock => "fwd_pipelined_block",
+            Variant::FwdResidualWarp => "fwd_residual_warp",
+            Variant::FwdResidualBlock => "fwd_residual_block",
             Variant::BwdOwnedWarp => "bwd_owned_warp",
             Variant::BwdOwnedBlock => "bwd_owned_block",
             Variant::BwdHeldWarp => "bwd_held_warp",
@@ -245,6 +254,13 @@ impl Variant {
         }
     }
 
+    /// Whether the kernel's bound says that one block a multiprocessor is enough
+    /// (`.minnctapersm 1`): without it, ptxas held the residual forward to 64 registers
+    /// whatever its `.maxntid` allowed, and spilled.
+    pub const fn one_block_per_sm(self) -> bool {
+        matches!(self, Variant::FwdResidualWarp | Variant::FwdResidualBlock)
+    }
+
     /// Whether only the sm_90 module has the kernel (clusters exist from sm_90 on).
     pub const fn sm90_only(self) -> bool {
         self.cluster() > 1
@@ -259,6 +275,7 @@ impl Variant {
             (Variant::FwdBlock, _) if f32_weights_of_halves => 768,
             (Variant::FwdWarp | Variant::FwdBlock | Variant::BwdReduce, _) => 1024,
             (Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock, _) => 1024,
+            (Variant::FwdResidualWarp | Variant::FwdResidualBlock, _) => 512,
             (Variant::BwdOwnedWarp, _) => 512,
             (Variant::BwdOwnedBlock, _) => 512,
             (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm80) => 384,
@@ -283,6 +300,7 @@ impl Variant {
             self,
             Variant::FwdWarp
                 | Variant::FwdPipelinedWarp
+                | Variant::FwdResidualWarp
                 | Variant::BwdOwnedWarp
                 | Variant::BwdHeldWarp
                 | Variant::BwdLockedWarp

@@ -12,6 +12,10 @@
 //!   y_j  = x_j * rstd * gamma_j + beta_j     (the host passes zeros for an absent beta)
 //! and writes 0 as the mean, so the backward's xhat is x_j * rstd.
 //!
+//! With a residual (a pre-norm block's stream, `Forward::residual`), the row normalized is
+//!   s_j = x_j + residual_j   (in f32, rounded once to the storage type)
+//! which the kernel also writes out (`sum`): the next block's residual, and the backward's x.
+//!
 //! A row whose sums overflow f32 (|x_j - mean| past about 1.8e19: M2 = inf, or a mean past
 //! f32's range) takes its statistics again on x_j * 2^-81, with var and rstd in f64 (see
 //! [`RowNorm`]); y is computed in halves so that x_j - mean cannot overflow. Where M2 is
@@ -23,6 +27,9 @@
 //! (host/gpu/layer_norm.rs) picks per launch:
 //! - the team: a warp per row for n <= 1024, a block per row beyond (about 4 packs a
 //!   thread);
+//! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for every launch with a
+//!   residual: each row summed into s first, then s as `warp` and `block` take rows (below),
+//!   without staging;
 //! - `pipelined_warp`, `pipelined_block` ([`forward_rows_pipelined`]) where every row is
 //!   whole aligned 16-byte packs that fit 4 a rank: x held in registers, and the team's next
 //!   row loaded right after this row's first sum, so that each team has two rows in flight;
@@ -208,6 +215,139 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
         }
         row += S::count();
     }
+}
+
+/// As [`forward_rows`], each row first summed with its residual into s ([`add_residual`]),
+/// and s normalized. A loop and kernels of its own: the residual's two more row pointers
+/// do not fit beside the plain loop in its 64 registers (the plain kernels spill even when
+/// this loop is only compiled in beside theirs behind a branch).
+///
+/// # Safety
+/// As for [`forward_rows`]; `p.residual` and `p.sum` hold `rows * n` elements.
+#[inline(always)]
+unsafe fn forward_rows_residual<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+    p: Forward<T, W>,
+) {
+    let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
+    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
+    let mut row = S::id();
+    while row < rows {
+        let offset = row as usize * n as usize;
+        // SAFETY: the row lies inside x and y (row < rows); the caller sized gamma and beta.
+        let (x_row, y_row) = unsafe { (x.add(offset), y.add(offset)) };
+        let (residual_row, sum_row) = (
+            p.residual.ptr().wrapping_add(offset),
+            p.sum.ptr().wrapping_add(offset),
+        );
+        let packed = is_pack_aligned(x_row)
+            && is_pack_aligned(y_row)
+            && is_pack_aligned(affine.gamma)
+            && is_pack_aligned(affine.beta)
+            && is_pack_aligned(residual_row)
+            && is_pack_aligned(sum_row);
+        // SAFETY: residual and sum hold the row too; `packed` was checked for both.
+        unsafe {
+            if packed {
+                add_residual::<T, S, true>(x_row, residual_row, sum_row, n)
+            } else {
+                add_residual::<T, S, false>(x_row, residual_row, sum_row, n)
+            }
+        }
+        // From here on, the row is s.
+        let x_row = sum_row.cast_const();
+        // SAFETY: as above; `packed` was checked for every pointer the packed path reads.
+        // No staged path: its copies would read s right behind this rank's stores of it, so
+        // rows too long to hold stream (s from L2) instead.
+        let norm = unsafe {
+            if packed && fits::<T, S, FWD_HELD>(n) {
+                forward_row::<T, W, S, CENTERED, true, FWD_HELD>(x_row, affine, y_row, n, eps)
+            } else if packed {
+                forward_row::<T, W, S, CENTERED, true, 0>(x_row, affine, y_row, n, eps)
+            } else {
+                forward_row::<T, W, S, CENTERED, false, 0>(x_row, affine, y_row, n, eps)
+            }
+        };
+        // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
+        unsafe {
+            let norm = norm.unwrap_or_else(|| {
+                // The huge path walks the row element by element, not in this rank's packs:
+                // the s other ranks wrote must be visible first (the branch is the team's).
+                if packed {
+                    S::sync();
+                }
+                forward_row_huge::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps)
+            });
+            norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
+        }
+        row += S::count();
+    }
+}
+
+/// Packs of x and of the residual each rank has in flight at once as it forms s.
+const SUM_BATCH: usize = 2;
+
+/// The residual add of one row, before its normalization:
+///   s_j = x_j + residual_j   (in f32, rounded once to `T`)
+/// written to `sum` in this rank's own chunks, the ones `for_each_chunk::<T, S, PACKED, _>`
+/// gives it: every later pass of this rank over s reads only what it wrote itself, so the
+/// team needs no barrier (program order covers a thread's own stores), and s comes back from
+/// L2, which keeps DRAM traffic to x, residual, s and y once each. Packed rows go
+/// `SUM_BATCH` packs a rank at a time, every load of a batch issued before its first store:
+/// a store orders the loads after it, so a load-add-store loop would wait out a DRAM latency
+/// per pack.
+///
+/// # Safety
+/// x, residual and sum hold the `n`-element row; with `PACKED`, all three 16-byte aligned.
+#[inline(always)]
+unsafe fn add_residual<T: Element, S: StatsTeam, const PACKED: bool>(
+    x: *const T,
+    residual: *const T,
+    sum: *mut T,
+    n: u32,
+) {
+    let packs = if PACKED { n / T::PACK as u32 } else { 0 };
+    let mut first = 0;
+    while first < packs {
+        let (left, at) = (packs - first, first as usize * T::PACK);
+        // SAFETY: the packs from `first` on are whole and aligned (PACKED).
+        let (xs, rs) = unsafe {
+            (
+                Held::<SUM_BATCH>::load::<T, S>(x.add(at), left),
+                Held::<SUM_BATCH>::load::<T, S>(residual.add(at), left),
+            )
+        };
+        for c in 0..SUM_BATCH {
+            // Held slot c is pack rank + c * size past `first`, as for_each_chunk walks them.
+            let p = S::rank() + c as u32 * S::size();
+            if p < left {
+                let j = (first + p) * T::PACK as u32;
+                // SAFETY: pack `first + p` is a whole aligned pack of the row.
+                unsafe { write_sum(sum, j, T::PACK, xs.pack::<T>(c), rs.pack::<T>(c)) };
+            }
+        }
+        first += SUM_BATCH as u32 * S::size();
+    }
+    // The elements after the last whole pack (all of them without PACKED), one by one.
+    let mut j = packs * T::PACK as u32 + S::rank();
+    while j < n {
+        // SAFETY: j < n.
+        unsafe { write_sum(sum, j, 1, read(x, j, 1), read(residual, j, 1)) };
+        j += S::size();
+    }
+}
+
+/// s = x + residual of chunk (`j`, `len`) of a row, from its values.
+///
+/// # Safety
+/// The chunk lies inside the row; a whole pack is 16-byte aligned in `sum`.
+#[inline(always)]
+unsafe fn write_sum<T: Element>(sum: *mut T, j: u32, len: usize, xv: Pack, rv: Pack) {
+    let mut s = xv;
+    for k in 0..len {
+        s[k] = xv[k] + rv[k];
+    }
+    // SAFETY: the caller's guarantee.
+    unsafe { write(sum, j, len, &s) };
 }
 
 /// One row, holding `HELD` packs per rank in registers: writes y and returns the row's
@@ -460,7 +600,8 @@ const PIPE_HELD: usize = crate::layout::PIPE_HELD as usize;
 /// team).
 ///
 /// # Safety
-/// As for [`forward_rows`]; x, y, gamma and beta 16-byte aligned, `n` a whole number of
+/// As for [`forward_rows`], without a residual (`p.residual` 0: the host takes
+/// [`forward_rows`] for those); x, y, gamma and beta 16-byte aligned, `n` a whole number of
 /// packs that [`fits`] `PIPE_HELD` per rank.
 #[inline(always)]
 unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
@@ -510,7 +651,7 @@ unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CEN
 
 /// Exports the forward kernels of one type pair (x of type `$t`, gamma and beta of `$w`),
 /// `<norm>_fwd_<kind>_<types>`: for each norm (LayerNorm centers its rows, RMSNorm does
-/// not), a warp and a block per row, each general and pipelined. All take one [`Forward`]
+/// not), a warp and a block per row, each general, pipelined and with a residual. All take one [`Forward`]
 /// (crate::layout::params); the registry (crate::layout::registry) lists the names.
 macro_rules! forward_kernels {
     ($module:ident, $types:literal, $t:ty, $w:ty) => {
@@ -531,6 +672,10 @@ macro_rules! forward_kernels {
                 "Forward, one warp per row (short rows).");
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, block, forward_rows, Block,
                 "Forward, one block per row (long rows).");
+            forward_kernels!(@one $prefix, $centered, $types, $t, $w, residual_warp, forward_rows_residual, Warp,
+                "Forward of x + residual, one warp per row (short rows).");
+            forward_kernels!(@one $prefix, $centered, $types, $t, $w, residual_block, forward_rows_residual, Block,
+                "Forward of x + residual, one block per row (long rows).");
         }
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $rows:ident,

@@ -3,8 +3,8 @@
 
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device::{self, fma};
-use crate::element::{Element, MAX_PACK, Pack, write};
-use crate::row::{BWD_HELD, Held, for_each_chunk};
+use crate::element::{Element, MAX_PACK, Pack, read, write};
+use crate::row::{BWD_HELD, Held, for_each_chunk, prefetch};
 use crate::team::Team;
 
 /// One rank's partial dgamma and dbeta over the rows its team handled, for the columns of
@@ -117,7 +117,9 @@ pub(crate) struct HeldRow {
 /// Issues the loads of row `row`'s x, dy, mean and rstd (none where `row` is past the last
 /// row, the pipeline's end: the values then stay zero and are never used). mean and rstd
 /// travel with the row: loaded when the row is used, each would cost its own DRAM round
-/// trip before the row's first sum.
+/// trip before the row's first sum. The row's dsum, where given, is prefetched into L2:
+/// held in registers too, it would spill the half-type kernels, and pass 2 then reads each
+/// pack from L2 rather than from DRAM.
 ///
 /// # Safety
 /// Every row pointer 16-byte aligned, `r.n` and `r.cols` whole numbers of packs, `r.cols`
@@ -130,6 +132,11 @@ pub(crate) unsafe fn load_held_row<T: Element, W, S: Team>(r: &Rows<T, W>, row: 
     // SAFETY: with row < rows the row lies inside x and dy, aligned whole packs that fit
     // (the caller's guarantee), and inside mean and rstd; past the last row nothing is read.
     unsafe {
+        if let Some(dsum) = r.dsum_row(offset)
+            && inside
+        {
+            prefetch::<T, S>(dsum, r.cols);
+        }
         HeldRow {
             xs: Held::load::<T, S>(r.x.wrapping_add(offset), packs),
             dys: Held::load::<T, S>(r.dy.wrapping_add(offset), packs),
@@ -150,8 +157,9 @@ pub(crate) unsafe fn load_held_row<T: Element, W, S: Team>(r: &Rows<T, W>, row: 
 /// the next row's registers.
 ///
 /// # Safety
-/// `row` < `r.rows`; every row pointer and gamma 16-byte aligned, `r.n` and `r.cols` whole
-/// numbers of packs, `r.cols` packs that [`fits`] `BWD_HELD` per rank; the [`HeldRow`] is
+/// `row` < `r.rows`; every row pointer (dsum's too, where given) and gamma 16-byte aligned,
+/// `r.n` and `r.cols` whole numbers of packs, `r.cols` packs that [`fits`] `BWD_HELD` per
+/// rank; the [`HeldRow`] is
 /// row `row`'s; `acc` as [`RankPartials::zero`] requires.
 #[inline(always)]
 pub(crate) unsafe fn backward_row_held<T: Element, W: Element, S: Team>(
@@ -189,12 +197,21 @@ pub(crate) unsafe fn backward_row_held<T: Element, W: Element, S: Team>(
     let coefficients = DxCoefficients::new(s1, r.s2(s2), r.n);
 
     // Pass 2.
+    let dsum = r.dsum_row(offset);
     for_each_chunk::<T, S, true, BWD_HELD>(r.cols, |j, _, slot| {
         let (c, xv, dyv, g) = held(j, slot);
         let (mut xhat, mut out) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
         for k in 0..T::PACK {
             xhat[k] = centering.xhat(xv[k]);
             out[k] = centering.dx(g[k] * dyv[k], xhat[k], coefficients);
+        }
+        if let Some(dsum) = dsum {
+            // From L2, where `load_held_row` prefetched it.
+            // SAFETY: dsum's rows are aligned whole packs as dx's are (the caller's guarantee).
+            let ds = unsafe { read(dsum, j, T::PACK) };
+            for k in 0..T::PACK {
+                out[k] += ds[k];
+            }
         }
         // SAFETY: as above; the rank's partials are its own.
         unsafe {

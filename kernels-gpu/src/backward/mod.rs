@@ -11,6 +11,9 @@
 //!   dgamma_j = sum_i dy_ij * xhat_ij        dbeta_j = sum_i dy_ij
 //! (dw_j / dgamma_j = 1, so the offset leaves dgamma as it is).
 //! RMSNorm's forward wrote 0 as each row's mean, so its xhat is x_j * rstd_i here.
+//! After a residual forward, x is its s (= x + residual), and the gradient reaching s from
+//! the residual stream, dsum, where given, joins dx before it is rounded:
+//!   dx_j += dsum_j     (dx is then also the gradient of the residual)
 //!
 //! Stage 1 writes dx and adds each row's (dy * xhat, dy) into one row of an f32 partial
 //! buffer `[R, n]`. Stage 2 sums the R partial rows per column into dgamma and dbeta.
@@ -97,6 +100,9 @@ pub(crate) struct Rows<T, W> {
     pub(crate) mean: *const f32,
     pub(crate) rstd: *const f32,
     pub(crate) dx: *mut T,
+    /// The gradient reaching a residual forward's s from the residual stream, which dx
+    /// includes; null where there is none (see [`Rows::dsum_row`]).
+    pub(crate) dsum: *const T,
     pub(crate) rows: u32,
     /// Row length: the stride between rows, and the n of c1 and c2.
     pub(crate) n: u32,
@@ -135,6 +141,30 @@ impl<T, W> Rows<T, W> {
         g
     }
 
+    /// The dsum of the row starting `offset` elements in (None without one).
+    #[inline(always)]
+    pub(crate) fn dsum_row(&self, offset: usize) -> Option<*const T> {
+        (!self.dsum.is_null()).then(|| self.dsum.wrapping_add(offset))
+    }
+
+    /// These rows' `cols` columns from column `at` (a cluster block's slice), without dsum:
+    /// the host plans no cluster launch with one (their slices' fifth row pointer would
+    /// spill the held cluster kernels), and a null dsum here lets the compiler drop its code
+    /// from them.
+    #[inline(always)]
+    pub(crate) fn slice(self, at: u32, cols: u32) -> Self {
+        let at = at as usize;
+        Rows {
+            x: self.x.wrapping_add(at),
+            dy: self.dy.wrapping_add(at),
+            gamma: self.gamma.wrapping_add(at),
+            dx: self.dx.wrapping_add(at),
+            dsum: core::ptr::null(),
+            cols,
+            ..self
+        }
+    }
+
     /// A launch's rows, all `n` columns of each.
     #[inline(always)]
     pub(crate) fn of(p: BackwardRows<T, W>, centered: bool) -> Self {
@@ -148,6 +178,7 @@ impl<T, W> Rows<T, W> {
             mean,
             rstd,
             dx,
+            dsum: p.dsum.ptr(),
             rows: p.rows,
             n: p.n,
             cols: p.n,

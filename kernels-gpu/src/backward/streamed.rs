@@ -5,7 +5,7 @@
 use super::partials::{GroupLock, PartialRow, padded, padded_len};
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device;
-use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, write};
+use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, read, write};
 use crate::row::{BWD_HELD, Held, fits, for_each_chunk, prefetch, values};
 use crate::team::{SCRATCH_BYTES, Team};
 
@@ -22,8 +22,8 @@ pub(crate) enum Sink<'a> {
 /// registers across the passes.
 ///
 /// # Safety
-/// `row` < `r.rows`; with `PACKED` every row pointer and gamma are 16-byte aligned; with
-/// `HELD` > 0 the row [`fits`].
+/// `row` < `r.rows`; with `PACKED` every row pointer (dsum's too, where given) and gamma
+/// are 16-byte aligned; with `HELD` > 0 the row [`fits`].
 #[inline(always)]
 pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED: bool, const HELD: usize>(
     r: &Rows<T, W>,
@@ -92,12 +92,20 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
     let (s1, s2) = S::sum2(s1, s2);
     let coefficients = DxCoefficients::new(s1, r.s2(s2), n);
 
-    // Pass 2: dx.
+    // Pass 2: dx (with dsum, where given).
+    let dsum = r.dsum_row(offset);
     for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, wdy, _) = terms(j, len, slot);
         let mut out = [0.0; MAX_PACK];
         for k in 0..len {
             out[k] = centering.dx(wdy[k], xhat[k], coefficients);
+        }
+        if let Some(dsum) = dsum {
+            // SAFETY: dsum holds the row as dx does, aligned where dx's packs are.
+            let ds = unsafe { read(dsum, j, len) };
+            for k in 0..len {
+                out[k] += ds[k];
+            }
         }
         // SAFETY: as above.
         unsafe { write(dx, j, len, &out) };
@@ -150,6 +158,7 @@ pub(crate) unsafe fn backward_row_any<T: Element, W: Element, S: Team>(
     let packed = is_pack_aligned(r.x.wrapping_add(offset))
         && is_pack_aligned(r.dy.wrapping_add(offset))
         && is_pack_aligned(r.dx.wrapping_add(offset))
+        && r.dsum_row(offset).is_none_or(is_pack_aligned)
         && is_pack_aligned(r.gamma);
     // SAFETY: row < rows; `packed` was checked for every pointer the packed paths read.
     unsafe {

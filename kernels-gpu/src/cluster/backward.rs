@@ -31,14 +31,7 @@ unsafe fn stage1_cluster<T: Element, W: Element, const C: u32>(
     let at = start as usize;
     // The slice's first column. A cluster's last slices may be empty (start == n); their
     // pointers are then never read.
-    let slice = Rows {
-        x: r.x.wrapping_add(at),
-        dy: r.dy.wrapping_add(at),
-        gamma: r.gamma.wrapping_add(at),
-        dx: r.dx.wrapping_add(at),
-        cols,
-        ..r
-    };
+    let slice = r.slice(start, cols);
     Cluster::<C>::begin();
     // SAFETY: the cluster's partial row exists (cluster id < clusters) and only this block
     // writes its slice's columns of it; the launch sized shared memory for one slice.
@@ -77,14 +70,7 @@ unsafe fn stage1_cluster_held<T: Element, W: Element, const C: u32>(
     let at = start as usize;
     // The slice's first column. A cluster's last slices may be empty (start == n); their
     // pointers are then never read.
-    let slice = Rows {
-        x: r.x.wrapping_add(at),
-        dy: r.dy.wrapping_add(at),
-        gamma: r.gamma.wrapping_add(at),
-        dx: r.dx.wrapping_add(at),
-        cols: width.min(r.n - start),
-        ..r
-    };
+    let slice = r.slice(start, width.min(r.n - start));
     Cluster::<C>::begin();
     // SAFETY: the cluster's partial row exists (cluster id < clusters), only this block
     // writes its slice's columns of it, and the launch sized shared memory for its ranks.

@@ -1,0 +1,260 @@
+//! The residual add fused with the norm (`forward_residual`, `backward_residual`), both norms,
+//! both backward modes, on the CPU and the GPU:
+//! - s is x + residual summed in f32 and rounded once, to the bit;
+//! - y against the float64 reference of the norm of s, and dx against the reference's
+//!   gradient through s plus dsum (with and without a dsum), dgamma and dbeta as well;
+//! - without a dsum, the residual backward is the plain backward of the same context, to the
+//!   bit (the context holds s);
+//! - the shapes and dtypes it is given are checked, with typed errors.
+
+mod common;
+
+use common::{
+    Problem, Rng, SHAPES, gpu_or_skip, random_matrix, rel_err, rel_err_at_least, to_f64, tolerance,
+};
+use layernorm_cuda::{
+    BackwardMode, Device, Element, Error, Gradients, LayerNorm, RmsNorm, Weight, bf16, f16,
+};
+use layernorm_reference as reference;
+use ndarray::{Array1, Array2, Zip};
+
+const EPS: f32 = 1e-5;
+const MODES: [BackwardMode; 2] = [BackwardMode::Deterministic, BackwardMode::Locked { groups: None }];
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Norm {
+    Layer,
+    Rms,
+}
+
+/// x, residual, dy and dsum of one problem, with its weights.
+struct Case<T, W> {
+    p: Problem<T, W>,
+    residual: Array2<T>,
+    dsum: Array2<T>,
+}
+
+impl<T: Element, W: Element> Case<T, W> {
+    fn random(rows: usize, n: usize, seed: u64) -> Self {
+        let mut rng = Rng::new(seed ^ 0x5eed);
+        Case {
+            p: Problem::random(rows, n, seed),
+            residual: random_matrix(&mut rng, rows, n),
+            dsum: random_matrix(&mut rng, rows, n),
+        }
+    }
+}
+
+/// What one forward and backward returned, as host arrays.
+struct Run<T: Element, W: Element> {
+    y: Array2<T>,
+    sum: Array2<T>,
+    grads: Gradients<T, W>,
+    /// The plain backward of the same context (no dsum).
+    plain: Gradients<T, W>,
+}
+
+fn run<T: Element, W: Weight<T>>(
+    device: &Device,
+    norm: Norm,
+    mode: BackwardMode,
+    c: &Case<T, W>,
+    with_dsum: bool,
+) -> Run<T, W> {
+    let up = |a: &Array2<T>| device.upload(a.view()).unwrap();
+    let (x, residual, dy, dsum) = (up(&c.p.x), up(&c.residual), up(&c.p.dy), up(&c.dsum));
+    let dsum = with_dsum.then_some(&dsum);
+    // The two ops have the same calls, but no trait in common.
+    macro_rules! forward_backward {
+        ($op:expr) => {{
+            let op = $op.unwrap().with_backward_mode(mode).unwrap();
+            let (y, sum, ctx) = op.forward_residual(&x, &residual).unwrap();
+            let grads = op.backward_residual(&ctx, &dy, dsum).unwrap();
+            (y, sum, grads, op.backward(&ctx, &dy).unwrap())
+        }};
+    }
+    let (y, sum, grads, plain) = match norm {
+        Norm::Layer => forward_backward!(LayerNorm::<T, W>::from_arrays(
+            device,
+            c.p.gamma.view(),
+            c.p.beta.view(),
+            EPS
+        )),
+        Norm::Rms => forward_backward!(RmsNorm::<T, W>::from_array(device, c.p.gamma.view(), EPS)),
+    };
+    Run {
+        y: y.to_array2().unwrap(),
+        sum: sum.to_array2().unwrap(),
+        grads,
+        plain,
+    }
+}
+
+fn bits<E: Element>(v: &[E]) -> Vec<u32> {
+    v.iter().map(|e| e.to_f32().to_bits()).collect()
+}
+
+/// Every check of the file's header for one case.
+fn check<T: Element, W: Weight<T>>(
+    device: &Device,
+    norm: Norm,
+    mode: BackwardMode,
+    rows: usize,
+    n: usize,
+    seed: u64,
+) {
+    let c = Case::<T, W>::random(rows, n, seed);
+    let with_dsum = seed.is_multiple_of(2);
+    let what = format!("{norm:?} {} {mode:?} [{rows}, {n}] dsum {with_dsum}", T::NAME);
+    let r = run(device, norm, mode, &c, with_dsum);
+
+    let mut expected_sum = c.p.x.clone();
+    Zip::from(&mut expected_sum)
+        .and(&c.p.x)
+        .and(&c.residual)
+        .for_each(|s, &x, &r| *s = T::from_f32(x.to_f32() + r.to_f32()));
+    assert_eq!(
+        bits(r.sum.as_slice().unwrap()),
+        bits(expected_sum.as_slice().unwrap()),
+        "{what}: s = x + residual"
+    );
+
+    let s = to_f64(r.sum.view());
+    let (gamma, beta, dy) = (
+        to_f64(c.p.gamma.view()),
+        to_f64(c.p.beta.view()),
+        to_f64(c.p.dy.view()),
+    );
+    let eps = EPS as f64;
+    let (y_ref, (mut dx_ref, dgamma_ref, dbeta_ref)) = match norm {
+        Norm::Layer => (
+            reference::forward(s.view(), gamma.view(), beta.view(), eps).0,
+            reference::backward(s.view(), dy.view(), gamma.view(), eps),
+        ),
+        Norm::Rms => {
+            let (dx, dgamma) = reference::rms_backward(s.view(), dy.view(), gamma.view(), eps);
+            let no_beta = Array1::zeros(n);
+            (
+                reference::rms_forward(s.view(), gamma.view(), eps).0,
+                (dx, dgamma, no_beta),
+            )
+        }
+    };
+    if with_dsum {
+        dx_ref += &to_f64(c.dsum.view());
+    }
+    let tol = tolerance::<T>();
+    let e = rel_err(r.y.view(), y_ref.view());
+    assert!(e < tol, "{what}: y rel err {e:e}");
+    let dx = r.grads.dx.to_array2().unwrap();
+    // dx of a row can be far smaller than dy (n = 1 gives 0): measured against dy's size.
+    let floor = dy.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let e = rel_err_at_least(dx.view(), dx_ref.view(), floor);
+    assert!(e < tol, "{what}: dx rel err {e:e}");
+    let dgamma = r.grads.dgamma.as_ref().unwrap().to_array1().unwrap();
+    let e = rel_err_at_least(dgamma.view(), dgamma_ref.view(), floor);
+    assert!(e < tol, "{what}: dgamma rel err {e:e}");
+    if norm == Norm::Layer {
+        let dbeta = r.grads.dbeta.as_ref().unwrap().to_array1().unwrap();
+        let e = rel_err_at_least(dbeta.view(), dbeta_ref.view(), floor);
+        assert!(e < tol, "{what}: dbeta rel err {e:e}");
+    } else {
+        assert!(r.grads.dbeta.is_none(), "{what}: RMSNorm has no dbeta");
+    }
+
+    if !with_dsum {
+        let plain_dx = r.plain.dx.to_vec().unwrap();
+        assert_eq!(
+            bits(&dx.into_raw_vec_and_offset().0),
+            bits(&plain_dx),
+            "{what}: dx = plain dx"
+        );
+    }
+}
+
+fn check_all(device: &Device) {
+    let mut seed = 0;
+    for norm in [Norm::Layer, Norm::Rms] {
+        for mode in MODES {
+            for &(rows, n) in SHAPES {
+                seed += 1;
+                check::<f32, f32>(device, norm, mode, rows, n, seed);
+                check::<f16, f16>(device, norm, mode, rows, n, seed);
+                check::<bf16, bf16>(device, norm, mode, rows, n, seed);
+                check::<bf16, f32>(device, norm, mode, rows, n, seed);
+            }
+        }
+    }
+}
+
+#[test]
+fn cpu_residual_matches_the_reference() {
+    check_all(&Device::cpu());
+}
+
+#[test]
+fn gpu_residual_matches_the_reference() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    check_all(&gpu);
+}
+
+/// CPU and GPU agree on s to the bit (the same f32 sum, rounded once), and the GPU's y is
+/// the CPU's within the dtype's rounding.
+#[test]
+fn gpu_residual_sum_is_the_cpus() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    for &(rows, n) in SHAPES {
+        let c = Case::<bf16, bf16>::random(rows, n, n as u64);
+        let on = |device: &Device| run(device, Norm::Rms, BackwardMode::Deterministic, &c, true);
+        let (cpu, gpu) = (on(&Device::cpu()), on(&gpu));
+        assert_eq!(
+            bits(cpu.sum.as_slice().unwrap()),
+            bits(gpu.sum.as_slice().unwrap()),
+            "[{rows}, {n}]: s"
+        );
+        let e = rel_err(gpu.y.view(), to_f64(cpu.y.view()).view());
+        assert!(
+            e < tolerance::<bf16>(),
+            "[{rows}, {n}]: y, GPU against CPU: {e:e}"
+        );
+    }
+}
+
+/// A residual or dsum of another shape, and a sum output that is shared, are typed errors
+/// that leave the outputs as they were.
+#[test]
+fn bad_residual_arguments_are_refused() {
+    let mut devices = vec![Device::cpu()];
+    devices.extend(gpu_or_skip());
+    for device in &devices {
+        let op = LayerNorm::<f32>::from_arrays(device, Array1::ones(8).view(), Array1::zeros(8).view(), EPS)
+            .unwrap();
+        let x = device.upload(Array2::<f32>::ones((4, 8)).view()).unwrap();
+        let short = device.upload(Array2::<f32>::ones((3, 8)).view()).unwrap();
+        assert!(matches!(
+            op.forward_residual(&x, &short),
+            Err(Error::Shape { what: "residual", .. })
+        ));
+        let (mut y, mut sum) = (
+            device.zeros::<f32>(&[4, 8]).unwrap(),
+            device.zeros::<f32>(&[4, 8]).unwrap(),
+        );
+        let held = sum.clone();
+        assert!(matches!(
+            op.forward_residual_into(&x, &x, &mut y, &mut sum),
+            Err(Error::SharedOutput { what: "sum" })
+        ));
+        drop(held);
+        let mut wrong = device.zeros::<f32>(&[4, 9]).unwrap();
+        assert!(matches!(
+            op.forward_residual_into(&x, &x, &mut y, &mut wrong),
+            Err(Error::Shape { what: "sum", .. })
+        ));
+        let (_, s, ctx) = op.forward_residual(&x, &x).unwrap();
+        assert_eq!(s.to_vec().unwrap(), vec![2.0; 32]);
+        assert!(matches!(
+            op.backward_residual(&ctx, &x, Some(&short)),
+            Err(Error::Shape { what: "dsum", .. })
+        ));
+    }
+}
