@@ -151,6 +151,7 @@ impl<T, W> Rows<T, W> {
     /// the host plans no cluster launch with one (their slices' fifth row pointer would
     /// spill the held cluster kernels), and a null dsum here lets the compiler drop its code
     /// from them.
+    #[cfg(layernorm_sm90)]
     #[inline(always)]
     pub(crate) fn slice(self, at: u32, cols: u32) -> Self {
         let at = at as usize;
