@@ -31,13 +31,18 @@ pub const MAX_DIM: usize = (1 << 31) - 1;
 /// How the backward sums dgamma and dbeta over rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum BackwardMode {
-    /// Each thread team owns a partial row and stage 2 adds the partials in a fixed order:
-    /// bitwise identical results from run to run, no locks.
+    /// Each block (on Hopper, for long rows, each cluster) sums its rows' partials and owns
+    /// one partial row, and stage 2 adds the partial rows in a fixed order: bitwise
+    /// identical results from run to run, no locks.
     #[default]
     Deterministic,
-    /// The Triton tutorial's scheme: row i adds into group i mod G under that group's
-    /// atomic spinlock. `None` picks G from n (256 for n <= 1024, 128 to 4096, 96 to 8192,
-    /// else 64). The order of additions varies from run to run, so the last bits may too.
+    /// The Triton tutorial's scheme of G groups under atomic spinlocks, taken once per
+    /// block rather than once per row: each block sums its rows' partials, as in
+    /// `Deterministic`, then adds them into group b mod G (Kahan-compensated) while it holds
+    /// that group's lock; stage 2 adds the G groups. `None` picks G from n as the tutorial
+    /// does (256 for n <= 1024, 128 to 4096, 96 to 8192, else 64); G is never more than the
+    /// blocks. The order in which blocks take a lock varies from run to run, so the last
+    /// bits may too.
     Locked { groups: Option<u32> },
 }
 

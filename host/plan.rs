@@ -10,13 +10,13 @@
 //!   (two rows in flight a team); the others the general one, which holds rows of up to 8
 //!   packs a thread and stages longer aligned rows in shared memory where it has room. With
 //!   a residual add, the residual kernel of the team (the general one's rows, no staging).
-//! - Backward, deterministic: on sm_90, block-team rows that one block cannot hold (4 packs
+//! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
+//!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
 //!   of 2, 4 or 8 blocks whose slices fit, else the general cluster of 8; rows all of
 //!   aligned packs that fit take the held kernel (block teams stacked along y, as many as
 //!   the thread limit and shared memory allow); the rest the owned kernel, summing in shared
 //!   memory where it fits.
-//! - Backward, locked: the locked kernel of the team.
 //! - Backward with a residual's dsum: as above, without clusters.
 
 pub use crate::layout::registry::{Arch, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
@@ -57,13 +57,12 @@ pub enum Pass {
     /// form s before each row and then take it as the general forward does, without
     /// staging in shared memory.
     ForwardResidual,
-    /// Backward stage 1, each team owning its partial rows (bitwise reproducible).
-    BackwardDeterministic,
-    /// Backward stage 1, partials into spinlocked groups.
-    BackwardLocked,
-    /// As `BackwardDeterministic`, with the gradient reaching a residual forward's s added
-    /// to dx: never over clusters, whose kernels take none (long rows take the owned kernel).
-    BackwardDeterministicResidual,
+    /// Backward stage 1, in either mode: each block sums its rows' partials, then writes
+    /// them as its partial row (deterministic) or adds them into a spinlocked group (locked).
+    Backward,
+    /// As `Backward`, with the gradient reaching a residual forward's s added to dx: never
+    /// over clusters, whose kernels take none (long rows take the owned kernel).
+    BackwardResidual,
 }
 
 /// One launch's kernel and block.
@@ -119,9 +118,8 @@ pub fn plan<T: Element, W: Weight<T>>(
     match pass {
         Pass::Forward => Ok(planner.forward()),
         Pass::ForwardResidual => Ok(planner.forward_residual()),
-        Pass::BackwardDeterministic => planner.deterministic(true),
-        Pass::BackwardDeterministicResidual => planner.deterministic(false),
-        Pass::BackwardLocked => Ok(planner.locked()),
+        Pass::Backward => planner.backward(true),
+        Pass::BackwardResidual => planner.backward(false),
     }
 }
 
@@ -218,11 +216,7 @@ impl<T: Element> Planner<T> {
         self.team_plan(Variant::FwdResidualWarp, Variant::FwdResidualBlock)
     }
 
-    fn locked(&self) -> Plan {
-        self.team_plan(Variant::BwdLockedWarp, Variant::BwdLockedBlock)
-    }
-
-    fn deterministic(&self, clusters: bool) -> Result<Plan> {
+    fn backward(&self, clusters: bool) -> Result<Plan> {
         if let Some(plan) = self.cluster().filter(|_| clusters) {
             return Ok(plan);
         }

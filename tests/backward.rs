@@ -205,10 +205,19 @@ fn gpu_backward_long_rows() {
     Problem::<f32>::random(130, 32768, 1710).check(&gpu, BackwardMode::Deterministic, "long rows");
     Problem::<f32>::random(40, 65536, 1711).check(&gpu, BackwardMode::Deterministic, "long rows");
     Problem::<bf16>::random(67, 100001, 1712).check(&gpu, BackwardMode::Deterministic, "long rows");
+    // The locked mode over clusters: each block of a cluster hands its slice of the sums
+    // over under a lock of its own (held slices, then the general kernel's).
+    Problem::<f16>::random(300, 32768, 1714).check(&gpu, LOCKED, "long rows, locked");
+    Problem::<f32>::random(130, 32768, 1715).check(
+        &gpu,
+        BackwardMode::Locked { groups: Some(3) },
+        "long rows, G = 3",
+    );
+    Problem::<bf16>::random(67, 100001, 1716).check(&gpu, LOCKED, "long rows, locked");
 }
 
-/// The spinlock under its worst cases: one group that every team contends for, more groups
-/// than rows, many rows per group. Each run must finish (no hang), match the reference,
+/// The spinlock under its worst cases: one group that every block contends for, more groups
+/// than rows (and than blocks), many blocks per group. Each run must finish (no hang), match the reference,
 /// and agree with the deterministic mode.
 #[test]
 fn gpu_spinlock_stress() {

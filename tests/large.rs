@@ -340,10 +340,10 @@ fn gpu_tensors_past_2_31_elements_match_reference() {
     }
 }
 
-/// The locked mode with one group over 100000 rows (f32, n = 1024): every row's partials go
-/// into the same group row in turn. Plain f32 adds lost about a rounding per row there (8e-6
-/// relative in dgamma and dbeta, against PyTorch's 2e-7); the group rows' Kahan compensation
-/// keeps the error within 3 times PyTorch's. (Here, not under the sanitizers: 10^8 elements.)
+/// The locked mode with one group over 100000 rows (f32, n = 1024): every block's sums go
+/// into the same group row in turn. When each row went into the group itself, plain f32 adds
+/// lost about a rounding per row there (8e-6 relative in dgamma and dbeta, against PyTorch's
+/// 2e-7); the group rows' Kahan compensation keeps the error within 3 times PyTorch's. (Here, not under the sanitizers: 10^8 elements.)
 #[test]
 fn gpu_locked_single_group_over_many_rows_stays_accurate() {
     let Some(gpu) = gpu_or_skip() else { return };

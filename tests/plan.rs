@@ -22,15 +22,14 @@ use layernorm_cuda::{Element, Weight, bf16, f16};
 
 /// (type pair, pass, n) the GPU tests run on whole tensors (aligned where n is whole
 /// packs): every shape of `common::SHAPES` in every type pair (tests/weights.rs runs the
-/// f32 weights), pass and mode (tests/residual.rs the residual passes), and the long rows of tests/forward.rs and tests/backward.rs
+/// f32 weights), pass (both backward modes run the same kernels; tests/residual.rs the residual passes), and the long rows of tests/forward.rs and tests/backward.rs
 /// in the types they use.
 fn test_cases() -> Vec<(usize, Pass, u32)> {
     let passes = [
         Pass::Forward,
-        Pass::BackwardDeterministic,
-        Pass::BackwardLocked,
+        Pass::Backward,
         Pass::ForwardResidual,
-        Pass::BackwardDeterministicResidual,
+        Pass::BackwardResidual,
     ];
     let mut cases = Vec::new();
     for &(_, n) in common::SHAPES {
@@ -42,12 +41,12 @@ fn test_cases() -> Vec<(usize, Pass, u32)> {
     }
     let (f32, f16, bf16) = (0, 1, 2);
     for n in [32768, 65536, 40000] {
-        cases.push((f16, Pass::BackwardDeterministic, n));
+        cases.push((f16, Pass::Backward, n));
     }
     for n in [15872, 32768, 65536] {
-        cases.push((f32, Pass::BackwardDeterministic, n));
+        cases.push((f32, Pass::Backward, n));
     }
-    cases.push((bf16, Pass::BackwardDeterministic, 100001));
+    cases.push((bf16, Pass::Backward, 100001));
     for n in [65536, 40000, 100000] {
         cases.push((f32, Pass::Forward, n));
     }
@@ -116,21 +115,19 @@ fn known_choices() {
     let h = DeviceLimits::H100;
     let p = plan::<f16, f16>(1024, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedWarp, 256));
-    let p = plan::<f16, f16>(4096, Pass::BackwardDeterministic, true, h).unwrap();
+    let p = plan::<f16, f16>(4096, Pass::Backward, true, h).unwrap();
     // 512 packs at 4 a thread: 128 ranks, and the 512-thread bound stacks 4 teams.
     assert_eq!((p.variant, p.threads, p.stacked), (Variant::BwdHeldBlock, 128, 4));
-    let p = plan::<f16, f16>(4097, Pass::BackwardDeterministic, false, h).unwrap();
+    let p = plan::<f16, f16>(4097, Pass::Backward, false, h).unwrap();
     assert_eq!(p.variant, Variant::BwdOwnedBlock);
-    let p = plan::<f32, f32>(65536, Pass::BackwardDeterministic, true, h).unwrap();
+    let p = plan::<f32, f32>(65536, Pass::Backward, true, h).unwrap();
     assert_eq!(p.variant, Variant::BwdCluster8Held);
-    let p = plan::<f32, f32>(65536, Pass::BackwardDeterministic, true, DeviceLimits::A100).unwrap();
+    let p = plan::<f32, f32>(65536, Pass::Backward, true, DeviceLimits::A100).unwrap();
     assert_eq!(p.variant, Variant::BwdOwnedBlock);
     assert!(
         !p.local,
         "f32 rows of 65536 do not fit an A100 block's shared memory"
     );
-    let p = plan::<f32, f32>(1024, Pass::BackwardLocked, true, h).unwrap();
-    assert_eq!(p.variant, Variant::BwdLockedWarp);
     assert_eq!(DeviceLimits::H100.arch, Arch::Sm90);
 }
 

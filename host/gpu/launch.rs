@@ -4,7 +4,7 @@
 //! Each launch checks the buffer lengths the kernel relies on before it launches, so the
 //! `unsafe` here rests on checks made next to it, not on callers far away.
 
-use crate::layout::params::{self, BackwardRows, Groups, In, KernelParams, Out, Partials, Reduce};
+use crate::layout::params::{self, BackwardRows, In, KernelParams, Out, Partials, Reduce};
 use cudarc::driver::{
     CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
@@ -261,14 +261,12 @@ impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
         gpu: &Gpu,
         f: &Kernel,
         launch: Launch,
-        part_dgamma: &mut CudaViewMut<'_, f32>,
-        part_dbeta: &mut CudaViewMut<'_, f32>,
+        mut sums: Sums<'_, '_>,
         what: &'static str,
     ) -> Result<()> {
         let config = launch.config(gpu, what)?;
         let (rows, _rows) = self.params(gpu);
-        let ((dgamma, _dgamma), (dbeta, _dbeta)) = (output(gpu, part_dgamma), output(gpu, part_dbeta));
-        let partials = ByValue(Partials { dgamma, dbeta });
+        let (partials, _guards) = sums.params(gpu);
         let mut b = gpu.stream.launch_builder(f.func());
         b.arg(&rows).arg(&partials);
         // SAFETY: the caller's guarantee.
@@ -285,24 +283,69 @@ impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
     }
 }
 
-/// Stage 1, owned mode: partial rows `[launch.blocks, n]`. With `local`, each team of a
-/// block sums in its own rows of shared memory after the scratch (warp teams must).
-#[allow(clippy::too_many_arguments)]
+/// Where a stage 1's blocks hand their sums over (the kernels' `Partials`): one partial row
+/// per unit (a block, or a cluster) in owned mode; in locked mode, `groups` group rows and
+/// their compensations, with `2 * groups * slices` lock and count words, zeroed (slices: the
+/// blocks of a cluster, 1 without clusters).
+pub(crate) struct Sums<'a, 'b> {
+    pub(crate) dgamma: &'b mut CudaViewMut<'a, f32>,
+    pub(crate) dbeta: &'b mut CudaViewMut<'a, f32>,
+    pub(crate) locks: Option<(&'b mut CudaViewMut<'a, u32>, u32)>,
+}
+
+impl Sums<'_, '_> {
+    /// Checks the buffers against `units` units of `slices` blocks over rows of `n`, where
+    /// the locked mode also needs a row per unit of the blocks' own (`own_rows`: the owned
+    /// kernel without `local`).
+    fn check(&self, units: u32, slices: u32, n: u32, own_rows: bool) {
+        let rows = match &self.locks {
+            None => units as usize,
+            Some((words, groups)) => {
+                require(*groups >= 1 && *groups <= units, "groups");
+                require(words.len() >= 2 * (*groups * slices) as usize, "lock words");
+                2 * *groups as usize + if own_rows { units as usize } else { 0 }
+            }
+        };
+        let len = rows * n as usize;
+        require(
+            self.dgamma.len() >= len && self.dbeta.len() >= len,
+            "partial rows",
+        );
+    }
+
+    /// The kernels' parameter, and the guards that order the buffers' use on the stream.
+    fn params<'g>(&'g mut self, gpu: &'g Gpu) -> (ByValue<Partials>, [Option<SyncOnDrop<'g>>; 3]) {
+        let ((dgamma, g1), (dbeta, g2)) = (output(gpu, &mut *self.dgamma), output(gpu, &mut *self.dbeta));
+        let (words, groups, g3) = match &mut self.locks {
+            Some((words, groups)) => {
+                let groups = *groups;
+                let (words, guard) = output(gpu, &mut **words);
+                (words, groups, Some(guard))
+            }
+            None => (Out::none(), 0, None),
+        };
+        let partials = ByValue(Partials {
+            dgamma,
+            dbeta,
+            words,
+            groups,
+        });
+        (partials, [Some(g1), Some(g2), g3])
+    }
+}
+
+/// Stage 1, the general kernel: one unit per block. With `local`, each team of a block sums
+/// in its own rows of shared memory after the scratch (warp teams must).
 pub(crate) fn backward_owned<T: Element, W: Weight<T>>(
     gpu: &Gpu,
     team: Team,
     launch: Launch,
     mut a: Backward<'_, T, W>,
-    part_dgamma: &mut CudaViewMut<'_, f32>,
-    part_dbeta: &mut CudaViewMut<'_, f32>,
+    mut sums: Sums<'_, '_>,
     local: bool,
 ) -> Result<()> {
     a.check();
-    let parts = launch.blocks as usize * a.n as usize;
-    require(
-        part_dgamma.len() >= parts && part_dbeta.len() >= parts,
-        "owned partials",
-    );
+    sums.check(launch.blocks, 1, a.n, !local);
     require(launch.stacked == 1, "owned blocks are one team");
     let teams_per_block = launch.teams_per_block(team);
     let local_bytes = owned_local_smem(teams_per_block, a.n);
@@ -319,39 +362,33 @@ pub(crate) fn backward_owned<T: Element, W: Weight<T>>(
     });
     let config = launch.config(gpu, "backward stage 1 (owned)")?;
     let (rows, _rows) = a.params(gpu);
-    let ((dgamma, _dgamma), (dbeta, _dbeta)) = (output(gpu, part_dgamma), output(gpu, part_dbeta));
-    let partials = ByValue(Partials { dgamma, dbeta });
+    let (partials, _guards) = sums.params(gpu);
     let local = local as u32;
     let mut b = gpu.stream.launch_builder(f.func());
     b.arg(&rows).arg(&partials).arg(&local);
     // SAFETY: `backward_kernels!(@owned ..)` in kernels-gpu/src/backward/mod.rs takes
-    // (BackwardRows, Partials, u32), and every buffer (shared memory included) holds what the
-    // kernel indexes (checked above).
+    // (BackwardRows, Partials, u32), every buffer (shared memory included) holds what the
+    // kernel indexes (checked above), and the lock words are zeroed (`Sums`).
     unsafe { b.launch(config) }.during("launching backward stage 1 (owned)")?;
     Ok(())
 }
 
-/// Stage 1, owned mode, rows all held (`a.packed`, and the rows fit `BWD_HELD` packs a
-/// rank): partial rows `[launch.blocks, n]`, each rank summing its columns' partials in its
-/// own shared memory ([`held_smem`]).
+/// Stage 1, rows all held (`a.packed`, and the rows fit `BWD_HELD` packs a rank): one unit
+/// per block, each rank summing its columns' partials in its own shared memory
+/// ([`held_smem`]).
 pub(crate) fn backward_held<T: Element, W: Weight<T>>(
     gpu: &Gpu,
     team: Team,
     launch: Launch,
     a: Backward<'_, T, W>,
-    part_dgamma: &mut CudaViewMut<'_, f32>,
-    part_dbeta: &mut CudaViewMut<'_, f32>,
+    sums: Sums<'_, '_>,
 ) -> Result<()> {
     a.check();
     require(
         a.packed && fits_held::<T>(team, launch.threads, a.n, BWD_HELD),
         "held rows",
     );
-    let parts = launch.blocks as usize * a.n as usize;
-    require(
-        part_dgamma.len() >= parts && part_dbeta.len() >= parts,
-        "held partials",
-    );
+    sums.check(launch.blocks, 1, a.n, false);
     require(
         launch.smem as usize >= held_smem::<T>(launch.threads * launch.stacked),
         "held smem",
@@ -365,16 +402,7 @@ pub(crate) fn backward_held<T: Element, W: Weight<T>>(
     // SAFETY: `backward_kernels!(@held ..)` in kernels-gpu/src/backward/mod.rs takes these
     // arguments; every buffer (shared memory included) holds what the kernel indexes, and
     // every row is whole aligned packs that fit (checked above).
-    unsafe {
-        a.launch_with_partials(
-            gpu,
-            f,
-            launch,
-            part_dgamma,
-            part_dbeta,
-            "backward stage 1 (owned, held rows)",
-        )
-    }
+    unsafe { a.launch_with_partials(gpu, f, launch, sums, "backward stage 1 (held rows)") }
 }
 
 /// Shared memory of a held stage 1 block of `threads` (all its teams' ranks).
@@ -384,8 +412,8 @@ pub(crate) fn held_smem<T: Element>(threads: u32) -> usize {
 
 pub(crate) use crate::layout::owned_local_smem;
 
-/// Stage 1, owned mode over clusters of `size` blocks: `launch.blocks / size` partial
-/// rows, each block of a cluster summing one slice of the row in shared memory: held in
+/// Stage 1 over clusters of `size` blocks: `launch.blocks / size` units of `size` slices,
+/// each block of a cluster summing one slice of the row in shared memory: held in
 /// registers (`held`, rows all aligned packs; sizes `HELD_CLUSTER_SIZES`) or not (size
 /// [`CLUSTER_SIZE`]).
 pub(crate) fn backward_cluster<T: Element, W: Weight<T>>(
@@ -394,17 +422,12 @@ pub(crate) fn backward_cluster<T: Element, W: Weight<T>>(
     size: u32,
     launch: Launch,
     a: Backward<'_, T, W>,
-    part_dgamma: &mut CudaViewMut<'_, f32>,
-    part_dbeta: &mut CudaViewMut<'_, f32>,
+    sums: Sums<'_, '_>,
 ) -> Result<()> {
     a.check();
     require(a.dsum.is_none(), "cluster kernels take no dsum");
     require(launch.blocks.is_multiple_of(size), "whole clusters");
-    let parts = (launch.blocks / size) as usize * a.n as usize;
-    require(
-        part_dgamma.len() >= parts && part_dbeta.len() >= parts,
-        "cluster partials",
-    );
+    sums.check(launch.blocks / size, size, a.n, false);
     let k = gpu.kernels.of_norm::<T, W>(a.norm)?;
     let (kernel, smem) = if held {
         let slice = cluster_slice::<T>(a.n, size);
@@ -424,16 +447,7 @@ pub(crate) fn backward_cluster<T: Element, W: Weight<T>>(
     // every cluster kernel, every buffer (shared memory included) holds what the kernel
     // indexes (checked above, with the held kernel's rows and slices), and the grid is
     // whole clusters of the size the kernel declares.
-    unsafe {
-        a.launch_with_partials(
-            gpu,
-            f,
-            launch,
-            part_dgamma,
-            part_dbeta,
-            "backward stage 1 (clusters)",
-        )
-    }
+    unsafe { a.launch_with_partials(gpu, f, launch, sums, "backward stage 1 (clusters)") }
 }
 
 /// Columns of one block's slice when a cluster of `size` blocks shares a row of `n`.
@@ -449,52 +463,6 @@ pub(crate) fn cluster_smem<T: Element>(n: u32) -> usize {
 /// Shared memory of a held cluster block of `threads`.
 pub(crate) fn cluster_held_smem<T: Element>(threads: u32) -> usize {
     crate::layout::cluster_held_smem(pack_len::<T>(), threads)
-}
-
-/// Stage 1, locked mode: `2 * groups` partial rows (each group's sums, then their Kahan
-/// compensations) and `2 * groups` zeroed lock/count words.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward_locked<T: Element, W: Weight<T>>(
-    gpu: &Gpu,
-    team: Team,
-    launch: Launch,
-    mut a: Backward<'_, T, W>,
-    group_dgamma: &mut CudaViewMut<'_, f32>,
-    group_dbeta: &mut CudaViewMut<'_, f32>,
-    words: &mut CudaViewMut<'_, u32>,
-    groups: u32,
-) -> Result<()> {
-    a.check();
-    let parts = 2 * groups as usize * a.n as usize;
-    require(
-        groups >= 1 && group_dgamma.len() >= parts && group_dbeta.len() >= parts,
-        "groups",
-    );
-    require(words.len() >= 2 * groups as usize, "lock words");
-    require(launch.smem >= SCRATCH_BYTES, "scratch");
-    let k = gpu.kernels.of_norm::<T, W>(a.norm)?;
-    let f = k.any(if team == Team::Warp {
-        Variant::BwdLockedWarp
-    } else {
-        Variant::BwdLockedBlock
-    });
-    let config = launch.config(gpu, "backward stage 1 (locked)")?;
-    let (rows, _rows) = a.params(gpu);
-    let ((dgamma, _dgamma), (dbeta, _dbeta)) = (output(gpu, group_dgamma), output(gpu, group_dbeta));
-    let (words, _words) = output(gpu, words);
-    let groups = ByValue(Groups {
-        dgamma,
-        dbeta,
-        words,
-        groups,
-    });
-    let mut b = gpu.stream.launch_builder(f.func());
-    b.arg(&rows).arg(&groups);
-    // SAFETY: `backward_kernels!(@locked ..)` in kernels-gpu/src/backward/mod.rs takes
-    // (BackwardRows, Groups), every buffer holds what the kernel indexes, and the caller
-    // zeroed the lock and count words (the kernel's only precondition on them).
-    unsafe { b.launch(config) }.during("launching backward stage 1 (locked)")?;
-    Ok(())
 }
 
 /// Stage 2 (`f`, the module's `BwdReduce` kernel): column sums of `[rows, n]` partials into

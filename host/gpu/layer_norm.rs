@@ -10,7 +10,7 @@ use std::sync::PoisonError;
 use cudarc::driver::CudaViewMut;
 
 use super::Gpu;
-use super::launch::{self, Backward, Forward, Launch, Team};
+use super::launch::{self, Backward, Forward, Launch, Sums, Team};
 use super::module::Kernel;
 use crate::element::{Element, Weight};
 use crate::error::Result;
@@ -83,13 +83,15 @@ pub(crate) fn default_groups(n: usize) -> u32 {
     }
 }
 
-/// How stage 1 sums dgamma and dbeta over rows. The op converts its `BackwardMode` to this,
-/// the group count resolved, so that this layer does not depend on the op.
+/// How stage 1's blocks hand their sums of dgamma and dbeta over. The op converts its
+/// `BackwardMode` to this, the group count resolved, so that this layer does not depend on
+/// the op. The kernels are the same either way.
 #[derive(Clone, Copy)]
 pub(crate) enum Reduction {
-    /// Each team owns a partial row; stage 2 adds the partials in a fixed order.
+    /// Each block (or cluster) owns a partial row; stage 2 adds them in a fixed order.
     Owned,
-    /// Row i adds into group i mod `groups` (>= 1) under that group's spinlock.
+    /// Block (or cluster) u adds its sums into group u mod `groups` (>= 1) under that
+    /// group's spinlock.
     Locked { groups: u32 },
 }
 
@@ -104,66 +106,70 @@ pub(crate) fn backward<T: Element, W: Weight<T>>(
     let (rows, n) = (stage1.rows, stage1.n);
     // Held until stage 2 is queued: the buffers are this stream's, reused call after call.
     let mut workspace = gpu.workspace.lock().unwrap_or_else(PoisonError::into_inner);
-    let pass = match mode {
-        Reduction::Owned if stage1.dsum.is_some() => Pass::BackwardDeterministicResidual,
-        Reduction::Owned => Pass::BackwardDeterministic,
-        Reduction::Locked { .. } => Pass::BackwardLocked,
+    let pass = if stage1.dsum.is_some() {
+        Pass::BackwardResidual
+    } else {
+        Pass::Backward
     };
     let plan = plan::<T, W>(n, pass, stage1.packed, gpu.kernels.limits)?;
     let team = team_of(&plan);
     let kernels = gpu.kernels.of_norm::<T, W>(stage1.norm)?;
     let kernel = kernels.any(plan.variant);
-    let (parts_dgamma, parts_dbeta, part_rows) = match (mode, plan.variant) {
-        (
-            Reduction::Owned,
-            Variant::BwdCluster8
-            | Variant::BwdCluster2Held
-            | Variant::BwdCluster4Held
-            | Variant::BwdCluster8Held,
-        ) => {
-            let size = plan.variant.cluster();
-            let clusters = kernel
-                .active_clusters(&gpu.stream, size, plan.threads, plan.smem)?
-                .min(rows);
-            let launch = Launch {
-                blocks: clusters * size,
-                ..shape(&plan)
-            };
-            // Each cluster writes every column of its partial row (each block its slice).
-            let (mut pg, mut pb) = workspace.partials(&gpu.stream, clusters as usize * n as usize)?;
-            let held = plan.variant != Variant::BwdCluster8;
-            launch::backward_cluster(gpu, held, size, launch, stage1, &mut pg, &mut pb)?;
-            (pg, pb, clusters)
+    // The launch, its units (blocks, or clusters of `slices` blocks: one partial row each in
+    // owned mode) and whether its blocks keep their sums in a row of global memory.
+    let slices = plan.variant.cluster();
+    let (launch, units, own_rows) = if slices > 1 {
+        let clusters = kernel
+            .active_clusters(&gpu.stream, slices, plan.threads, plan.smem)?
+            .min(rows);
+        let launch = Launch {
+            blocks: clusters * slices,
+            ..shape(&plan)
+        };
+        (launch, clusters, false)
+    } else if matches!(plan.variant, Variant::BwdHeldWarp | Variant::BwdHeldBlock) {
+        let launch = balanced(resident(gpu, kernel, rows, &plan)?, rows, team);
+        (launch, launch.blocks, false)
+    } else {
+        let launch = resident(gpu, kernel, rows, &plan)?;
+        (launch, launch.blocks, !plan.local)
+    };
+    // Every unit writes every column of its partial row; in locked mode, every group gets a
+    // unit (no more groups than units), and its first holder writes it (count word 0) before
+    // others add to it; the blocks' own rows, where they keep them, follow the 2G group rows.
+    let (mut parts_dgamma, mut parts_dbeta, part_rows, groups) = match mode {
+        Reduction::Owned => {
+            let (pg, pb) = workspace.partials(&gpu.stream, units as usize * n as usize)?;
+            (pg, pb, units, None)
         }
-        (Reduction::Owned, Variant::BwdHeldWarp | Variant::BwdHeldBlock) => {
-            let launch = balanced(resident(gpu, kernel, rows, &plan)?, rows, team);
-            // The held kernel writes every element of every block's partial row.
-            let (mut pg, mut pb) = workspace.partials(&gpu.stream, launch.blocks as usize * n as usize)?;
-            launch::backward_held(gpu, team, launch, stage1, &mut pg, &mut pb)?;
-            (pg, pb, launch.blocks)
-        }
-        (Reduction::Owned, _) => {
-            let launch = resident(gpu, kernel, rows, &plan)?;
-            // The owned-mode kernel writes every element of every block's partial row.
-            let (mut pg, mut pb) = workspace.partials(&gpu.stream, launch.blocks as usize * n as usize)?;
-            launch::backward_owned(gpu, team, launch, stage1, &mut pg, &mut pb, plan.local)?;
-            (pg, pb, launch.blocks)
-        }
-        (Reduction::Locked { groups }, _) => {
-            // Groups beyond `rows` would get no row (row i goes to group i mod G = i), so
-            // clamping changes nothing but leaves no group unwritten.
-            let groups = groups.min(rows);
-            // Every group row (and its compensation row) is written by its first holder
-            // (count word 0) before it is added to, and all `groups` groups get a row since
-            // groups <= rows.
-            let (len, words) = (2 * groups as usize * n as usize, 2 * groups as usize);
-            let (mut pg, mut pb, mut words) = workspace.locked(&gpu.stream, len, words)?;
-            let launch = resident(gpu, kernel, rows, &plan)?;
-            launch::backward_locked(gpu, team, launch, stage1, &mut pg, &mut pb, &mut words, groups)?;
+        Reduction::Locked { groups } => {
+            let groups = groups.min(units);
+            let buffer_rows = 2 * groups as usize + if own_rows { units as usize } else { 0 };
+            let words = 2 * (groups * slices) as usize;
+            let (pg, pb, words) = workspace.locked(&gpu.stream, buffer_rows * n as usize, words)?;
             // Stage 2 sums the compensation rows with the sums.
-            (pg, pb, 2 * groups)
+            (pg, pb, 2 * groups, Some((words, groups)))
         }
     };
+    let mut words = groups;
+    let sums = Sums {
+        dgamma: &mut parts_dgamma,
+        dbeta: &mut parts_dbeta,
+        locks: words.as_mut().map(|(w, g)| (w, *g)),
+    };
+    match plan.variant {
+        Variant::BwdCluster8
+        | Variant::BwdCluster2Held
+        | Variant::BwdCluster4Held
+        | Variant::BwdCluster8Held => {
+            let held = plan.variant != Variant::BwdCluster8;
+            launch::backward_cluster(gpu, held, slices, launch, stage1, sums)?;
+        }
+        Variant::BwdHeldWarp | Variant::BwdHeldBlock => {
+            launch::backward_held(gpu, team, launch, stage1, sums)?
+        }
+        _ => launch::backward_owned(gpu, team, launch, stage1, sums, plan.local)?,
+    }
     launch::backward_reduce(
         gpu,
         kernels.any(Variant::BwdReduce),

@@ -114,20 +114,17 @@ pub struct BackwardRows<T, W> {
     pub gamma_offset: f32,
 }
 
-/// An owned-mode stage 1's partial buffers: `[R, n]` f32 each, one row per block (or
-/// cluster), which it writes whole.
+/// Where every stage 1's blocks hand their partial sums over (the kernels'
+/// `partials::Destination`), in one of two modes:
+/// - owned (`groups` = 0, `words` none): `[R, n]` f32 each, one row per block (or cluster),
+///   which it writes whole;
+/// - locked (`groups` = G >= 1): `[2G, n]` f32 each, the group sums then their
+///   compensations (`[2G + R, n]` for the owned kernel without `local`, whose blocks keep
+///   their own rows after those), and `2 * G * C` zeroed lock and count words (C the blocks
+///   of a cluster, 1 without clusters).
 #[derive(Clone, Copy)]
 #[repr(C)]
 pub struct Partials {
-    pub dgamma: Out<f32>,
-    pub dbeta: Out<f32>,
-}
-
-/// The locked stage 1's group buffers: `[2 * groups, n]` f32 each (the group sums, then
-/// their compensations), and `2 * groups` zeroed lock and count words.
-#[derive(Clone, Copy)]
-#[repr(C)]
-pub struct Groups {
     pub dgamma: Out<f32>,
     pub dbeta: Out<f32>,
     pub words: Out<u32>,
@@ -146,7 +143,7 @@ pub struct Reduce<T> {
     pub n: u32,
 }
 
-// SAFETY: `#[repr(C)]`, of 64-bit addresses and 32-bit numbers only (all five impls).
+// SAFETY: `#[repr(C)]`, of 64-bit addresses and 32-bit numbers only (all four impls).
 unsafe impl<T: Copy, W: Copy> KernelParams for Forward<T, W> {}
 // SAFETY: as above.
 unsafe impl<T: Copy, W: Copy> KernelParams for BackwardRows<T, W> {}
@@ -154,8 +151,6 @@ unsafe impl<T: Copy, W: Copy> KernelParams for BackwardRows<T, W> {}
 unsafe impl<T: Copy> KernelParams for Reduce<T> {}
 // SAFETY: as above.
 unsafe impl KernelParams for Partials {}
-// SAFETY: as above.
-unsafe impl KernelParams for Groups {}
 
 /// The bytes of each parameter that `variant`'s kernels declare, in order (the same for
 /// every type pair): what the host passes, and what a test finds in the PTX.
@@ -176,7 +171,6 @@ pub const fn param_bytes(variant: Variant) -> &'static [usize] {
         | Variant::BwdCluster2Held
         | Variant::BwdCluster4Held
         | Variant::BwdCluster8Held => &[ROWS, size_of::<Partials>()],
-        Variant::BwdLockedWarp | Variant::BwdLockedBlock => &[ROWS, size_of::<Groups>()],
         Variant::BwdReduce => &[size_of::<Reduce<f32>>()],
     }
 }

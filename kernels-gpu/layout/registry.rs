@@ -16,10 +16,9 @@
 //!   structs, whose pointers are generic rather than global, it spills 8 bytes there); the
 //!   held mode keeps two rows in
 //!   registers in 128 (512), and on sm_80, whose ptxas needs more for f16/bf16, in 168
-//!   (384); the locked mode fits 80 (768) in f32, and 96 (640) in f16/bf16, whose group
-//!   rows' Kahan sums load a pack of four rows at once (sm_80's ptxas: 128 for the warp
-//!   kernels); the cluster kernels (a slice per block) fit 96 (640) in f16/bf16 and need 128
-//!   (512) in f32 and when held.
+//!   (384); the cluster kernels (a slice per block) fit 96 (640) in f16/bf16 and need 128
+//!   (512) when held; the general one in f32 spilled at 128 once its blocks also handed
+//!   their sums over under a lock, and has 168 (384).
 //! - The residual forward keeps the row pointers of x, the residual, s and y, and runs at
 //!   512 (128) with `.minnctapersm 1` (see `Variant::one_block_per_sm`).
 //! - f32 weights beside f16/bf16 rows cost the kernels that hold rows in registers the
@@ -186,9 +185,6 @@ pub enum Variant {
     /// Stage 1, owned mode, rows all of aligned packs held in registers.
     BwdHeldWarp,
     BwdHeldBlock,
-    /// Stage 1, locked mode (the Triton tutorial's spinlocks over G groups).
-    BwdLockedWarp,
-    BwdLockedBlock,
     /// Stage 2: the partial rows' column sums.
     BwdReduce,
     /// Stage 1, owned mode, rows split over clusters of 8 blocks (sm_90).
@@ -201,7 +197,7 @@ pub enum Variant {
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 17] = [
+    pub const ALL: [Variant; 15] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
@@ -212,8 +208,6 @@ impl Variant {
         Variant::BwdOwnedBlock,
         Variant::BwdHeldWarp,
         Variant::BwdHeldBlock,
-        Variant::BwdLockedWarp,
-        Variant::BwdLockedBlock,
         Variant::BwdReduce,
         Variant::BwdCluster8,
         Variant::BwdCluster2Held,
@@ -234,8 +228,6 @@ impl Variant {
             Variant::BwdOwnedBlock => "bwd_owned_block",
             Variant::BwdHeldWarp => "bwd_held_warp",
             Variant::BwdHeldBlock => "bwd_held_block",
-            Variant::BwdLockedWarp => "bwd_locked_warp",
-            Variant::BwdLockedBlock => "bwd_locked_block",
             Variant::BwdReduce => "bwd_reduce",
             Variant::BwdCluster8 => "bwd_cluster8",
             Variant::BwdCluster2Held => "bwd_cluster2_held",
@@ -280,10 +272,7 @@ impl Variant {
             (Variant::BwdOwnedBlock, _) => 512,
             (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm80) => 384,
             (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm90) => 512,
-            (Variant::BwdLockedWarp | Variant::BwdLockedBlock, _) if f32 => 768,
-            (Variant::BwdLockedWarp, Arch::Sm80) => 512,
-            (Variant::BwdLockedWarp | Variant::BwdLockedBlock, _) => 640,
-            (Variant::BwdCluster8, _) if f32 => 512,
+            (Variant::BwdCluster8, _) if f32 => 384,
             (Variant::BwdCluster8, _) => 640,
             (Variant::BwdCluster2Held | Variant::BwdCluster4Held | Variant::BwdCluster8Held, _)
                 if f32_weights_of_halves =>
@@ -303,7 +292,6 @@ impl Variant {
                 | Variant::FwdResidualWarp
                 | Variant::BwdOwnedWarp
                 | Variant::BwdHeldWarp
-                | Variant::BwdLockedWarp
         )
     }
 

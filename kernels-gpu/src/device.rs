@@ -61,6 +61,28 @@ pub fn sync_block() {
     unsafe { nvptx::_syncthreads() }
 }
 
+/// [`sync_block`] that also hands every thread whether any thread's `p` was true
+/// (`bar.red.or.pred`): one thread's flag reaches the whole block without shared memory.
+#[inline(always)]
+pub fn sync_block_any(p: bool) -> bool {
+    let out: u32;
+    // SAFETY: a barrier with a reduction; callers keep it on a block-uniform control path.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .pred %p, %q;",
+            "setp.ne.u32 %p, {i}, 0;",
+            "bar.red.or.pred %q, 0, %p;",
+            "selp.u32 {o}, 1, 0, %q;",
+            "}}",
+            i = in(reg32) p as u32,
+            o = out(reg32) out,
+            options(nostack)
+        )
+    }
+    out != 0
+}
+
 /// Barrier `id` (0..16) over the first `count` threads to reach it (`barrier.sync id,
 /// count`; `count` a multiple of 32): lets several teams of one block synchronize apart.
 /// The same visibility guarantee as [`sync_block`] among those threads.

@@ -145,8 +145,6 @@ pub trait Team {
     fn sync();
     /// Two sums over the team, the same in every rank.
     fn sum2(a: f32, b: f32) -> (f32, f32);
-    /// Rank 0's `v`, to every rank.
-    fn broadcast(v: u32) -> u32;
 }
 
 /// A team that can merge row statistics (the forward's streamed rows).
@@ -190,10 +188,6 @@ impl Team for Warp {
     #[inline(always)]
     fn sum2(a: f32, b: f32) -> (f32, f32) {
         warp_sum2(a, b)
-    }
-    #[inline(always)]
-    fn broadcast(v: u32) -> u32 {
-        shfl_idx(f32::from_bits(v), 0).to_bits()
     }
 }
 
@@ -298,12 +292,6 @@ impl<const STACKED: bool> Team for Blocks<STACKED> {
         let (a, b) = warp_sum2(a, b);
         let v = Self::exchange([a, b, 0.0], [0.0; 3]);
         warp_sum2(v[0], v[1])
-    }
-    #[inline(always)]
-    fn broadcast(v: u32) -> u32 {
-        let slot = Self::exchange([f32::from_bits(v), 0.0, 0.0], [0.0; 3]);
-        // Every lane read slot 0's value into lane 0 of its warp; hand it to the others.
-        shfl_idx(slot[0], 0).to_bits()
     }
 }
 

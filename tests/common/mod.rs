@@ -4,7 +4,7 @@
 #![allow(dead_code)] // each test binary uses its own subset
 
 use layernorm_cuda::plan::{Pass, plan};
-use layernorm_cuda::{BackwardMode, Device, Element, Error, Tensor, Weight};
+use layernorm_cuda::{Device, Element, Error, Tensor, Weight};
 use ndarray::{Array, Array1, Array2, ArrayView, Dimension};
 
 /// (rows, n): single elements and rows; n odd (every row misaligned for 16-byte packs) or
@@ -178,9 +178,9 @@ pub fn poisoned<T: Element>(device: &Device, shape: &[usize]) -> Tensor<T> {
 }
 
 /// Whether the ops of weights `T` and of f32 weights take the same kernels with the same
-/// blocks for rows of `n` on `device`, forward and backward in `mode` (always on the CPU,
+/// blocks for rows of `n` on `device`, forward and backward (always on the CPU,
 /// which has one path): where they do, the two sum in the same order.
-pub fn same_plans<T: Element>(device: &Device, n: usize, mode: BackwardMode) -> bool
+pub fn same_plans<T: Element>(device: &Device, n: usize) -> bool
 where
     f32: Weight<T>,
 {
@@ -188,11 +188,7 @@ where
         return true;
     };
     let aligned = (n * size_of::<T>()).is_multiple_of(16);
-    let backward = match mode {
-        BackwardMode::Deterministic => Pass::BackwardDeterministic,
-        BackwardMode::Locked { .. } => Pass::BackwardLocked,
-    };
-    [Pass::Forward, backward].into_iter().all(|pass| {
+    [Pass::Forward, Pass::Backward].into_iter().all(|pass| {
         plan::<T, T>(n as u32, pass, aligned, limits).ok()
             == plan::<T, f32>(n as u32, pass, aligned, limits).ok()
     })

@@ -1,6 +1,7 @@
 //! Stage 1 for launches whose rows are all whole aligned packs held in registers: partials
 //! kept per rank in shared memory, no barrier between rows, two rows in flight per team.
 
+use super::partials::Destination;
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device::{self, fma};
 use crate::element::{Element, MAX_PACK, Pack, read, write};
@@ -222,23 +223,21 @@ pub(crate) unsafe fn backward_row_held<T: Element, W: Element, S: Team>(
     upcoming
 }
 
-/// Stage 1, owned mode, for launches whose rows are all whole aligned packs that fit in
-/// registers (the host checks): team u handles rows u, u + U, ... and each rank adds its
-/// columns' partials into its own [`RankPartials`]; at the end the block sums its teams' (in
-/// team order) into its `r.cols` columns of partial row `out_row`. No barrier between rows:
-/// a rank's partials are its own.
+/// Stage 1 for launches whose rows are all whole aligned packs that fit in registers (the
+/// host checks): team u handles rows u, u + U, ... and each rank adds its columns' partials
+/// into its own [`RankPartials`]; at the end the block sums its teams' (in team order) and
+/// hands them over to `out` for its `r.cols` columns. No barrier between rows: a rank's
+/// partials are its own.
 ///
 /// # Safety
-/// As [`backward_row_held`] requires of every row; `part_*` point at this block's first
-/// column of `[_, n]` f32 buffers that hold row `out_row`; the launch gave each block
-/// `scratch + teams_per_block * 8 * BWD_HELD * PACK * size` bytes of shared memory (`size`
-/// ranks per team), the first `scratch` for the team's reductions.
+/// As [`backward_row_held`] requires of every row; `out` as [`Destination::hand_over`]
+/// requires, for `r.cols` columns; the launch gave each block `scratch + teams_per_block *
+/// 8 * BWD_HELD * PACK * size` bytes of shared memory (`size` ranks per team), the first
+/// `scratch` for the team's reductions.
 #[inline(always)]
 pub(crate) unsafe fn stage1_held<T: Element, W: Element, S: Team>(
     r: Rows<T, W>,
-    part_dgamma: *mut f32,
-    part_dbeta: *mut f32,
-    out_row: u32,
+    out: Destination,
     scratch: u32,
 ) {
     let team_bytes = RankPartials::team_bytes::<T>(S::size());
@@ -268,32 +267,34 @@ pub(crate) unsafe fn stage1_held<T: Element, W: Element, S: Team>(
     // Chunk q of rank k (in every team): the teams' sums in team order, into the columns of
     // the pack it covers.
     let (packs, per_pack) = (r.cols / T::PACK as u32, T::PACK as u32 / 4);
-    let (size, row_at) = (S::size(), out_row as usize * r.n as usize);
+    let size = S::size();
     // Every thread of the block takes chunks, whichever team it belongs to (block teams
     // stack along y).
     let threads = device::block_dim() * device::block_dim_y();
-    let mut i = device::thread_idx_y() * device::block_dim() + device::thread_idx();
-    while i < RankPartials::chunks::<T>() * size {
-        let (rank, q) = (i % size, i / size);
-        let p = rank + q / per_pack * size;
-        if p < packs {
-            let (mut g, mut b) = ([0.0f32; 4], [0.0f32; 4]);
-            for t in 0..S::per_block() {
-                // SAFETY: q < chunks, inside team t's area, written before the barrier.
-                let (tg, tb) = unsafe { team(t, rank).chunk(q) };
-                for k in 0..4 {
-                    g[k] += f32::from_bits(tg[k]);
-                    b[k] += f32::from_bits(tb[k]);
+    let first = device::thread_idx_y() * device::block_dim() + device::thread_idx();
+    // SAFETY: the caller's guarantee; each thread merges its own chunks' columns.
+    unsafe {
+        out.hand_over(|dst| {
+            let mut i = first;
+            while i < RankPartials::chunks::<T>() * size {
+                let (rank, q) = (i % size, i / size);
+                let p = rank + q / per_pack * size;
+                if p < packs {
+                    let (mut g, mut b) = ([0.0f32; MAX_PACK], [0.0f32; MAX_PACK]);
+                    for t in 0..S::per_block() {
+                        // q < chunks, inside team t's area, written before the barrier.
+                        let (tg, tb) = team(t, rank).chunk(q);
+                        for k in 0..4 {
+                            g[k] += f32::from_bits(tg[k]);
+                            b[k] += f32::from_bits(tb[k]);
+                        }
+                    }
+                    // Columns inside the block's `cols` (p < packs); n and the slice start
+                    // are whole numbers of packs, so the column is 16-byte aligned.
+                    dst.merge(p * T::PACK as u32 + 4 * (q % per_pack), 4, &g, &b);
                 }
+                i += threads;
             }
-            let col = row_at + (p * T::PACK as u32 + 4 * (q % per_pack)) as usize;
-            // SAFETY: col + 4 <= cols inside partial row out_row (p < packs); n and the
-            // slice start are whole numbers of packs, so the column is 16-byte aligned.
-            unsafe {
-                device::store_16(part_dgamma.add(col) as *mut u32, g.map(f32::to_bits));
-                device::store_16(part_dbeta.add(col) as *mut u32, b.map(f32::to_bits));
-            }
-        }
-        i += threads;
+        })
     }
 }

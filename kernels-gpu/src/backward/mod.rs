@@ -15,25 +15,26 @@
 //! the residual stream, dsum, where given, joins dx before it is rounded:
 //!   dx_j += dsum_j     (dx is then also the gradient of the residual)
 //!
-//! Stage 1 writes dx and adds each row's (dy * xhat, dy) into one row of an f32 partial
-//! buffer `[R, n]`. Stage 2 sums the R partial rows per column into dgamma and dbeta.
-//! Partials are f32 whatever the storage type, so long columns do not round in f16.
+//! Stage 1 writes dx and sums each row's (dy * xhat, dy) per block, in shared memory (or,
+//! for rows too long for it, a row of global memory of the block's own), then hands the
+//! block's sums over once, into an f32 buffer `[R, n]`. Stage 2 sums the R partial rows per
+//! column into dgamma and dbeta. Partials are f32 whatever the storage type, so long columns
+//! do not round in f16.
 //!
-//! Two ways to fill the partial buffer:
-//! - owned (deterministic): each block, or cluster, alone owns one partial row, which its
-//!   teams' rows add into; no locks, and every sum runs in a fixed order, so results are
-//!   bitwise reproducible.
-//! - locked (the Triton tutorial's scheme): row i adds into group i mod G under that group's
-//!   spinlock (an atomic compare-and-swap on a lock word); a count word says whether the
-//!   group was written yet (first writer stores, later ones add), so the G rows need no
-//!   clearing, only the 2*G lock and count words. Each group row keeps a compensation row
-//!   beside it (Kahan summation), so that a group that takes many rows in turn does not
-//!   lose a rounding per row; stage 2 sums the 2G rows.
+//! Two ways to hand the sums over (`partials::Destination`), with the same kernels:
+//! - owned (deterministic): each block, or cluster, alone owns one partial row; no locks,
+//!   and every sum runs in a fixed order, so results are bitwise reproducible.
+//! - locked (the Triton tutorial's scheme, per block rather than per row): block b adds its
+//!   sums into group b mod G under that group's spinlock (an atomic compare-and-swap on a
+//!   lock word); a count word says whether the group was written yet (first writer stores,
+//!   later ones add), so the G rows need no clearing, only the lock and count words. Each
+//!   group row keeps a compensation row beside it (Kahan summation); stage 2 sums the 2G
+//!   rows. The order in which blocks take a lock varies, so the last bits may too.
 //!
 //! The kernels, for each type pair <T> of x and gamma (f32, f16, bf16, and f16 or bf16 x
 //! with f32 gamma: `f16_f32w`, `bf16_f32w`), as the host's planner (host/plan.rs) picks
 //! them; teams are a warp per row for n <= 1024, a block per row beyond:
-//! - owned mode, the first that applies:
+//! - stage 1, either mode, the first that applies:
 //!   - `layer_norm_bwd_cluster<C>_held_<T>`, `layer_norm_bwd_cluster8_<T>` (sm_90 module,
 //!     block teams): rows too long for one block to hold in registers (4 packs a thread)
 //!     or to sum in shared memory (8n bytes), where an eighth of a row's partials fits. A
@@ -52,23 +53,24 @@
 //!     teams stack along y, and all teams of a block add into one partial row.
 //!   - `layer_norm_bwd_owned_{warp,block}_<T>` ([`stage1_owned`]): all other rows. Each
 //!     team sums its rows' partials in its own shared-memory row (padded by a word per 32:
-//!     no bank conflicts), and the block writes their sum, in team order, as its partial
-//!     row; block-team rows whose partials do not fit in shared memory add straight into
-//!     the block's partial row in global memory (sm_80, or past what clusters take).
-//! - locked mode: `layer_norm_bwd_locked_{warp,block}_<T>` ([`stage1_locked`]), with G
-//!   groups (by default 256 for n <= 1024, 128 to 4096, 96 to 8192, 64 beyond).
+//!     no bank conflicts), and the block hands their sum, in team order, over; block-team
+//!     rows whose partials do not fit in shared memory add straight into the block's own
+//!     row in global memory (sm_80, or past what clusters take).
+//!
+//!   In locked mode with G groups (by default 256 for n <= 1024, 128 to 4096, 96 to 8192,
+//!   64 beyond, the tutorial's counts; never more than the blocks or clusters).
 //! - stage 2, both modes: `layer_norm_bwd_reduce_<W>` ([`stage2`]), W the type of the
 //!   weights and their gradients.
 //!
-//! The general kernels (owned, `cluster8`, locked) take each row as its pointers and length
+//! The general kernels (owned, `cluster8`) take each row as its pointers and length
 //! allow (`streamed::backward_row_any`): x and dy held in registers where the row is aligned and
 //! fits 4 packs a rank, else read in 16-byte packs where aligned, else element by element;
 //! three passes (sums, dx, partials), each chunk's loads before its stores.
 //! docs/PERF.md has each version's changes and measurements.
 //!
 //! Files: this one, the math every stage 1 shares (xhat, dx, the row sums) and the kernel
-//! exports; `partials` (the partial rows, the locked groups); `streamed` (the general stage
-//! 1: rows of any length and alignment, owned and locked); `held` (the held stage 1);
+//! exports; `partials` (the partial rows, and where a block's sums go); `streamed` (the
+//! general stage 1: rows of any length and alignment); `held` (the held stage 1);
 //! `stage2`. The cluster stage 1 is `crate::cluster::backward`, compiled into the sm_90
 //! module only.
 
@@ -80,12 +82,12 @@ pub(crate) mod streamed;
 
 use crate::device::{self, fma};
 use crate::element::{Element, Pack, read_cached};
-use crate::layout::params::{BackwardRows, Groups, Partials, Reduce};
+use crate::layout::params::{BackwardRows, Partials, Reduce};
 use crate::team::{Block, SCRATCH_BYTES, StackedBlock, Warp};
 use held::stage1_held;
-use partials::GroupLock;
+use partials::Destination;
 use stage2::stage2;
-use streamed::{stage1_locked, stage1_owned};
+use streamed::stage1_owned;
 
 /// The inputs of one backward launch, as the host passes them. A team walks `cols` columns
 /// from the row pointers: all `n` of them, or (clusters) a slice, with `x`, `dy`, `gamma`
@@ -253,7 +255,8 @@ impl DxCoefficients {
 
 /// Exports the stage 1 kernels of one type pair (x, dy and dx of type `$t`, gamma of `$w`),
 /// `<norm>_bwd_<kind>_<types>`, for both norms (RMSNorm's rows are not `centered`, a
-/// constant the compiler folds): owned, held and locked, each for warp- and block-per-row.
+/// constant the compiler folds): owned and held, each for warp- and block-per-row, each for
+/// both modes (the launch's `Partials` say which).
 macro_rules! backward_kernels {
     ($module:ident, $types:literal, $t:ty, $w:ty) => {
         mod $module {
@@ -269,53 +272,36 @@ macro_rules! backward_kernels {
             backward_kernels!(@owned $prefix, $centered, $types, $t, $w, owned_block, Block);
             backward_kernels!(@held $prefix, $centered, $types, $t, $w, held_warp, Warp);
             backward_kernels!(@held $prefix, $centered, $types, $t, $w, held_block, StackedBlock);
-            backward_kernels!(@locked $prefix, $centered, $types, $t, $w, locked_warp, Warp);
-            backward_kernels!(@locked $prefix, $centered, $types, $t, $w, locked_block, Block);
         }
     };
     (@owned $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $team:ty) => {
-        /// Stage 1, owned (deterministic) mode: the partial buffers hold one row per block;
-        /// `local` != 0 sums in shared memory first (required for warp teams).
+        /// Stage 1 over rows of any length and alignment; block b hands its sums over to
+        /// `out` (its partial row, or its group under the lock); `local` != 0 sums in
+        /// shared memory first (required for warp teams).
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes.
         #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
         pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, out: Partials, local: u32) {
-            let (part_dgamma, part_dbeta) = (out.dgamma.ptr(), out.dbeta.ptr());
+            let out = Destination::of(out, p.n, 0, device::block_idx(), 1, 0);
             let r = Rows::of(p, $centered);
             // SAFETY: the host sizes every buffer as `stage1_owned` requires.
-            unsafe { stage1_owned::<$t, $w, $team>(r, part_dgamma, part_dbeta, local != 0) }
+            unsafe { stage1_owned::<$t, $w, $team>(r, out, local != 0) }
         }
     };
     (@held $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $team:ty) => {
-        /// Stage 1, owned mode, rows all whole aligned packs held in registers: one partial
-        /// row per block, whose teams (warps, or block teams stacked along y) all add into
-        /// it.
+        /// Stage 1, rows all whole aligned packs held in registers: the block's teams
+        /// (warps, or block teams stacked along y) all add into its shared memory, and block
+        /// b hands the sums over to `out` (its partial row, or its group under the lock).
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows that hold.
         #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
         pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, out: Partials) {
+            let out = Destination::of(out, p.n, 0, device::block_idx(), 1, 0);
             let r = Rows::of(p, $centered);
-            let (part_dgamma, part_dbeta) = (out.dgamma.ptr(), out.dbeta.ptr());
-            let block = device::block_idx();
-            // SAFETY: the host launches this kernel only as `stage1_held` requires; block b
-            // writes partial row b.
-            unsafe { stage1_held::<$t, $w, $team>(r, part_dgamma, part_dbeta, block, SCRATCH_BYTES) }
-        }
-    };
-    (@locked $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $team:ty) => {
-        /// Stage 1, locked mode, into `groups` groups under their spinlocks.
-        ///
-        /// # Safety
-        /// Launched by the host with buffers of the documented sizes.
-        #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
-        pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, g: Groups) {
-            let r = Rows::of(p, $centered);
-            let (dgamma, dbeta, words) = (g.dgamma.ptr(), g.dbeta.ptr(), g.words.ptr());
-            let lock = GroupLock { dgamma, dbeta, words, groups: g.groups, n: p.n };
-            // SAFETY: the host sizes every buffer as `stage1_locked` requires.
-            unsafe { stage1_locked::<$t, $w, $team>(r, lock) }
+            // SAFETY: the host launches this kernel only as `stage1_held` requires.
+            unsafe { stage1_held::<$t, $w, $team>(r, out, SCRATCH_BYTES) }
         }
     };
 }

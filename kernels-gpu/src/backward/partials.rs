@@ -1,12 +1,13 @@
 //! The partial dgamma and dbeta rows stage 1 adds into: a team's or block's own row, in
-//! shared or global memory (owned mode), or a spinlocked group row with its compensations
-//! (locked mode).
+//! shared or global memory, and where each block's sums end up ([`Destination`]): its own
+//! row of the partial buffers (owned mode), or added into a spinlocked group row with its
+//! compensations (locked mode).
 
 use core::sync::atomic::{AtomicU32, Ordering, fence};
 
 use crate::device::{self, load_f32_l2, shared_ptr};
-use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned};
-use crate::team::Team;
+use crate::element::{MAX_PACK, Pack, is_pack_aligned};
+use crate::layout::params::Partials;
 
 /// One row of partial sums: a group row in global memory (locked mode), a block's row in
 /// global memory, or a team's row in shared memory (owned mode).
@@ -144,16 +145,16 @@ impl PartialRow {
     }
 
     /// The chunk `[start, start + len)`'s addresses in the dgamma and dbeta rows, and whether
-    /// they take 16-byte accesses.
+    /// they take 16-byte accesses (global rows, whole aligned words of 4).
     #[inline(always)]
-    pub(crate) fn chunk<T: Element>(self, start: u32, len: usize) -> (*mut f32, *mut f32, bool) {
+    pub(crate) fn chunk(self, start: u32, len: usize) -> (*mut f32, *mut f32, bool) {
         let at = if self.shared {
             padded(start)
         } else {
             start as usize
         };
         let (g, b) = (self.dgamma.wrapping_add(at), self.dbeta.wrapping_add(at));
-        let vector = !self.shared && len == T::PACK && is_pack_aligned(g) && is_pack_aligned(b);
+        let vector = !self.shared && len.is_multiple_of(4) && is_pack_aligned(g) && is_pack_aligned(b);
         (g, b, vector)
     }
 
@@ -164,8 +165,8 @@ impl PartialRow {
     /// # Safety
     /// The chunk is inside the row, and no other thread writes it concurrently.
     #[inline(always)]
-    pub(crate) unsafe fn add<T: Element>(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
-        let (g, b, vector) = self.chunk::<T>(start, len);
+    pub(crate) unsafe fn add(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
+        let (g, b, vector) = self.chunk(start, len);
         let zero = [0.0; MAX_PACK];
         let (old_g, old_b) = if self.accumulate {
             // SAFETY: as above; vectors only where both rows are 16-byte aligned.
@@ -182,7 +183,7 @@ impl PartialRow {
     }
 
     /// [`PartialRow::add`] for a row with compensations (the locked mode's group rows, where
-    /// one sum may take every row of the batch in turn): each add is Kahan's. With the sum s
+    /// one sum takes the partial rows of many blocks in turn): each add is Kahan's. With the sum s
     /// and its running error e (the true sum is s + e),
     ///   u = v + e,   t = s + u,   e = u - (t - s),   s = t
     /// so the error of a column sum stays at a few roundings of the sum however many rows it
@@ -192,14 +193,8 @@ impl PartialRow {
     /// # Safety
     /// As for [`PartialRow::add`], the chunk's compensations included.
     #[inline(always)]
-    pub(crate) unsafe fn add_compensated<T: Element>(
-        self,
-        start: u32,
-        len: usize,
-        dgamma: &Pack,
-        dbeta: &Pack,
-    ) {
-        let (g, b, vector) = self.chunk::<T>(start, len);
+    unsafe fn add_compensated(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
+        let (g, b, vector) = self.chunk(start, len);
         let zero = [0.0; MAX_PACK];
         let (eg, eb) = (
             g.wrapping_add(self.compensation),
@@ -240,77 +235,161 @@ impl PartialRow {
             Self::store(eb, len, vector, &seb);
         }
     }
-}
 
-/// The G group rows of the locked mode with their lock and count words.
-pub(crate) struct GroupLock {
-    /// `[2 * groups, n]`: group g's sums in row g, their compensations in row G + g.
-    pub(crate) dgamma: *mut f32,
-    pub(crate) dbeta: *mut f32,
-    /// `groups` lock words, then `groups` count words; zero before the launch.
-    pub(crate) words: *mut u32,
-    pub(crate) groups: u32,
-    pub(crate) n: u32,
-}
-
-impl GroupLock {
-    /// The group of row `row`: `row mod G` (the host never passes G = 0; the guard keeps
-    /// a division-by-zero panic, which would need core's panic machinery, out of the PTX).
-    #[inline(always)]
-    pub(crate) fn group(&self, row: u32) -> u32 {
-        row.checked_rem(self.groups).unwrap_or(0)
-    }
-
-    /// Spins until this team holds row `row`'s group, then returns the group row.
+    /// The chunk's sums into this row: compensated where the row keeps compensations (a
+    /// locked group row), else as [`PartialRow::add`].
     ///
     /// # Safety
-    /// `words` holds 2 * `groups` words, the group buffers `[2 * groups, n]` f32.
+    /// As for [`PartialRow::add`], the chunk's compensations included.
     #[inline(always)]
-    pub(crate) unsafe fn acquire<T: Element, S: Team>(&self, row: u32) -> PartialRow {
-        let g = self.group(row);
-        // SAFETY: g < groups, and lock words are only touched atomically.
+    pub(crate) unsafe fn merge(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
+        // SAFETY: the caller's guarantee.
+        unsafe {
+            if self.compensation != 0 {
+                self.add_compensated(start, len, dgamma, dbeta)
+            } else {
+                self.add(start, len, dgamma, dbeta)
+            }
+        }
+    }
+}
+
+/// Where a block's partial dgamma and dbeta go at the end of stage 1, from the launch's
+/// [`Partials`]. Every stage 1 sums its rows' partials per block first (in shared memory,
+/// or in a row of global memory of its own), then hands the block's sums over once:
+/// - owned mode (`groups` = 0): into row `unit` of the `[R, n]` buffers, which only this
+///   block (or, for clusters, only this block's slice) writes; stage 2 adds the R rows in
+///   a fixed order, so the result is bitwise reproducible.
+/// - locked mode (the Triton tutorial's scheme, at the granularity of a block's sums rather
+///   than of one row): added into group g = `unit` mod G under g's spinlock, an atomic
+///   compare-and-swap on a lock word. A count word says whether the group was written yet
+///   (the first holder stores, later ones add), so the group rows need no clearing, only
+///   the lock and count words. Group g's sums are row g, their Kahan compensations row
+///   G + g; stage 2 sums the 2G rows. The host takes G no larger than the blocks (or
+///   clusters), so every group is written. A cluster's blocks each hand over their own
+///   slice of the row, so each slice of a group has its own lock and count word.
+#[derive(Clone, Copy)]
+pub(crate) struct Destination {
+    /// The launch's buffers and, in locked mode, its `groups * slices` lock words, then as
+    /// many count words, zero before the launch. (Kept as the kernel parameter, not as
+    /// pointers offset ahead of time: ptxas reads parameters from the constant bank where
+    /// they are used, where offset pointers would hold registers across the row loop.)
+    p: Partials,
+    /// This block's first column.
+    at: u32,
+    n: u32,
+    /// This block's, or its cluster's, index in the grid.
+    unit: u32,
+    /// Blocks that share a unit's row, each with its own slice of it, and this block's.
+    slices: u32,
+    slice: u32,
+}
+
+impl Destination {
+    /// For the block (or cluster block) of unit `unit` whose columns start at `at`, when
+    /// `slices` blocks share each unit's row (`slice` this one's place among them).
+    #[inline(always)]
+    pub(crate) fn of(p: Partials, n: u32, at: u32, unit: u32, slices: u32, slice: u32) -> Self {
+        Destination {
+            p,
+            at,
+            n,
+            unit,
+            slices,
+            slice,
+        }
+    }
+
+    /// Row `row` of the buffers, from this block's first column.
+    ///
+    /// # Safety
+    /// The buffers hold that row.
+    #[inline(always)]
+    unsafe fn row(self, row: u32, accumulate: bool, compensation: usize) -> PartialRow {
+        let at = self.at as usize;
+        let (dgamma, dbeta) = (
+            self.p.dgamma.ptr().wrapping_add(at),
+            self.p.dbeta.ptr().wrapping_add(at),
+        );
+        // SAFETY: the caller's guarantee.
+        unsafe { PartialRow::global(dgamma, dbeta, row, self.n, accumulate, compensation) }
+    }
+
+    /// A row of global memory the block alone writes, for sums it keeps there as it goes
+    /// (the owned kernel's block-team rows whose partials do not fit shared memory): its
+    /// own partial row in owned mode, which is where they belong; in locked mode row
+    /// 2G + `unit`, past the groups and their compensations, which [`Destination::hand_over`]
+    /// then reads back. `accumulate` as [`PartialRow::global`] takes it.
+    ///
+    /// # Safety
+    /// The buffers hold that row (owned: `[R, n]`; locked: `[2G + R, n]`).
+    #[inline(always)]
+    pub(crate) unsafe fn own_row(self, accumulate: bool) -> PartialRow {
+        let groups = self.p.groups;
+        let row = if groups == 0 {
+            self.unit
+        } else {
+            2 * groups + self.unit
+        };
+        // SAFETY: the caller's guarantee.
+        unsafe { self.row(row, accumulate, 0) }
+    }
+
+    /// Whether the block's sums, once in [`Destination::own_row`], are already where they
+    /// belong.
+    #[inline(always)]
+    pub(crate) fn own_row_is_final(self) -> bool {
+        self.p.groups == 0
+    }
+
+    /// Runs `put` with the row the block's sums go to, where each thread merges its own
+    /// columns ([`PartialRow::merge`]): in owned mode the unit's partial row, overwritten; in
+    /// locked mode the group's row, compensated, with the group's lock held by the block
+    /// for as long as `put` runs. Every thread of the block calls it, on a block-uniform
+    /// path (it passes block barriers in locked mode).
+    ///
+    /// # Safety
+    /// The buffers and words sized as [`Destination`] says; `put` writes only this block's
+    /// columns of the row.
+    #[inline(always)]
+    pub(crate) unsafe fn hand_over(self, put: impl FnOnce(PartialRow)) {
+        let groups = self.p.groups;
+        if groups == 0 {
+            // SAFETY: the unit's row exists, and only this block writes these columns.
+            put(unsafe { self.row(self.unit, false, 0) });
+            return;
+        }
+        let words = self.p.words.ptr();
+        let g = self.unit % groups;
+        let w = (g * self.slices + self.slice) as usize;
+        // SAFETY: w < groups * slices: the lock word, and its count word after all of them;
+        // they are only touched atomically.
         let (lock, count) = unsafe {
             (
-                AtomicU32::from_ptr(self.words.add(g as usize)),
-                AtomicU32::from_ptr(self.words.add((self.groups + g) as usize)),
+                AtomicU32::from_ptr(words.add(w)),
+                AtomicU32::from_ptr(words.add((groups * self.slices) as usize + w)),
             )
         };
-        let mut written = 0;
-        if S::rank() == 0 {
-            // atom.cas: one thread per team spins; the others wait at the barrier below.
+        let mut written = false;
+        if device::thread_idx() == 0 && device::thread_idx_y() == 0 {
+            // atom.cas: one thread spins; the others wait at the barrier below.
             while lock
                 .compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
             {}
-            written = count.load(Ordering::Relaxed);
+            written = count.load(Ordering::Relaxed) != 0;
         }
-        let written = S::broadcast(written);
-        // The acquire was rank 0's; every rank orders its own reads after it.
+        let written = device::sync_block_any(written);
+        // The acquire was thread 0's; every thread orders its own reads after it.
         fence(Ordering::Acquire);
-        // Group g's compensations are rows G + g.
-        let compensation = self.groups as usize * self.n as usize;
-        // SAFETY: g < groups, and the buffers hold 2 * groups rows.
-        unsafe { PartialRow::global(self.dgamma, self.dbeta, g, self.n, written != 0, compensation) }
-    }
-
-    /// Publishes the team's writes to the group row, marks it written and unlocks it.
-    ///
-    /// # Safety
-    /// This team holds `row`'s group (from [`GroupLock::acquire`]).
-    #[inline(always)]
-    pub(crate) unsafe fn release<S: Team>(&self, row: u32) {
-        let g = self.group(row);
-        // Each rank's writes must reach L2 before the next holder reads them.
+        let compensation = groups as usize * self.n as usize;
+        // SAFETY: g < groups, and the buffers hold 2 * groups rows: the group's and its
+        // compensations'.
+        put(unsafe { self.row(g, written, compensation) });
+        // Each thread's writes must reach L2 before the next holder reads them.
         fence(Ordering::Release);
-        S::sync();
-        if S::rank() == 0 {
-            // SAFETY: g < groups; these words are only touched atomically.
-            let (lock, count) = unsafe {
-                (
-                    AtomicU32::from_ptr(self.words.add(g as usize)),
-                    AtomicU32::from_ptr(self.words.add((self.groups + g) as usize)),
-                )
-            };
+        device::sync_block();
+        if device::thread_idx() == 0 && device::thread_idx_y() == 0 {
             count.store(1, Ordering::Relaxed);
             lock.store(0, Ordering::Release);
         }

@@ -1,25 +1,17 @@
 //! Stage 1 over rows of any length and alignment: a row's packs held in registers where
 //! they fit, else streamed (read once per pass), else element by element; partials into the
-//! team's own row (owned mode) or the row's spinlocked group (locked mode).
+//! team's own row, in shared memory or (block teams, rows too long for it) the block's row
+//! of global memory, handed over once at the end ([`Destination`]).
 
-use super::partials::{GroupLock, PartialRow, padded, padded_len};
+use super::partials::{Destination, PartialRow, padded, padded_len};
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device;
 use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, read, write};
 use crate::row::{BWD_HELD, Held, fits, for_each_chunk, prefetch, values};
 use crate::team::{SCRATCH_BYTES, Team};
 
-/// Where a row's partial dgamma and dbeta go.
-#[derive(Clone, Copy)]
-pub(crate) enum Sink<'a> {
-    /// A row this team alone writes.
-    Owned(PartialRow),
-    /// The row's group, with the group's lock held.
-    Locked(&'a GroupLock),
-}
-
-/// dx for one row, and its partials into `sink`; `HELD` packs of x and dy per rank stay in
-/// registers across the passes.
+/// dx for one row, and its partials into `part`, a row this team alone writes; `HELD` packs
+/// of x and dy per rank stay in registers across the passes.
 ///
 /// # Safety
 /// `row` < `r.rows`; with `PACKED` every row pointer (dsum's too, where given) and gamma
@@ -28,7 +20,7 @@ pub(crate) enum Sink<'a> {
 pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED: bool, const HELD: usize>(
     r: &Rows<T, W>,
     row: u32,
-    sink: Sink<'_>,
+    part: PartialRow,
 ) {
     let offset = row as usize * r.n as usize;
     // SAFETY: row < rows, so these rows lie inside x, dy, dx, mean and rstd.
@@ -111,36 +103,18 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
         unsafe { write(dx, j, len, &out) };
     });
 
-    // Pass 3: the partials (dy * xhat, dy), into the team's own row or, with the lock held,
-    // into the row's group (compensated sums). A pass of its own keeps fewer values live than
-    // adding them during pass 2 (no register spills at 64 per thread), and held rows cost no
-    // memory. One loop per sink, so that each kernel carries only its own way of adding.
-    let partials = |j: u32, len: usize, slot: Option<usize>| {
+    // Pass 3: the partials (dy * xhat, dy) into the team's row. A pass of its own keeps
+    // fewer values live than adding them during pass 2 (no register spills at 64 per
+    // thread), and held rows cost no memory.
+    for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, _, dyv) = terms(j, len, slot);
         let mut dgamma = [0.0; MAX_PACK];
         for k in 0..len {
             dgamma[k] = dyv[k] * xhat[k];
         }
-        (dgamma, dyv)
-    };
-    match sink {
-        Sink::Owned(part) => for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
-            let (dgamma, dbeta) = partials(j, len, slot);
-            // SAFETY: as above; the row is this team's alone.
-            unsafe { part.add::<T>(j, len, &dgamma, &dbeta) };
-        }),
-        Sink::Locked(lock) => {
-            // SAFETY: the group index is below G and its lock and count words exist.
-            let part = unsafe { lock.acquire::<T, S>(row) };
-            for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
-                let (dgamma, dbeta) = partials(j, len, slot);
-                // SAFETY: as above; the group's row is this team's while it holds the lock.
-                unsafe { part.add_compensated::<T>(j, len, &dgamma, &dbeta) };
-            });
-            // SAFETY: this team holds the lock it releases.
-            unsafe { lock.release::<S>(row) };
-        }
-    }
+        // SAFETY: as above; the row is this team's alone.
+        unsafe { part.add(j, len, &dgamma, &dyv) };
+    });
 }
 
 /// [`backward_row`] with the row's access pattern picked: packed and held in registers,
@@ -152,7 +126,7 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
 pub(crate) unsafe fn backward_row_any<T: Element, W: Element, S: Team>(
     r: &Rows<T, W>,
     row: u32,
-    sink: Sink<'_>,
+    part: PartialRow,
 ) {
     let offset = row as usize * r.n as usize;
     let packed = is_pack_aligned(r.x.wrapping_add(offset))
@@ -163,28 +137,28 @@ pub(crate) unsafe fn backward_row_any<T: Element, W: Element, S: Team>(
     // SAFETY: row < rows; `packed` was checked for every pointer the packed paths read.
     unsafe {
         if packed && fits::<T, S, BWD_HELD>(r.cols) {
-            backward_row::<T, W, S, true, BWD_HELD>(r, row, sink)
+            backward_row::<T, W, S, true, BWD_HELD>(r, row, part)
         } else if packed {
-            backward_row::<T, W, S, true, 0>(r, row, sink)
+            backward_row::<T, W, S, true, 0>(r, row, part)
         } else {
-            backward_row::<T, W, S, false, 0>(r, row, sink)
+            backward_row::<T, W, S, false, 0>(r, row, part)
         }
     }
 }
 
-/// The owned mode with partials in shared memory: each team sums its rows' partials in its
-/// own shared-memory row (after `scratch` bytes), then the block adds its teams' rows, in
-/// team order, into `out` (columns 0..r.cols, overwritten).
+/// The partials in shared memory: each team sums its rows' partials in its own
+/// shared-memory row (after `scratch` bytes), then the block adds its teams' rows, in team
+/// order, and hands their sums (columns 0..r.cols) over to `out`.
 ///
 /// # Safety
-/// `r`'s buffers sized as documented; `out` holds `r.cols` columns that no other block
-/// writes; the launch gave each block `scratch + per_block * 8 * (padded_len(cols) + 1)`
-/// bytes of shared memory.
+/// `r`'s buffers sized as documented; `out` as [`Destination::hand_over`] requires, for
+/// `r.cols` columns; the launch gave each block `scratch + per_block * 8 *
+/// (padded_len(cols) + 1)` bytes of shared memory.
 #[inline(always)]
 pub(crate) unsafe fn owned_in_shared<T: Element, W: Element, S: Team>(
     r: &Rows<T, W>,
     scratch: u32,
-    out: PartialRow,
+    out: Destination,
 ) {
     // SAFETY: the launch sized shared memory for every team of the block.
     let mine = unsafe { PartialRow::shared(scratch, S::index_in_block(), r.cols) };
@@ -198,96 +172,97 @@ pub(crate) unsafe fn owned_in_shared<T: Element, W: Element, S: Team>(
     let mut row = S::id();
     while row < r.rows {
         // SAFETY: row < rows; the shared row is this team's alone.
-        unsafe { backward_row_any::<T, W, S>(r, row, Sink::Owned(mine)) };
+        unsafe { backward_row_any::<T, W, S>(r, row, mine) };
         // The next row may map a column to another rank (packed vs unpacked rows); the
         // barrier orders this row's partial writes before the next row's reads.
         S::sync();
         row += S::count();
     }
-    // Every team of the block is done: add their rows, in team order, into `out`.
+    // Every team of the block is done: add their rows, in team order, and hand them over.
     device::sync_block();
-    let mut j = device::thread_idx();
-    while j < r.cols {
-        let (mut g, mut b) = (0.0f32, 0.0f32);
-        for t in 0..S::per_block() {
-            // SAFETY: team t's rows exist (launch guarantee) and all teams wrote theirs
-            // before the barrier.
-            unsafe {
-                let p = PartialRow::shared(scratch, t, r.cols);
-                g += p.dgamma.add(padded(j)).read();
-                b += p.dbeta.add(padded(j)).read();
+    // SAFETY: the caller's guarantee; each thread merges its own columns.
+    unsafe {
+        out.hand_over(|dst| {
+            let mut j = device::thread_idx();
+            while j < r.cols {
+                let (mut g, mut b) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
+                for t in 0..S::per_block() {
+                    // Team t's rows exist (launch guarantee) and all teams wrote theirs
+                    // before the barrier.
+                    let p = PartialRow::shared(scratch, t, r.cols);
+                    g[0] += p.dgamma.add(padded(j)).read();
+                    b[0] += p.dbeta.add(padded(j)).read();
+                }
+                // j < cols, this thread's column.
+                dst.merge(j, 1, &g, &b);
+                j += device::block_dim();
             }
-        }
-        // SAFETY: j < cols; this thread alone writes column j of `out`.
-        unsafe {
-            out.dgamma.add(j as usize).write(g);
-            out.dbeta.add(j as usize).write(b);
-        }
-        j += device::block_dim();
+        })
     }
 }
 
-/// Stage 1, owned mode: team u handles rows u, u + U, ... (U = teams), and block b writes
-/// partial row b. With `local`, each team sums into its own shared-memory row, and the block
-/// adds its teams' rows (in team order) into row b at the end; without it (block teams whose
-/// rows do not fit in shared memory), the team adds straight into row b in global memory.
+/// Stage 1, owned mode: team u handles rows u, u + U, ... (U = teams), and block b hands
+/// its sums over to `out` (unit b). With `local`, each team sums into its own shared-memory
+/// row, and the block adds its teams' rows (in team order) at the end; without it (block
+/// teams whose rows do not fit in shared memory), the team adds straight into the block's
+/// own row of global memory ([`Destination::own_row`]).
 ///
 /// # Safety
-/// `r`'s buffers sized as documented; `part_*` hold `[gridDim, n]` f32; with `local`, the
-/// launch gave each block `SCRATCH_BYTES + teams_per_block * 8 * (padded_len(n) + 1)` bytes of
-/// shared memory.
+/// `r`'s buffers sized as documented; `out` as [`Destination`] says for unit `blockIdx`,
+/// with the block's own row where `local` is false; with `local`, the launch gave each block
+/// `SCRATCH_BYTES + teams_per_block * 8 * (padded_len(n) + 1)` bytes of shared memory.
 /// Warp teams require `local`.
 #[inline(always)]
 pub(crate) unsafe fn stage1_owned<T: Element, W: Element, S: Team>(
     r: Rows<T, W>,
-    part_dgamma: *mut f32,
-    part_dbeta: *mut f32,
+    out: Destination,
     local: bool,
 ) {
-    let block = device::block_idx();
     if local {
-        // SAFETY: block < gridDim, so row b exists; the launch sized shared memory for
-        // every team of the block.
-        unsafe {
-            let out = PartialRow::global(part_dgamma, part_dbeta, block, r.n, false, 0);
-            owned_in_shared::<T, W, S>(&r, SCRATCH_BYTES, out);
-        }
+        // SAFETY: the launch sized shared memory for every team of the block.
+        unsafe { owned_in_shared::<T, W, S>(&r, SCRATCH_BYTES, out) };
         return;
     }
+    // Only block teams come here (one team per block), so the block's row is this team's.
+    let block = device::block_idx();
     if block >= r.rows {
-        // More blocks than rows: this partial row gets no contribution, so it holds zeros.
-        // SAFETY: block < gridDim, so the partial row exists.
-        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, false, 0) };
+        // More blocks than rows: the block's row gets no contribution, so it holds zeros.
+        // SAFETY: the block's own row exists (the caller's guarantee).
+        let part = unsafe { out.own_row(false) };
         let mut q = S::rank() as usize;
         while q < r.n as usize {
             // SAFETY: q < n.
             unsafe { (part.dgamma.add(q).write(0.0), part.dbeta.add(q).write(0.0)) };
             q += S::size() as usize;
         }
-        return;
     }
     let mut row = block;
     while row < r.rows {
-        // SAFETY: block < gridDim; the first row overwrites, later rows add. Only block
-        // teams come here (one team per block), so the row is this team's alone.
-        let part = unsafe { PartialRow::global(part_dgamma, part_dbeta, block, r.n, row != block, 0) };
+        // SAFETY: as above; the first row overwrites, later rows add.
+        let part = unsafe { out.own_row(row != block) };
         // SAFETY: row < rows.
-        unsafe { backward_row_any::<T, W, S>(&r, row, Sink::Owned(part)) };
+        unsafe { backward_row_any::<T, W, S>(&r, row, part) };
         S::sync();
         row += S::count();
     }
-}
-
-/// Stage 1, locked mode: rows spread over teams, partials into group `row mod G`.
-///
-/// # Safety
-/// `r`'s buffers sized as documented; `lock` as [`GroupLock::acquire`] requires.
-#[inline(always)]
-pub(crate) unsafe fn stage1_locked<T: Element, W: Element, S: Team>(r: Rows<T, W>, lock: GroupLock) {
-    let mut row = S::id();
-    while row < r.rows {
-        // SAFETY: row < rows.
-        unsafe { backward_row_any::<T, W, S>(&r, row, Sink::Locked(&lock)) };
-        row += S::count();
+    if out.own_row_is_final() {
+        return;
+    }
+    // Locked mode: the block's row, complete after the barrier, goes into its group.
+    device::sync_block();
+    // SAFETY: the block's own row exists; each thread merges its own columns.
+    unsafe {
+        let own = out.own_row(true);
+        out.hand_over(|dst| {
+            let mut j = device::thread_idx();
+            while j < r.n {
+                let (g, b) = (
+                    own.load(own.dgamma.add(j as usize), 1, false),
+                    own.load(own.dbeta.add(j as usize), 1, false),
+                );
+                dst.merge(j, 1, &g, &b);
+                j += device::block_dim();
+            }
+        })
     }
 }

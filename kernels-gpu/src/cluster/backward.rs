@@ -1,88 +1,67 @@
 //! Backward stage 1 over clusters of `C` blocks: each block takes a slice of every row of its
-//! cluster, the row sums come from all `C` slices, and each cluster writes one partial row.
+//! cluster, the row sums come from all `C` slices, and each block hands its slice of the
+//! cluster's sums over (the cluster's partial row, or its group's under the slice's lock).
 
 use super::{CLUSTER_SCRATCH_BYTES, Cluster, slice_width};
 use crate::backward::Rows;
 use crate::backward::held::stage1_held;
-use crate::backward::partials::PartialRow;
+use crate::backward::partials::Destination;
 use crate::backward::streamed::owned_in_shared;
 use crate::element::Element;
+use crate::layout::params::Partials;
 use crate::team::Team;
 
-/// Stage 1, owned mode over clusters of `C` blocks (sm_90): cluster u handles rows u,
-/// u + U, ... (U = clusters); block q of the cluster takes the q-th slice of each row
-/// ([`slice_width`] columns), keeps that slice's partials in its shared memory, and writes
-/// them into columns of partial row u at the end. The row sums c1 and c2 come from all C
-/// slices ([`Cluster`]'s `sum2`).
+/// Stage 1 over clusters of `C` blocks (sm_90): cluster u handles rows u, u + U, ...
+/// (U = clusters); block q of the cluster takes the q-th slice of each row ([`slice_width`]
+/// columns), keeps that slice's partials in its shared memory, and hands them over for unit
+/// u at the end (its columns of partial row u, or of group u mod G). The row sums c1 and c2
+/// come from all C slices ([`Cluster`]'s `sum2`).
 ///
 /// # Safety
-/// `r`'s buffers sized as documented (`r.cols` = `r.n`); `part_*` hold `[clusters, n]` f32;
+/// `r`'s buffers sized as documented (`r.cols` = `r.n`); `out` as [`Destination`] says,
+/// with units of C slices;
 /// the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * (padded_len(W) + 1)` bytes of
 /// shared memory (W = `slice_width(n, PACK, C)`), in clusters of `C` blocks.
 #[inline(always)]
-unsafe fn stage1_cluster<T: Element, W: Element, const C: u32>(
-    r: Rows<T, W>,
-    part_dgamma: *mut f32,
-    part_dbeta: *mut f32,
-) {
+unsafe fn stage1_cluster<T: Element, W: Element, const C: u32>(r: Rows<T, W>, out: Partials) {
     let width = slice_width(r.n, T::PACK as u32, C);
     let start = (Cluster::<C>::block_rank() * width).min(r.n);
     let cols = width.min(r.n - start);
-    let at = start as usize;
     // The slice's first column. A cluster's last slices may be empty (start == n); their
     // pointers are then never read.
     let slice = r.slice(start, cols);
+    let (rank, id) = (Cluster::<C>::block_rank(), Cluster::<C>::id());
+    let out = Destination::of(out, r.n, start, id, C, rank);
     Cluster::<C>::begin();
-    // SAFETY: the cluster's partial row exists (cluster id < clusters) and only this block
-    // writes its slice's columns of it; the launch sized shared memory for one slice.
-    unsafe {
-        let out = PartialRow::global(
-            part_dgamma.wrapping_add(at),
-            part_dbeta.wrapping_add(at),
-            Cluster::<C>::id(),
-            r.n,
-            false,
-            0,
-        );
-        owned_in_shared::<T, W, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out);
-    }
+    // SAFETY: the cluster's unit exists (cluster id < clusters) and only this block hands
+    // over its slice's columns of it; the launch sized shared memory for one slice.
+    unsafe { owned_in_shared::<T, W, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out) };
     Cluster::<C>::end();
 }
 
-/// Stage 1, owned mode over clusters of `C` blocks for rows that are all whole aligned
+/// Stage 1 over clusters of `C` blocks for rows that are all whole aligned
 /// packs: as [`stage1_cluster`] (block q takes the q-th slice of each row, the row sums come
 /// from all C slices), with each slice held in registers, two rows in flight and the
 /// partials kept by rank, as [`stage1_held`].
 ///
 /// # Safety
 /// `r`'s buffers sized as documented (`r.cols` = `r.n`), every row 16-byte aligned and `n`
-/// a whole number of packs; a slice's packs [`fits`] `BWD_HELD` per rank; `part_*` hold
-/// `[clusters, n]` f32; the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * BWD_HELD *
+/// a whole number of packs; a slice's packs [`fits`] `BWD_HELD` per rank; `out` as
+/// [`Destination`] says, with units of C slices; the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * BWD_HELD *
 /// PACK * blockDim` bytes of shared memory, in clusters of `C` blocks.
 #[inline(always)]
-unsafe fn stage1_cluster_held<T: Element, W: Element, const C: u32>(
-    r: Rows<T, W>,
-    part_dgamma: *mut f32,
-    part_dbeta: *mut f32,
-) {
+unsafe fn stage1_cluster_held<T: Element, W: Element, const C: u32>(r: Rows<T, W>, out: Partials) {
     let width = slice_width(r.n, T::PACK as u32, C);
     let start = (Cluster::<C>::block_rank() * width).min(r.n);
-    let at = start as usize;
     // The slice's first column. A cluster's last slices may be empty (start == n); their
     // pointers are then never read.
     let slice = r.slice(start, width.min(r.n - start));
+    let (rank, id) = (Cluster::<C>::block_rank(), Cluster::<C>::id());
+    let out = Destination::of(out, r.n, start, id, C, rank);
     Cluster::<C>::begin();
-    // SAFETY: the cluster's partial row exists (cluster id < clusters), only this block
-    // writes its slice's columns of it, and the launch sized shared memory for its ranks.
-    unsafe {
-        stage1_held::<T, W, Cluster<C>>(
-            slice,
-            part_dgamma.wrapping_add(at),
-            part_dbeta.wrapping_add(at),
-            Cluster::<C>::id(),
-            CLUSTER_SCRATCH_BYTES,
-        )
-    };
+    // SAFETY: the cluster's unit exists (cluster id < clusters), only this block hands over
+    // its slice's columns of it, and the launch sized shared memory for its ranks.
+    unsafe { stage1_held::<T, W, Cluster<C>>(slice, out, CLUSTER_SCRATCH_BYTES) };
     Cluster::<C>::end();
 }
 
@@ -90,7 +69,7 @@ unsafe fn stage1_cluster_held<T: Element, W: Element, const C: u32>(
 /// against 2 and 4 (docs/PERF.md, v6): their smaller slices leave room for more blocks,
 /// hence more rows in flight, per multiprocessor, which outweighs the wider barrier.
 use crate::layout::CLUSTER_SIZE;
-use crate::layout::params::{BackwardRows, Partials};
+use crate::layout::params::BackwardRows;
 
 /// Exports the cluster stage 1 kernels (sm_90 module only) of one type pair (x of type `$t`,
 /// gamma of `$w`) for both norms: the general one over 8 blocks, and the held one over 2,
@@ -109,28 +88,27 @@ macro_rules! cluster_kernels {
         mod $norm {
             use super::*;
             cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster2_held, stage1_cluster_held, 2,
-                "Stage 1, owned mode over a cluster of 2 blocks, slices held (rows of aligned packs).");
+                "Stage 1 over a cluster of 2 blocks, slices held (rows of aligned packs).");
             cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster4_held, stage1_cluster_held, 4,
-                "Stage 1, owned mode over a cluster of 4 blocks, slices held (rows of aligned packs).");
+                "Stage 1 over a cluster of 4 blocks, slices held (rows of aligned packs).");
             cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster8_held, stage1_cluster_held, 8,
-                "Stage 1, owned mode over a cluster of 8 blocks, slices held (rows of aligned packs).");
+                "Stage 1 over a cluster of 8 blocks, slices held (rows of aligned packs).");
             cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster8, stage1_cluster, CLUSTER_SIZE,
-                "Stage 1, owned mode over a cluster of 8 blocks.");
+                "Stage 1 over a cluster of 8 blocks.");
         }
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $stage:ident,
      $c:expr, $doc:literal) => {
         #[doc = $doc]
-        /// The partial buffers hold one row per cluster.
+        /// Each cluster is one unit of the partial buffers (a row, or a share of a group).
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows the kernel
         /// takes (`$stage`'s safety section).
         #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
         pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, out: Partials) {
-            let (part_dgamma, part_dbeta) = (out.dgamma.ptr(), out.dbeta.ptr());
             // SAFETY: the host launches this kernel only as `$stage` requires.
-            unsafe { $stage::<$t, $w, { $c }>(Rows::of(p, $centered), part_dgamma, part_dbeta) }
+            unsafe { $stage::<$t, $w, { $c }>(Rows::of(p, $centered), out) }
         }
     };
 }

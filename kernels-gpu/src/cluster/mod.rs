@@ -192,8 +192,4 @@ impl<const C: u32> Team for Cluster<C> {
         }
         (sa, sb)
     }
-    #[inline(always)]
-    fn broadcast(v: u32) -> u32 {
-        Block::broadcast(v)
-    }
 }
