@@ -44,6 +44,13 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = Weights::Same)]
     pub weights: Weights,
 
+    /// Measure the residual add of a pre-norm block fused with the norm: the forward reads x
+    /// and a residual and writes s = x + residual and y = norm(s); the backward reads s, dy
+    /// and dsum (the gradient reaching s from the residual stream) and writes dx. GB/s count
+    /// those four tensors once each, both ways.
+    #[arg(long)]
+    pub residual: bool,
+
     /// Passes to measure.
     #[arg(long, value_delimiter = ',', default_values = ["fwd", "bwd"])]
     pub mode: Vec<Mode>,

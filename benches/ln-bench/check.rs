@@ -19,24 +19,27 @@ const SAMPLE_ROWS: usize = 32;
 pub struct Reference {
     /// Indices of the sampled rows, ascending.
     rows: Vec<usize>,
-    /// y and dx of the sampled rows, `[rows.len(), n]`.
+    /// y and dx of the sampled rows, `[rows.len(), n]`, and with the residual add their s.
     y: Array2<f64>,
     dx: Array2<f64>,
+    sum: Option<Array2<f64>>,
     dgamma: Array1<f64>,
     dbeta: Array1<f64>,
 }
 
 /// One thread's share of the reference: its rows' contributions to dgamma and dbeta, and
-/// y and dx of the sampled rows among them.
+/// y, dx and (residual add) s of the sampled rows among them.
 struct Partial {
     dgamma: Vec<f64>,
     dbeta: Vec<f64>,
-    sampled: Vec<(Vec<f64>, Vec<f64>)>,
+    sampled: Vec<[Vec<f64>; 3]>,
 }
 
 impl Reference {
     /// y, dx, dgamma and dbeta of `norm` with `eps`, in float64 throughout. RMSNorm has no
-    /// beta: its y is taken with beta = 0, and its dbeta is never compared.
+    /// beta: its y is taken with beta = 0, and its dbeta is never compared. With the
+    /// residual add the rows normalized are the inputs' s (as the op must round it), and dx
+    /// includes dsum.
     pub fn compute<T: Element>(inputs: &Inputs<T>, eps: f64, norm: Norm) -> Reference {
         let (rows, n) = inputs.x.dim();
         let sample: Vec<usize> = if rows <= SAMPLE_ROWS {
@@ -59,41 +62,57 @@ impl Reference {
             };
             for r in block {
                 let dy = f64s(inputs.dy.row(r));
-                let x = f64s(inputs.x.row(r));
+                let x = f64s(inputs.normalized().row(r));
                 let row = match norm {
                     Norm::Layer => Row::new(&x, eps),
                     Norm::Rms => Row::rms(&x, eps),
                 };
                 row.add_param_grads(&dy, &mut part.dgamma, &mut part.dbeta);
                 if sample.binary_search(&r).is_ok() {
-                    part.sampled.push((row.y(&gamma, &beta), row.dx(&dy, &gamma)));
+                    let mut dx = row.dx(&dy, &gamma);
+                    if let Some(residual) = &inputs.residual {
+                        dx.iter_mut()
+                            .zip(residual.dsum.row(r))
+                            .for_each(|(d, s)| *d += s.to_f32() as f64);
+                    }
+                    part.sampled.push([row.y(&gamma, &beta), dx, x]);
                 }
             }
             part
         });
         let (mut dgamma, mut dbeta) = (Array1::zeros(n), Array1::zeros(n));
-        let (mut y, mut dx) = (Vec::new(), Vec::new());
+        let (mut y, mut dx, mut sum) = (Vec::new(), Vec::new(), Vec::new());
         for part in partials {
             dgamma += &ArrayView1::from(&part.dgamma);
             dbeta += &ArrayView1::from(&part.dbeta);
-            for (y_row, dx_row) in part.sampled {
+            for [y_row, dx_row, sum_row] in part.sampled {
                 y.extend(y_row);
                 dx.extend(dx_row);
+                sum.extend(sum_row);
             }
         }
         let shape = (sample.len(), n);
         Reference {
             y: Array2::from_shape_vec(shape, y).expect("one y row per sampled row"),
             dx: Array2::from_shape_vec(shape, dx).expect("one dx row per sampled row"),
+            sum: inputs
+                .residual
+                .is_some()
+                .then(|| Array2::from_shape_vec(shape, sum).expect("one s row per sampled row")),
             rows: sample,
             dgamma,
             dbeta,
         }
     }
 
-    /// The forward's y (`[rows, n]`, row-major, copied from the device).
-    pub fn check_forward<T: Element>(&self, y: &[T]) -> Check {
-        Check::worst([self.sampled("y", y, &self.y)])
+    /// The forward's y (`[rows, n]`, row-major, copied from the device), and with the
+    /// residual add its s.
+    pub fn check_forward<T: Element>(&self, y: &[T], sum: Option<&[T]>) -> Check {
+        let sum = match (sum, &self.sum) {
+            (Some(out), Some(reference)) => self.sampled("s", out, reference),
+            _ => Check::from_sums("s", 0.0, 0.0),
+        };
+        Check::worst([self.sampled("y", y, &self.y), sum])
     }
 
     /// The backward's dx (`[rows, n]`), dgamma and dbeta (`[n]`; RMSNorm has none).

@@ -95,12 +95,14 @@ impl Mode {
     }
 
     /// Bytes the pass must move, as the peers count them: forward reads x and writes y;
-    /// backward reads x and dy and writes dx (gamma, beta, dgamma, dbeta and the row
-    /// statistics are small beside these and not counted).
-    pub fn bytes(self, dtype: Dtype, rows: usize, n: usize) -> f64 {
-        let tensors = match self {
-            Mode::Fwd => 2.0,
-            Mode::Bwd => 3.0,
+    /// backward reads x and dy and writes dx; with the `residual` add, forward reads x and
+    /// the residual and writes s and y, backward reads s, dy and dsum and writes dx (gamma,
+    /// beta, dgamma, dbeta and the row statistics are small beside these and not counted).
+    pub fn bytes(self, dtype: Dtype, rows: usize, n: usize, residual: bool) -> f64 {
+        let tensors = match (self, residual) {
+            (_, true) => 4.0,
+            (Mode::Fwd, false) => 2.0,
+            (Mode::Bwd, false) => 3.0,
         };
         tensors * rows as f64 * n as f64 * dtype.bytes() as f64
     }

@@ -9,37 +9,75 @@ use rand::{Rng, SeedableRng};
 
 use crate::parallel::map_ranges;
 
-/// One configuration's host inputs: x and dy `[rows, n]`, gamma and beta `[n]`.
+/// One configuration's host inputs: x and dy `[rows, n]`, gamma and beta `[n]`, and for the
+/// residual add its own inputs.
 pub struct Inputs<T> {
     pub x: Array2<T>,
     pub dy: Array2<T>,
     pub gamma: Array1<T>,
     pub beta: Array1<T>,
+    pub residual: Option<Residual<T>>,
+}
+
+/// The residual add's inputs, `[rows, n]` each: the residual, dsum (the gradient reaching s
+/// from the residual stream) and s = x + residual as the op must form it (summed in f32,
+/// rounded once to `T`): the rows it normalizes.
+pub struct Residual<T> {
+    pub residual: Array2<T>,
+    pub dsum: Array2<T>,
+    pub sum: Array2<T>,
 }
 
 /// Stream numbers, so that x, dy and the weights never share a generator.
 const X_STREAM: u64 = 0;
 const DY_STREAM: u64 = 1;
 const WEIGHT_STREAM: u64 = 2;
+const RESIDUAL_STREAM: u64 = 3;
+const DSUM_STREAM: u64 = 4;
 
 impl<T: Element> Inputs<T> {
     /// x rows each with their own offset and spread (so the mean matters), dy in [-1, 1),
-    /// gamma in [0.5, 1.5), beta in [-0.5, 0.5).
-    pub fn random(rows: usize, n: usize, seed: u64) -> Inputs<T> {
+    /// gamma in [0.5, 1.5), beta in [-0.5, 0.5); with `residual`, a residual in [-1, 1) and
+    /// dsum in [-1, 1).
+    pub fn random(rows: usize, n: usize, seed: u64, residual: bool) -> Inputs<T> {
         let x = random_rows(rows, n, seed, X_STREAM, |rng, row| {
             let spread = 10f32.powf(rng.random_range(-1.0..1.0));
             let offset = spread * rng.random_range(-2.0..2.0);
             row.iter_mut()
                 .for_each(|v| *v = T::from_f32(offset + spread * rng.random_range(-1.0..1.0)));
         });
-        let dy = random_rows(rows, n, seed, DY_STREAM, |rng, row| {
-            row.iter_mut()
-                .for_each(|v| *v = T::from_f32(rng.random_range(-1.0..1.0)));
-        });
+        let unit = |stream| {
+            random_rows(rows, n, seed, stream, |rng, row: &mut [T]| {
+                row.iter_mut()
+                    .for_each(|v| *v = T::from_f32(rng.random_range(-1.0..1.0)));
+            })
+        };
+        let dy = unit(DY_STREAM);
         let mut rng = generator(seed, WEIGHT_STREAM, 0);
         let gamma = Array1::from_shape_fn(n, |_| T::from_f32(rng.random_range(0.5..1.5)));
         let beta = Array1::from_shape_fn(n, |_| T::from_f32(rng.random_range(-0.5..0.5)));
-        Inputs { x, dy, gamma, beta }
+        let residual = residual.then(|| {
+            let residual = unit(RESIDUAL_STREAM);
+            let mut sum = x.clone();
+            sum.zip_mut_with(&residual, |s, r| *s = T::from_f32(s.to_f32() + r.to_f32()));
+            Residual {
+                residual,
+                dsum: unit(DSUM_STREAM),
+                sum,
+            }
+        });
+        Inputs {
+            x,
+            dy,
+            gamma,
+            beta,
+            residual,
+        }
+    }
+
+    /// The rows the norm normalizes: s with the residual add, else x.
+    pub fn normalized(&self) -> &Array2<T> {
+        self.residual.as_ref().map_or(&self.x, |r| &r.sum)
     }
 }
 

@@ -79,6 +79,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     let preset = args.preset;
     let plan = Plan {
         norm: args.norm,
+        residual: args.residual,
         weights: args.weights,
         rows: match (&args.rows, preset) {
             (Some(rows), _) => rows.clone(),
@@ -106,7 +107,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     let peers = args
         .peers
         .as_deref()
-        .map(|path| PeerRun::read(path, args.norm))
+        .map(|path| PeerRun::read(path, args.norm, args.residual))
         .transpose()?;
 
     let (mut timer, memory) = match device.cuda_stream() {
@@ -115,6 +116,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     };
     let run = Run {
         norm: plan.norm,
+        residual: plan.residual,
         weights: plan.weights,
         device: device.name(),
         date: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),

@@ -16,6 +16,9 @@ pub struct PeerRun {
     /// The norm the peers ran; files written before RMSNorm was measured hold LayerNorm.
     #[serde(default = "layer_norm")]
     pub norm: Norm,
+    /// Whether the peers ran the residual add with the norm (files before it: no).
+    #[serde(default)]
+    pub residual: bool,
     pub results: Vec<PeerRecord>,
     /// Peers that could not be imported, with the reason.
     #[serde(default)]
@@ -41,9 +44,9 @@ fn layer_norm() -> Norm {
 }
 
 impl PeerRun {
-    /// The peers' run at `path`, which must have measured `norm`: another norm's numbers
-    /// beside ours would compare different operations.
-    pub fn read(path: &Path, norm: Norm) -> Result<PeerRun, BenchError> {
+    /// The peers' run at `path`, which must have measured `norm`, with the residual add or
+    /// without as this run: other numbers beside ours would compare different operations.
+    pub fn read(path: &Path, norm: Norm, residual: bool) -> Result<PeerRun, BenchError> {
         let unreadable = |reason: String| BenchError::Peers {
             path: path.to_path_buf(),
             reason,
@@ -55,6 +58,14 @@ impl PeerRun {
                 "it measured {}, this run measures {} (peers.py --norm)",
                 run.norm.name(),
                 norm.name()
+            )));
+        }
+        if run.residual != residual {
+            let with = |r: bool| if r { "with" } else { "without" };
+            return Err(unreadable(format!(
+                "it measured the norm {} the residual add, this run {} it (peers.py --residual)",
+                with(run.residual),
+                with(residual)
             )));
         }
         Ok(run)

@@ -176,8 +176,12 @@ impl Figure<'_> {
             Norm::Layer => "LayerNorm",
             Norm::Rms => "RMSNorm",
         };
+        let residual = if run.residual { " + residual" } else { "" };
         let mut chart = ChartBuilder::on(area)
-            .caption(format!("{norm} {pass}, {dtype}, M = {rows}"), ("sans-serif", 22))
+            .caption(
+                format!("{norm}{residual} {pass}, {dtype}, M = {rows}"),
+                ("sans-serif", 22),
+            )
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)

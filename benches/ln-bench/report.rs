@@ -19,6 +19,8 @@ use crate::timing::{CopyBandwidth, Quantiles};
 #[derive(Serialize)]
 pub struct Run {
     pub norm: Norm,
+    /// The residual add fused with the norm (`--residual`).
+    pub residual: bool,
     pub weights: Weights,
     /// "cuda:0 (NVIDIA H200)" or "cpu".
     pub device: String,
@@ -53,7 +55,12 @@ impl Run {
             Weights::Same => "weights of the data's type",
             Weights::F32 => "f32 weights",
         };
-        println!("ln-bench: {norm} bandwidth, {weights}, {}", self.date);
+        let residual = if self.residual {
+            " with the residual add (s = x + residual)"
+        } else {
+            ""
+        };
+        println!("ln-bench: {norm}{residual} bandwidth, {weights}, {}", self.date);
         print!("device: {}", self.device);
         match self.memory {
             Some(m) => println!(
@@ -79,9 +86,14 @@ impl Run {
             );
         }
         let rows: Vec<String> = plan.rows.iter().map(usize::to_string).collect();
+        let counted = if self.residual {
+            "fwd 4*M*N*bytes (x, residual, s, y), bwd 4*M*N*bytes (s, dy, dsum, dx)"
+        } else {
+            "fwd 2*M*N*bytes, bwd 3*M*N*bytes"
+        };
         println!(
             "M = {}; median of {} repetitions after {} warm-up{}; inputs seeded {}; GB/s count \
-             fwd 2*M*N*bytes, bwd 3*M*N*bytes (dgamma, dbeta inside the timed call)",
+             {counted} (dgamma, dbeta inside the timed call)",
             rows.join(", "),
             self.reps,
             self.warmup,
@@ -170,7 +182,7 @@ impl Run {
         }
         format!(
             "{} ({dtype}, M={rows}), GB/s:\n{}{}",
-            title(self.norm, mode),
+            title(self.norm, self.residual, mode),
             aligned(&header, &lines),
             check_line(results, mode, dtype, Some(rows))
         )
@@ -220,7 +232,7 @@ impl Run {
         };
         format!(
             "{} ({dtype}), median microseconds{floor}:\n{}{}",
-            title(self.norm, mode),
+            title(self.norm, self.residual, mode),
             aligned(&header, &lines),
             check_line(results, mode, dtype, None)
         )
@@ -230,7 +242,7 @@ impl Run {
     pub fn speed(&self, m: &Measurement) -> Option<(f64, f64)> {
         match &m.outcome {
             Outcome::Timed(time) => {
-                let gbps = time.gbps(m.mode.bytes(m.dtype, m.rows, m.n));
+                let gbps = time.gbps(m.mode.bytes(m.dtype, m.rows, m.n, self.residual));
                 Some((gbps, 100.0 * gbps / self.copy.gbps))
             }
             Outcome::Failed(_) => None,
@@ -306,13 +318,14 @@ impl Run {
     }
 }
 
-/// "layer-norm-forward", "rms-norm-backward", ...: the peers' table names.
-fn title(norm: Norm, mode: Mode) -> String {
+/// "layer-norm-forward", "rms-norm-residual-backward", ...: the peers' table names.
+fn title(norm: Norm, residual: bool, mode: Mode) -> String {
     let pass = match mode {
         Mode::Fwd => "forward",
         Mode::Bwd => "backward",
     };
-    format!("{}-{pass}", norm.name())
+    let residual = if residual { "-residual" } else { "" };
+    format!("{}{residual}-{pass}", norm.name())
 }
 
 /// The largest check error of ours in (mode, dtype), at M = `rows` or at every M.

@@ -18,6 +18,8 @@ const EPS: f32 = 1e-5;
 /// What to measure.
 pub struct Plan {
     pub norm: Norm,
+    /// The residual add fused with the norm (`forward_residual`, `backward_residual`).
+    pub residual: bool,
     pub weights: Weights,
     pub rows: Vec<usize>,
     pub ns: Vec<usize>,
@@ -103,18 +105,15 @@ impl Sweep<'_> {
             "{} M={rows} N={}: inputs and float64 reference",
             self.dtype, self.n
         ));
-        let inputs = Inputs::<T>::random(rows, self.n, self.plan.seed);
+        let inputs = Inputs::<T>::random(rows, self.n, self.plan.seed, self.plan.residual);
         let reference = Reference::compute(&inputs, EPS as f64, self.plan.norm);
-        let uploaded = self
-            .device
-            .upload(inputs.x.view())
-            .and_then(|x| Ok((x, self.device.upload(inputs.dy.view())?)));
+        let uploaded = self.upload(&inputs);
         for &mode in &self.plan.modes {
             for &provider in mode.providers() {
                 self.progress
                     .set_message(format!("{mode} {} M={rows} N={} {provider}", self.dtype, self.n));
                 let (check_error, outcome) = match &uploaded {
-                    Ok((x, dy)) => self.measure::<T, W>(mode, provider, &inputs, x, dy, &reference),
+                    Ok(operands) => self.measure::<T, W>(mode, provider, &inputs, operands, &reference),
                     Err(e) => (None, Outcome::Failed(format!("uploading the inputs: {e}"))),
                 };
                 self.results.push(Measurement {
@@ -131,21 +130,39 @@ impl Sweep<'_> {
         }
     }
 
+    /// The inputs on the device.
+    fn upload<T: Element>(&self, inputs: &Inputs<T>) -> layernorm_cuda::Result<Operands<T>> {
+        let residual = inputs
+            .residual
+            .as_ref()
+            .map(|r| {
+                Ok((
+                    self.device.upload(r.residual.view())?,
+                    self.device.upload(r.dsum.view())?,
+                ))
+            })
+            .transpose()?;
+        Ok(Operands {
+            x: self.device.upload(inputs.x.view())?,
+            dy: self.device.upload(inputs.dy.view())?,
+            residual,
+        })
+    }
+
     /// Checks one configuration, then times it if the check passed.
     fn measure<T: Element, W: Weight<T>>(
         &mut self,
         mode: Mode,
         provider: Provider,
         inputs: &Inputs<T>,
-        x: &Tensor<T>,
-        dy: &Tensor<T>,
+        operands: &Operands<T>,
         reference: &Reference,
     ) -> (Option<f64>, Outcome) {
         let measured = Op::<T, W>::new(self.plan.norm, self.device, inputs, provider.backward_mode())
             .map_err(BenchError::from)
             .and_then(|op| match mode {
-                Mode::Fwd => self.forward(&op, x, reference),
-                Mode::Bwd => self.backward(&op, x, dy, reference),
+                Mode::Fwd => self.forward(&op, operands, reference),
+                Mode::Bwd => self.backward(&op, operands, reference),
             });
         measured.unwrap_or_else(|e| (None, Outcome::Failed(e.to_string())))
     }
@@ -153,14 +170,23 @@ impl Sweep<'_> {
     fn forward<T: Element, W: Weight<T>>(
         &mut self,
         op: &Op<T, W>,
-        x: &Tensor<T>,
+        Operands { x, residual, .. }: &Operands<T>,
         reference: &Reference,
     ) -> Result<(Option<f64>, Outcome), BenchError> {
         let mut y = poisoned(self.device, x.shape())?;
-        op.forward_into(x, &mut y)?;
-        let check = reference.check_forward(&y.to_vec()?);
-        Ok(self.time_if_right(check, || {
+        let Some((residual, _)) = residual else {
             op.forward_into(x, &mut y)?;
+            let check = reference.check_forward(&y.to_vec()?, None);
+            return Ok(self.time_if_right(check, || {
+                op.forward_into(x, &mut y)?;
+                Ok(())
+            }));
+        };
+        let mut sum = poisoned(self.device, x.shape())?;
+        op.forward_residual_into(x, residual, &mut y, &mut sum)?;
+        let check = reference.check_forward(&y.to_vec()?, Some(&sum.to_vec()?));
+        Ok(self.time_if_right(check, || {
+            op.forward_residual_into(x, residual, &mut y, &mut sum)?;
             Ok(())
         }))
     }
@@ -168,11 +194,14 @@ impl Sweep<'_> {
     fn backward<T: Element, W: Weight<T>>(
         &mut self,
         op: &Op<T, W>,
-        x: &Tensor<T>,
-        dy: &Tensor<T>,
+        Operands { x, dy, residual }: &Operands<T>,
         reference: &Reference,
     ) -> Result<(Option<f64>, Outcome), BenchError> {
-        let ctx = op.forward(x)?;
+        // With the residual add, the context holds s, and dx takes dsum.
+        let (ctx, dsum) = match residual {
+            Some((residual, dsum)) => (op.forward_residual(x, residual)?, Some(dsum)),
+            None => (op.forward(x)?, None),
+        };
         // Every parameter the op has gets its gradient: gamma always, beta for LayerNorm.
         let mut grads = Gradients {
             dx: poisoned(self.device, x.shape())?,
@@ -182,14 +211,16 @@ impl Sweep<'_> {
                 Op::Rms(_) => None,
             },
         };
-        op.backward_into(&ctx, dy, &mut grads)?;
+        op.backward_residual_into(&ctx, dy, dsum, &mut grads)?;
         let Some(dgamma) = &grads.dgamma else {
             unreachable!("backward_into refuses gradients that do not match the op's parameters")
         };
         let dbeta = grads.dbeta.as_ref().map(Tensor::to_vec).transpose()?;
         let check = reference.check_backward(&grads.dx.to_vec()?, &dgamma.to_vec()?, dbeta.as_deref());
         // The parameters' gradients are part of the op: the whole call is timed.
-        Ok(self.time_if_right(check, || Ok(op.backward_into(&ctx, dy, &mut grads)?)))
+        Ok(self.time_if_right(check, || {
+            Ok(op.backward_residual_into(&ctx, dy, dsum, &mut grads)?)
+        }))
     }
 
     /// Times `op` if `check` passed; a wrong kernel gets no time.
@@ -207,6 +238,13 @@ impl Sweep<'_> {
         };
         (Some(check.error), outcome)
     }
+}
+
+/// The inputs on the device: x, dy, and with the residual add the residual and dsum.
+struct Operands<T: Element> {
+    x: Tensor<T>,
+    dy: Tensor<T>,
+    residual: Option<(Tensor<T>, Tensor<T>)>,
 }
 
 /// The op measured, built from the inputs' weights (in `W`): LayerNorm with gamma and beta,
@@ -247,15 +285,39 @@ impl<T: Element, W: Weight<T>> Op<T, W> {
         }
     }
 
-    fn backward_into(
+    fn forward_residual_into(
+        &self,
+        x: &Tensor<T>,
+        residual: &Tensor<T>,
+        y: &mut Tensor<T>,
+        sum: &mut Tensor<T>,
+    ) -> layernorm_cuda::Result<Context<T>> {
+        match self {
+            Op::Layer(op) => op.forward_residual_into(x, residual, y, sum),
+            Op::Rms(op) => op.forward_residual_into(x, residual, y, sum),
+        }
+    }
+
+    /// The context of the residual forward (it holds s).
+    fn forward_residual(&self, x: &Tensor<T>, residual: &Tensor<T>) -> layernorm_cuda::Result<Context<T>> {
+        match self {
+            Op::Layer(op) => op.forward_residual(x, residual).map(|(_, _, ctx)| ctx),
+            Op::Rms(op) => op.forward_residual(x, residual).map(|(_, _, ctx)| ctx),
+        }
+    }
+
+    /// The backward, with dsum where the forward had the residual add (`backward_into`
+    /// where it is None).
+    fn backward_residual_into(
         &self,
         ctx: &Context<T>,
         dy: &Tensor<T>,
+        dsum: Option<&Tensor<T>>,
         grads: &mut Gradients<T, W>,
     ) -> layernorm_cuda::Result<()> {
         match self {
-            Op::Layer(op) => op.backward_into(ctx, dy, grads),
-            Op::Rms(op) => op.backward_into(ctx, dy, grads),
+            Op::Layer(op) => op.backward_residual_into(ctx, dy, dsum, grads),
+            Op::Rms(op) => op.backward_residual_into(ctx, dy, dsum, grads),
         }
     }
 }
