@@ -4,6 +4,11 @@
 Kernel's LigerLayerNormFunction, and the Triton tutorial's kernels (its forward and its locked
 backward with atomic-CAS spinlocks over G groups; rows up to 64 KB). With --norm rms:
 F.rms_norm (eager and compiled) and Liger's LigerRMSNormFunction; the tutorial has no RMSNorm.
+With --residual, the residual add of a pre-norm block with the norm, as ln-bench --residual
+measures ours: s = x + residual and y = norm(s), forward and backward (the backward takes dy
+and dsum, the gradient reaching s from the residual stream); PyTorch as `x + r` then the norm
+(eager, and under torch.compile, which fuses them), and for RMSNorm Liger's
+LigerFusedAddRMSNormFunction; Liger has no such LayerNorm, nor the tutorial.
 
     python3 benches/peers.py --ours ours.json [--json peers.json]
     python3 benches/peers.py --ours ours.json --theirs peers.json   # merge saved results only
@@ -23,8 +28,10 @@ Presets, as in ln-bench: --preset llm (bf16, M = 16384, 65536, N = 768, 1024, 20
 
 Timing as ln-bench and triton.testing.do_bench: CUDA events around the call, warm-up first,
 a 256 MiB buffer written between repetitions (outside the timed region) to flush L2, median
-and 20%/80% quantiles. GB/s: forward 2*M*N*bytes, backward 3*M*N*bytes; the backward is
-y.backward(dy, retain_graph=True) with dgamma and dbeta computed, gradients reset to None
+and 20%/80% quantiles. GB/s: forward 2*M*N*bytes, backward 3*M*N*bytes (with --residual
+4*M*N*bytes both ways: x, residual, s, y; s, dy, dsum, dx); the backward is
+y.backward(dy, retain_graph=True) (with --residual, torch.autograd.backward([y, s], [dy,
+dsum], retain_graph=True)) with dgamma and dbeta computed, gradients reset to None
 between repetitions (outside the timed region) so that none is accumulated. Each
 configuration is checked against float64 first; a wrong one is reported FAILED, not timed;
 one a peer cannot run (the tutorial past 64 KB rows) is n/a.
@@ -60,8 +67,9 @@ def tolerance(dtype):
     return max(4 * UNIT_ROUNDOFF[dtype], 1e-4)
 
 
-def moved_bytes(mode, dtype, m, n):
-    return (2 if mode == "fwd" else 3) * m * n * BYTES[dtype]
+def moved_bytes(mode, dtype, m, n, residual):
+    tensors = 4 if residual else (2 if mode == "fwd" else 3)
+    return tensors * m * n * BYTES[dtype]
 
 
 def quantiles(ms):
@@ -130,26 +138,43 @@ def import_definitions(path, name):
     return module
 
 
-def torch_norm(F, norm, n):
-    """PyTorch's functional norm over rows of n: layer_norm(x, w, b) or rms_norm(x, w)."""
+def torch_norm(F, norm, n, residual=False):
+    """PyTorch's functional norm over rows of n: layer_norm(x, w, b) or rms_norm(x, w); with
+    `residual`, (norm(s), s) of s = x + r, taking (x, r, w[, b])."""
     if norm == "layer":
-        return lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS)
-    return lambda x, w: F.rms_norm(x, (n,), w, EPS)
+        normalize = lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS)  # noqa: E731
+    else:
+        normalize = lambda x, w: F.rms_norm(x, (n,), w, EPS)  # noqa: E731
+    if not residual:
+        return normalize
+
+    def add_and_normalize(x, r, *weights):
+        s = x + r
+        return normalize(s, *weights), s
+
+    return add_and_normalize
 
 
 def torch_eager(args, torch, F):
-    return lambda n: torch_norm(F, args.norm, n)
+    return lambda n: torch_norm(F, args.norm, n, args.residual)
 
 
 def torch_compiled(args, torch, F):
     def for_rows_of(n):
         torch._dynamo.reset()  # a fresh static compile per size, no recompile limit
-        return torch.compile(torch_norm(F, args.norm, n), dynamic=False)
+        return torch.compile(torch_norm(F, args.norm, n, args.residual), dynamic=False)
 
     return for_rows_of
 
 
 def liger(args, torch, F):
+    if args.residual:
+        if args.norm == "layer":
+            raise NotImplementedError("Liger has no LayerNorm with the residual add")
+        from liger_kernel.ops import LigerFusedAddRMSNormFunction
+
+        # (y, s) of s = x + r; offset 0, the default casting, not in place (as below).
+        return lambda n: lambda x, r, w: LigerFusedAddRMSNormFunction.apply(x, r, w, EPS, 0.0, "llama", False)
     if args.norm == "layer":
         from liger_kernel.ops import LigerLayerNormFunction
 
@@ -162,8 +187,8 @@ def liger(args, torch, F):
 
 
 def triton_tutorial(args, torch, F):
-    if args.norm != "layer":
-        raise NotImplementedError("the Triton tutorial has LayerNorm only")
+    if args.norm != "layer" or args.residual:
+        raise NotImplementedError("the Triton tutorial has LayerNorm only, without the residual add")
     if not args.triton_tutorial:
         raise FileNotFoundError(
             "no --triton-tutorial PATH given (python/tutorials/05-layer-norm.py of github.com/triton-lang/triton)"
@@ -192,7 +217,7 @@ def import_peers(args, torch, F):
 # --- measuring (needs torch) ---------------------------------------------------------------
 
 
-def measure(torch, F, norm, mode, dtype, m, n, peer, for_rows_of, warmup, reps, seed):
+def measure(torch, F, norm, residual, mode, dtype, m, n, peer, for_rows_of, warmup, reps, seed):
     """One configuration: check against float64, then time. Returns a result record."""
     tdtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -202,30 +227,37 @@ def measure(torch, F, norm, mode, dtype, m, n, peer, for_rows_of, warmup, reps, 
     dy = (torch.rand(m, n, device="cuda", generator=gen) * 2 - 1).to(tdtype)
     w = (torch.rand(n, device="cuda", generator=gen) + 0.5).to(tdtype)
     b = (torch.rand(n, device="cuda", generator=gen) - 0.5).to(tdtype)
+    if residual:
+        r = (torch.rand(m, n, device="cuda", generator=gen) * 2 - 1).to(tdtype)
+        dsum = (torch.rand(m, n, device="cuda", generator=gen) * 2 - 1).to(tdtype)
     record = {"mode": mode, "dtype": dtype, "provider": peer, "m": m, "n": n, "tolerance": tolerance(dtype)}
 
     try:
         normalize = for_rows_of(n)
-        operands = (x, w, b) if norm == "layer" else (x, w)
+        operands = ((x, r) if residual else (x,)) + ((w, b) if norm == "layer" else (w,))
         leaves = [t.detach().requires_grad_(mode == "bwd") for t in operands]
-        y = normalize(*leaves)
         ref_leaves = [t.detach().double().requires_grad_(mode == "bwd") for t in operands]
-        y_ref = torch_norm(F, norm, n)(*ref_leaves)
+        # The outputs and their gradients: y (and s, with the residual add).
+        outs = normalize(*leaves)
+        ref_outs = torch_norm(F, norm, n, residual)(*ref_leaves)
+        if not residual:
+            outs, ref_outs = (outs,), (ref_outs,)
+        grads = (dy, dsum) if residual else (dy,)
         if mode == "fwd":
-            err = rel_err(y, y_ref)
+            err = max(rel_err(o, ref) for o, ref in zip(outs, ref_outs))
             op = lambda: normalize(*leaves)  # noqa: E731
             before = None
         else:
-            y.backward(dy, retain_graph=True)
-            y_ref.backward(dy.double())
-            err = max(rel_err(t.grad, r.grad) for t, r in zip(leaves, ref_leaves))
-            op = lambda: y.backward(dy, retain_graph=True)  # noqa: E731
+            torch.autograd.backward(outs, grads, retain_graph=True)
+            torch.autograd.backward(ref_outs, [g.double() for g in grads])
+            err = max(rel_err(t.grad, ref.grad) for t, ref in zip(leaves, ref_leaves))
+            op = lambda: torch.autograd.backward(outs, grads, retain_graph=True)  # noqa: E731
 
             def before():
                 for t in leaves:
                     t.grad = None
 
-        del y_ref, ref_leaves  # float64 copies: free them before timing
+        del ref_outs, ref_leaves  # float64 copies: free them before timing
         record["check_error"] = err if err != float("inf") else None
         if not err <= tolerance(dtype):
             record.update(status="failed", failure=f"relative error {err:.2e} > tolerance {tolerance(dtype):.1e}")
@@ -234,7 +266,7 @@ def measure(torch, F, norm, mode, dtype, m, n, peer, for_rows_of, warmup, reps, 
     except Exception as e:  # a peer that cannot run this shape (compile error, 64 KB rows): report, go on
         record.update(status="n/a", failure=f"{type(e).__name__}: {e}".splitlines()[0][:300])
         return record
-    gbps = moved_bytes(mode, dtype, m, n) / (time["median_ms"] * 1e-3) / 1e9
+    gbps = moved_bytes(mode, dtype, m, n, residual) / (time["median_ms"] * 1e-3) / 1e9
     record.update(status="ok", gbps=gbps, **time)
     return record
 
@@ -253,6 +285,7 @@ def measure_all(args, sizes):
     peers, missing = import_peers(args, torch, F)
     run = {
         "norm": args.norm,
+        "residual": args.residual,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -268,7 +301,9 @@ def measure_all(args, sizes):
         print(f"peers: {peer} is missing: {why}", file=sys.stderr)
     for i, (mode, dtype, m, n) in enumerate(sizes):
         for peer, for_rows_of in peers.items():
-            r = measure(torch, F, args.norm, mode, dtype, m, n, peer, for_rows_of, args.warmup, args.reps, args.seed)
+            r = measure(
+                torch, F, args.norm, args.residual, mode, dtype, m, n, peer, for_rows_of, args.warmup, args.reps, args.seed
+            )
             run["results"].append(r)
             shown = f"{r['gbps']:.1f} GB/s" if r["status"] == "ok" else r["status"] + " " + r.get("failure", "")
             print(f"[{i + 1}/{len(sizes)}] {mode} {dtype} M={m} N={n} {peer}: {shown}", file=sys.stderr)
@@ -288,7 +323,7 @@ def cell(record, latency):
     return "FAILED" if record["status"] == "failed" else "n/a"
 
 
-def merged_tables(ours, theirs, sizes, latency, norm):
+def merged_tables(ours, theirs, sizes, latency, norm, residual):
     """One table per (mode, dtype, M) in GB/s, or per (mode, dtype) in median microseconds
     for the latency preset: ours and the peers, then each of ours over the best peer (its
     speed over the fastest peer's at that shape: above 1, ours is faster)."""
@@ -318,7 +353,7 @@ def merged_tables(ours, theirs, sizes, latency, norm):
                         ratios.append(f"{best / r['median_ms']:.2f}" if ok and best else "-")
                     shape = [str(m), str(n)] if latency else [str(n)]
                     lines.append([str(i)] + shape + [cell(get(p), latency) for p in ours_providers + peers] + ratios)
-                name = f"{norm}-norm-{'forward' if mode == 'fwd' else 'backward'}"
+                name = f"{norm}-norm{'-residual' if residual else ''}-{'forward' if mode == 'fwd' else 'backward'}"
                 if latency:
                     unit = "median microseconds" + (f"; empty kernel {floor['median_ms'] * 1e3:.2f}" if floor else "")
                     title = f"{name} ({dtype}), {unit}:"
@@ -374,6 +409,7 @@ def main():
     p.add_argument("--n", type=comma_list(kind=int), help="comma list of N (default: as in --ours, else the preset's)")
     p.add_argument("--quick", action="store_true", help="N = 1024,4096,8192,32768")
     p.add_argument("--norm", choices=NORMS, default="layer", help="layer (LayerNorm) or rms (RMSNorm)")
+    p.add_argument("--residual", action="store_true", help="the residual add with the norm (as ln-bench --residual)")
     p.add_argument("--mode", type=comma_list(MODES), default=MODES)
     p.add_argument("--dtype", type=comma_list(DTYPES), help="default: the preset's, else f16,bf16,f32")
     p.add_argument("--peers", type=comma_list(PEERS), default=PEERS, help=f"peers to measure (default: {','.join(PEERS)})")
@@ -393,7 +429,8 @@ def main():
         p.error("--quick and --preset choose N both: give one")
 
     def load(path):
-        """A saved run of this norm (files from before --norm hold LayerNorm)."""
+        """A saved run of this norm, with the residual add or without as asked (files from before
+        --norm hold LayerNorm, and from before --residual the norm alone)."""
         try:
             with open(path) as f:
                 doc = json.load(f)
@@ -401,6 +438,9 @@ def main():
             p.error(f"cannot read {path}: {e}")
         if doc.get("norm", "layer") != args.norm:
             p.error(f"{path} measured {doc.get('norm', 'layer')}-norm, not {args.norm}-norm (--norm)")
+        if doc.get("residual", False) != args.residual:
+            with_or = "with" if doc.get("residual", False) else "without"
+            p.error(f"{path} measured the norm {with_or} the residual add (--residual)")
         return doc
 
     ours = load(args.ours) if args.ours else None
@@ -417,7 +457,7 @@ def main():
     if ours and theirs and ours["device"].split("(")[-1].rstrip(")") != theirs["device"]:
         print("note: the two runs name different devices; ratios compare different machines")
     latency = "latency" in (args.preset, (ours or {}).get("preset"), theirs.get("preset"))
-    for table in merged_tables(ours, theirs, sizes, latency, args.norm):
+    for table in merged_tables(ours, theirs, sizes, latency, args.norm, args.residual):
         print("\n" + table)
     failed = [r for r in theirs["results"] if r["status"] == "failed"]
     return 1 if failed else 0
