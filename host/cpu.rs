@@ -21,11 +21,16 @@ const ELEMENTS_PER_THREAD: usize = 1 << 16;
 /// deviations), sums in f64, then y. Rows are split over the machine's threads, each row is
 /// widened to f32 in one go (vector conversions for f16 and bf16), and the sums keep
 /// [`LANES`] partial sums, so that the loops vectorize. Its scratch (gamma, beta and two row
-/// buffers a thread) is taken before anything is written, so where host memory cannot hold
-/// it the outputs are left as they were.
+/// buffers a thread, three with a residual) is taken before anything is written, so where
+/// host memory cannot hold it the outputs are left as they were.
+///
+/// With a `residual` (its rows, and s's to write), the rows normalized are
+/// s = x + residual, each element summed in f32 and rounded once to `T`, as the kernels form
+/// it: in the same row loop, widened and narrowed as whole rows.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn forward<T: Element, W: Element>(
     x: ArrayView2<'_, T>,
+    residual: Option<(ArrayView2<'_, T>, ArrayViewMut2<'_, T>)>,
     gamma: ArrayView1<'_, W>,
     gamma_offset: f32,
     beta: ArrayView1<'_, W>,
@@ -48,17 +53,35 @@ pub(crate) fn forward<T: Element, W: Element>(
     let chunk = rows.div_ceil(threads.max(1)).max(1);
     let mut scratch = Vec::new();
     for _ in 0..threads {
-        scratch.push((zeroed_with::<f32>(n, during)?, zeroed_with::<f32>(n, during)?));
+        let rs = if residual.is_some() {
+            zeroed_with::<f32>(n, during)?
+        } else {
+            Vec::new()
+        };
+        scratch.push((zeroed_with::<f32>(n, during)?, zeroed_with::<f32>(n, during)?, rs));
     }
     let (gamma, beta) = (&gamma[..], &beta[..]);
+    // Each thread's rows of the residual and of s, where there is one.
+    let (residual, mut sum) = residual.unzip();
+    let mut residual_runs: Vec<_> = match (&residual, &mut sum) {
+        (Some(r), Some(s)) => r
+            .axis_chunks_iter(Axis(0), chunk)
+            .zip(s.axis_chunks_iter_mut(Axis(0), chunk))
+            .map(Some)
+            .collect(),
+        _ => Vec::new(),
+    };
+    residual_runs.resize_with(threads, || None);
     let runs = x
         .axis_chunks_iter(Axis(0), chunk)
         .zip(y.axis_chunks_iter_mut(Axis(0), chunk))
         .zip(mean.axis_chunks_iter_mut(Axis(0), chunk))
         .zip(rstd.axis_chunks_iter_mut(Axis(0), chunk))
         .zip(scratch.iter_mut())
-        .map(|((((x, y), mean), rstd), (xs, ys))| RowRun {
+        .zip(residual_runs)
+        .map(|(((((x, y), mean), rstd), (xs, ys, rs)), residual)| RowRun {
             x,
+            residual,
             y,
             mean,
             rstd,
@@ -67,6 +90,7 @@ pub(crate) fn forward<T: Element, W: Element>(
             norm,
             xs,
             ys,
+            rs,
         });
     if threads == 1 {
         // Small problems: no thread to start, the rows run here.
@@ -81,10 +105,12 @@ pub(crate) fn forward<T: Element, W: Element>(
     Ok(())
 }
 
-/// A run of rows of [`forward`] for one thread, with its scratch `xs` and `ys` (a row each)
-/// and gamma and beta widened.
+/// A run of rows of [`forward`] for one thread, with its scratch `xs` and `ys` (a row each,
+/// and `rs` with a residual) and gamma and beta widened.
 struct RowRun<'a, T> {
     x: ArrayView2<'a, T>,
+    /// The residual's rows and s's.
+    residual: Option<(ArrayView2<'a, T>, ArrayViewMut2<'a, T>)>,
     y: ArrayViewMut2<'a, T>,
     mean: ArrayViewMut1<'a, f32>,
     rstd: ArrayViewMut1<'a, f32>,
@@ -93,6 +119,7 @@ struct RowRun<'a, T> {
     norm: Normalization,
     xs: &'a mut [f32],
     ys: &'a mut [f32],
+    rs: &'a mut [f32],
 }
 
 /// A loop over rows that widens them to f32 and narrows its results back, compiled once per
@@ -170,6 +197,7 @@ fn forward_rows<T: Element>(
 ) {
     let RowRun {
         x,
+        mut residual,
         mut y,
         mut mean,
         mut rstd,
@@ -178,10 +206,19 @@ fn forward_rows<T: Element>(
         norm,
         xs,
         ys,
+        rs,
     } = run;
     let n = xs.len() as f64;
     for i in 0..x.nrows() {
         widen_row(x.row(i), xs, &widen);
+        if let Some((r, s)) = &mut residual {
+            // s = x + residual in f32, rounded once to T (written out), and that rounded s
+            // is the row normalized.
+            widen_row(r.row(i), rs, &widen);
+            xs.iter_mut().zip(rs.iter()).for_each(|(v, r)| *v += r);
+            narrow_row(xs, s.row_mut(i), &narrow);
+            widen_row(s.row(i), xs, &widen);
+        }
         // LayerNorm: mean, then the squared deviations from it. RMSNorm: the mean square,
         // with the mean taken as 0 (what `mu` is then written as, too).
         let (mu, var) = if norm.centered {
@@ -342,14 +379,6 @@ pub(crate) fn backward<T: Element, W: Element>(
         (*dg, *db) = (W::from_f32(g as f32), W::from_f32(b as f32));
     }
     Ok(())
-}
-
-/// The residual add of [`forward`] with a residual: s = x + residual, each element summed
-/// in f32 and rounded once to `T`, as the kernels form it.
-pub(crate) fn add_residual<T: Element>(x: &[T], residual: &[T], sum: &mut [T]) {
-    for ((s, x), r) in sum.iter_mut().zip(x).zip(residual) {
-        *s = T::from_f32(x.to_f32() + r.to_f32());
-    }
 }
 
 /// One thread's rows of f32 scratch in [`backward`].

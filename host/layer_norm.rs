@@ -673,17 +673,15 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
     } = o;
     match (x, gamma, beta, y, mean, rstd, &dev.kind) {
         (In::Host(x), In::Host(gamma), In::Host(beta), Out::Host(y), Out::Host(mean), Out::Host(rstd), _) => {
-            // With a residual, s is formed first and normalized as x would be.
-            let x: &[T] = match residual {
-                Some((In::Host(r), Out::Host(s))) => {
-                    cpu::add_residual(x, r, s);
-                    s
-                }
-                None => x,
+            // With a residual, s is formed row by row and normalized as x would be.
+            let residual = match residual {
+                Some((In::Host(r), Out::Host(s))) => Some((rows_of(r, rows, n), rows_of_mut(s, rows, n))),
+                None => None,
                 Some(_) => unreachable!("checked: every operand lives on the op's device"),
             };
             cpu::forward(
                 rows_of(x, rows, n),
+                residual,
                 ArrayView1::from(gamma),
                 gamma_offset,
                 ArrayView1::from(beta),
