@@ -33,7 +33,7 @@ use sha2::{Digest, Sha256};
 #[allow(dead_code)]
 #[path = "kernels-gpu/layout/registry.rs"]
 mod registry;
-use registry::{Arch, TypePair, Variant};
+use registry::{Arch, KernelName, TypePair, Variant};
 
 const KERNEL_DIR: &str = "kernels-gpu";
 /// The module of numbers the kernels and the host share, inside the kernel folder.
@@ -388,7 +388,7 @@ fn build_ptx(tc: &Toolchain, module: &Module, manifest: &Path, out: &Path) -> Re
 /// stops the build: the table is the one list of kernels.
 fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
     let mut expected: Vec<(String, Variant, TypePair)> = registry::kernels(arch)
-        .map(|(norm, v, pair)| (format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name), v, pair))
+        .map(|(norm, v, pair)| (KernelName(norm, v, pair).to_string(), v, pair))
         .collect();
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut directives = Vec::new();

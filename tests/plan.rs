@@ -162,7 +162,7 @@ fn declared(ptx: &str) -> BTreeMap<String, (u32, u32)> {
 fn expected(arch: Arch) -> BTreeMap<String, (u32, u32)> {
     layout::registry::kernels(layout_arch(arch))
         .map(|(norm, v, pair)| {
-            let name = format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name);
+            let name = layout::registry::KernelName(norm, v, pair).to_string();
             (name, (v.max_threads(layout_arch(arch), pair), v.cluster()))
         })
         .collect()
@@ -220,7 +220,7 @@ fn checked_in_modules_take_the_parameter_structs() {
     for (arch, ptx) in [(Arch::Sm80, SM80), (Arch::Sm90, SM90)] {
         let expected: BTreeMap<String, Vec<usize>> = layout::registry::kernels(layout_arch(arch))
             .map(|(norm, v, pair)| {
-                let name = format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name);
+                let name = layout::registry::KernelName(norm, v, pair).to_string();
                 (name, layout::params::param_bytes(v).to_vec())
             })
             .collect();

@@ -13,7 +13,7 @@ use cudarc::nvrtc::Ptx;
 
 use crate::element::{Element, Weight};
 use crate::error::{DriverContext, Error, Result};
-use crate::layout::registry::{self, TYPE_PAIRS, TypePair};
+use crate::layout::registry::{self, KernelName, TYPE_PAIRS, TypePair};
 use crate::plan::{Arch, DeviceLimits, Norm, Variant};
 
 /// The kernels for sm_80 and later, built from `kernels-gpu/` by build.rs.
@@ -166,7 +166,7 @@ impl KernelTable {
             Arch::Sm80 => PTX_SM80,
         };
         let names: Vec<(Variant, String)> = registry::kernels_of(arch, norm, pair)
-            .map(|(norm, v, pair)| (v, format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name)))
+            .map(|(norm, v, pair)| (v, KernelName(norm, v, pair).to_string()))
             .collect();
         let part = ptx_part(ptx, names.iter().map(|(_, name)| name.as_str()))?;
         let module = self
@@ -241,7 +241,7 @@ mod tests {
             for norm in Norm::ALL {
                 for pair in TYPE_PAIRS {
                     let names: Vec<String> = registry::kernels_of(arch, norm, pair)
-                        .map(|(norm, v, pair)| format!("{}_{}_{}", norm.prefix(), v.stem(), pair.name))
+                        .map(|(norm, v, pair)| KernelName(norm, v, pair).to_string())
                         .collect();
                     let part = ptx_part(ptx, names.iter().map(String::as_str)).unwrap();
                     assert!(part.contains(".address_size 64") && part.contains("dynamic_smem[]"));

@@ -119,9 +119,21 @@ impl Norm {
     }
 }
 
+/// The name of `norm`'s kernel `variant` of `pair` in the PTX modules:
+/// `<norm prefix>_<variant stem>_<pair name>` (e.g. `rms_norm_bwd_held_block_bf16_f32w`).
+pub struct KernelName(pub Norm, pub Variant, pub TypePair);
+
+// Host only: in the kernels' PTX its code would be a function that calls core's formatting.
+#[cfg(not(target_arch = "nvptx64"))]
+impl core::fmt::Display for KernelName {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let KernelName(norm, variant, pair) = self;
+        write!(f, "{}_{}_{}", norm.prefix(), variant.stem(), pair.name)
+    }
+}
+
 /// Every kernel of `arch`'s module, as (norm, variant, type pair), in the order of
-/// [`Norm::ALL`], [`Variant::ALL`] and [`TYPE_PAIRS`]: the kernel named
-/// `<norm prefix>_<variant stem>_<pair name>`.
+/// [`Norm::ALL`], [`Variant::ALL`] and [`TYPE_PAIRS`]: the kernel its [`KernelName`] names.
 pub fn kernels(arch: Arch) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
     Norm::ALL.into_iter().flat_map(move |norm| {
         Variant::ALL
