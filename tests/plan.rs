@@ -215,6 +215,42 @@ fn declared_params(ptx: &str) -> BTreeMap<String, Vec<usize>> {
     out
 }
 
+/// Every part of both PTX modules that the host loads (a norm and type pair's kernels,
+/// `registry::ptx_part`) holds the header and each of its kernels once, whole, and no other
+/// kernel: what the driver then compiles (on a GPU, every test that launches).
+#[test]
+fn each_module_part_holds_its_kernels_whole() {
+    use layout::registry::{FUNCTION_MARKER, KernelName, Norm, TYPE_PAIRS, kernels_of, ptx_part};
+    for (arch, ptx) in [(Arch::Sm80, SM80), (Arch::Sm90, SM90)] {
+        for norm in Norm::ALL {
+            for pair in TYPE_PAIRS {
+                let names: Vec<String> = kernels_of(layout_arch(arch), norm, pair)
+                    .map(|(norm, v, pair)| KernelName(norm, v, pair).to_string())
+                    .collect();
+                let part = ptx_part(ptx, names.iter().map(String::as_str)).unwrap();
+                assert!(part.contains(".address_size 64") && part.contains("dynamic_smem[]"));
+                assert_eq!(
+                    part.matches(".entry ").count(),
+                    names.len(),
+                    "{norm:?} {}",
+                    pair.name
+                );
+                for name in &names {
+                    assert_eq!(part.matches(&format!(".entry {name}(")).count(), 1, "{name}");
+                    // The kernel's text ends where the next function's marker starts.
+                    let whole = &ptx[ptx.find(&format!(".entry {name}(")).unwrap()..];
+                    let end = whole.find(FUNCTION_MARKER).unwrap_or(whole.len());
+                    assert!(part.contains(&whole[..end]), "{name} whole");
+                }
+            }
+        }
+    }
+    assert_eq!(
+        ptx_part(SM80, ["no_such_kernel"].into_iter()),
+        Err("no_such_kernel")
+    );
+}
+
 #[test]
 fn checked_in_modules_take_the_parameter_structs() {
     for (arch, ptx) in [(Arch::Sm80, SM80), (Arch::Sm90, SM90)] {

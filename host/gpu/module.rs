@@ -168,7 +168,12 @@ impl KernelTable {
         let names: Vec<(Variant, String)> = registry::kernels_of(arch, norm, pair)
             .map(|(norm, v, pair)| (v, KernelName(norm, v, pair).to_string()))
             .collect();
-        let part = ptx_part(ptx, names.iter().map(|(_, name)| name.as_str()))?;
+        // A name the PTX lacks is this crate's bug, reported as such.
+        let part = registry::ptx_part(ptx, names.iter().map(|(_, name)| name.as_str())).map_err(|name| {
+            Error::MissingKernel {
+                name: name.to_string(),
+            }
+        })?;
         let module = self
             .ctx
             .load_module(Ptx::from_src(part))
@@ -180,33 +185,6 @@ impl KernelTable {
         }
         Ok(Module { kernels })
     }
-}
-
-/// The marker LLVM writes before each function of a PTX file.
-const FUNCTION_MARKER: &str = "\t// .globl\t";
-
-/// The PTX of the kernels `names` alone: the file's header (version, target, address size,
-/// the dynamic shared memory every kernel shares), then each kernel's text, from its
-/// `// .globl` marker to the next function's. Every kernel is one self-contained function
-/// (the kernels call nothing: `.ci/run` refuses a `call` in the PTX), so the part compiles
-/// as the whole does. A name the PTX lacks is this crate's bug, reported as
-/// `Error::MissingKernel`.
-fn ptx_part<'a>(ptx: &str, names: impl Iterator<Item = &'a str>) -> Result<String> {
-    let header_end = ptx.find(FUNCTION_MARKER).unwrap_or(ptx.len());
-    let mut part = String::with_capacity(ptx.len() / 8);
-    part.push_str(&ptx[..header_end]);
-    for name in names {
-        let marker = format!("{FUNCTION_MARKER}{name}\n");
-        let start = ptx.find(&marker).ok_or_else(|| Error::MissingKernel {
-            name: name.to_string(),
-        })?;
-        let body = start + marker.len();
-        let end = ptx[body..]
-            .find(FUNCTION_MARKER)
-            .map_or(ptx.len(), |at| body + at);
-        part.push_str(&ptx[start..end]);
-    }
-    Ok(part)
 }
 
 /// One type pair's kernels of one norm.
@@ -225,45 +203,5 @@ impl<'a> TypeKernels<'a> {
     pub(crate) fn any(self, v: Variant) -> &'a Kernel {
         self.get(v)
             .unwrap_or_else(|| panic!("layernorm-cuda bug: {v:?} asked of a module that lacks it"))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Every module's part of both PTX files holds each of its kernels once, with the
-    /// header, and no other kernel: what the driver then compiles (on a GPU, every test
-    /// that launches).
-    #[test]
-    fn each_part_holds_its_kernels_whole() {
-        for (arch, ptx) in [(Arch::Sm80, PTX_SM80), (Arch::Sm90, PTX_SM90)] {
-            for norm in Norm::ALL {
-                for pair in TYPE_PAIRS {
-                    let names: Vec<String> = registry::kernels_of(arch, norm, pair)
-                        .map(|(norm, v, pair)| KernelName(norm, v, pair).to_string())
-                        .collect();
-                    let part = ptx_part(ptx, names.iter().map(String::as_str)).unwrap();
-                    assert!(part.contains(".address_size 64") && part.contains("dynamic_smem[]"));
-                    assert_eq!(
-                        part.matches(".entry ").count(),
-                        names.len(),
-                        "{norm:?} {}",
-                        pair.name
-                    );
-                    for name in &names {
-                        assert_eq!(part.matches(&format!(".entry {name}(")).count(), 1, "{name}");
-                        // The kernel's text ends where the next function's marker starts.
-                        let whole = &ptx[ptx.find(&format!(".entry {name}(")).unwrap()..];
-                        let end = whole.find(FUNCTION_MARKER).unwrap_or(whole.len());
-                        assert!(part.contains(&whole[..end]), "{name} whole");
-                    }
-                }
-            }
-        }
-        assert!(matches!(
-            ptx_part(PTX_SM80, ["no_such_kernel"].into_iter()),
-            Err(Error::MissingKernel { .. })
-        ));
     }
 }

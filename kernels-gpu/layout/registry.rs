@@ -132,6 +132,33 @@ impl core::fmt::Display for KernelName {
     }
 }
 
+/// The marker LLVM writes before each function of a PTX file.
+pub const FUNCTION_MARKER: &str = "\t// .globl\t";
+
+/// The PTX of the kernels `names` alone, cut from a whole module's `ptx` (what the host loads
+/// of a module, a norm and type pair at a time): the file's header (version, target, address
+/// size, the dynamic shared memory every kernel shares), then each kernel's text, from its
+/// `// .globl` marker to the next function's. Every kernel is one self-contained function
+/// (the kernels call nothing: `.ci/run` refuses a `call` in the PTX), so the part compiles
+/// as the whole does. Err: the first name the PTX lacks. (Host only, as [`KernelName`]'s
+/// text.)
+#[cfg(not(target_arch = "nvptx64"))]
+pub fn ptx_part<'a>(ptx: &str, names: impl Iterator<Item = &'a str>) -> Result<String, &'a str> {
+    let header_end = ptx.find(FUNCTION_MARKER).unwrap_or(ptx.len());
+    let mut part = String::with_capacity(ptx.len() / 8);
+    part.push_str(&ptx[..header_end]);
+    for name in names {
+        let marker = format!("{FUNCTION_MARKER}{name}\n");
+        let start = ptx.find(&marker).ok_or(name)?;
+        let body = start + marker.len();
+        let end = ptx[body..]
+            .find(FUNCTION_MARKER)
+            .map_or(ptx.len(), |at| body + at);
+        part.push_str(&ptx[start..end]);
+    }
+    Ok(part)
+}
+
 /// Every kernel of `arch`'s module, as (norm, variant, type pair), in the order of
 /// [`Norm::ALL`], [`Variant::ALL`] and [`TYPE_PAIRS`]: the kernel its [`KernelName`] names.
 pub fn kernels(arch: Arch) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
