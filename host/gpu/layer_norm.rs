@@ -137,7 +137,7 @@ pub(crate) fn backward<T: Element, W: Weight<T>>(
     // Every unit writes every column of its partial row; in locked mode, every group gets a
     // unit (no more groups than units), and its first holder writes it (count word 0) before
     // others add to it; the blocks' own rows, where they keep them, follow the 2G group rows.
-    let (mut parts_dgamma, mut parts_dbeta, part_rows, groups) = match mode {
+    let (mut parts_dgamma, mut parts_dbeta, part_rows, mut locks) = match mode {
         Reduction::Owned => {
             let (pg, pb) = workspace.partials(&gpu.stream, units as usize * n as usize)?;
             (pg, pb, units, None)
@@ -151,11 +151,10 @@ pub(crate) fn backward<T: Element, W: Weight<T>>(
             (pg, pb, 2 * groups, Some((words, groups)))
         }
     };
-    let mut words = groups;
     let sums = Sums {
         dgamma: &mut parts_dgamma,
         dbeta: &mut parts_dbeta,
-        locks: words.as_mut().map(|(w, g)| (w, *g)),
+        locks: locks.as_mut().map(|(words, groups)| (words, *groups)),
     };
     match plan.variant {
         Variant::BwdCluster8
