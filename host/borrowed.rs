@@ -33,8 +33,9 @@ impl<'a, T: Element> BorrowedTensor<'a, T> {
         &self.shape
     }
 
-    /// The memory, for the op (a copy of the view, not of the data).
-    pub(crate) fn view(&self) -> CudaView<'a, T> {
+    /// The memory (a copy of the view, not of the data): e.g. to read s through the
+    /// context of a residual forward ([`crate::Context::normalized`]).
+    pub fn cuda_view(&self) -> CudaView<'a, T> {
         self.data.slice(..)
     }
 
@@ -47,7 +48,7 @@ impl<'a, T: Element> BorrowedTensor<'a, T> {
 impl<T: Element> Clone for BorrowedTensor<'_, T> {
     fn clone(&self) -> Self {
         BorrowedTensor {
-            data: self.view(),
+            data: self.cuda_view(),
             shape: self.shape.clone(),
         }
     }
@@ -75,6 +76,15 @@ impl<'a, T: Element> BorrowedTensorMut<'a, T> {
 
     pub fn shape(&self) -> &[usize] {
         &self.shape
+    }
+
+    /// The same memory and shape, read-only from here on (as cudarc's `into_view`), for as
+    /// long as the borrow lasts.
+    pub fn into_shared(self) -> BorrowedTensor<'a, T> {
+        BorrowedTensor {
+            data: self.data.into_view(),
+            shape: self.shape,
+        }
     }
 
     /// The memory, for the op.

@@ -68,6 +68,12 @@ impl<T: Element, X> Context<T, X> {
     pub fn rstd(&self) -> &Tensor<f32> {
         &self.rstd
     }
+    /// The rows the forward normalized, which the backward reads: x, or s = x + residual
+    /// after a residual forward (for [`LayerNorm::forward_residual_borrowed`], the borrow
+    /// of s the context keeps, to read meanwhile, e.g. as the next block's residual).
+    pub fn normalized(&self) -> &X {
+        &self.x
+    }
 }
 
 /// dx (the shape of x, of x's type `T`), and dgamma and dbeta (`[n]`, of the weights' type
@@ -397,18 +403,64 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
         x: &BorrowedTensor<'x, T>,
         y: &mut BorrowedTensorMut<'_, T>,
     ) -> Result<Context<T, BorrowedTensor<'x, T>>> {
+        let (mean, rstd) = self.run_borrowed(x, None, y)?;
+        Ok(self.context(x.clone(), mean, rstd))
+    }
+
+    /// [`LayerNorm::forward_residual_into`] on memory that stays the caller's, as
+    /// [`LayerNorm::forward_borrowed`]: s = x + residual into `sum`, y = norm(s) into `y`
+    /// (all four x's shape, in this op's CUDA context). The context keeps `sum`, read-only
+    /// from here on, for the backward ([`LayerNorm::backward_residual_borrowed`]);
+    /// [`Context::normalized`] lends it out meanwhile, e.g. as the next block's residual.
+    ///
+    /// Errors as `forward_residual_into` and `forward_borrowed`; `sum` is then given up
+    /// unwritten.
+    pub fn forward_residual_borrowed<'s>(
+        &self,
+        x: &BorrowedTensor<'_, T>,
+        residual: &BorrowedTensor<'_, T>,
+        y: &mut BorrowedTensorMut<'_, T>,
+        mut sum: BorrowedTensorMut<'s, T>,
+    ) -> Result<Context<T, BorrowedTensor<'s, T>>> {
+        let (mean, rstd) = self.run_borrowed(x, Some((residual, &mut sum)), y)?;
+        Ok(self.context(sum.into_shared(), mean, rstd))
+    }
+
+    /// The borrowed forwards: checks the borrows (a residual and its sum where given) and
+    /// queues the kernel; returns the statistics.
+    fn run_borrowed(
+        &self,
+        x: &BorrowedTensor<'_, T>,
+        residual: Option<(&BorrowedTensor<'_, T>, &mut BorrowedTensorMut<'_, T>)>,
+        y: &mut BorrowedTensorMut<'_, T>,
+    ) -> Result<(Tensor<f32>, Tensor<f32>)> {
         let dev = self.device();
         dev.check_context("x", x.context())?;
         let [rows, n] = self.rows_and_n("x", x.shape())?;
         expect_same_shape("y", y.shape(), x.shape())?;
         dev.check_context("y", y.context())?;
+        if let Some((r, s)) = &residual {
+            expect_same_shape("residual", r.shape(), x.shape())?;
+            dev.check_context("residual", r.context())?;
+            expect_same_shape("sum", s.shape(), x.shape())?;
+            dev.check_context("sum", s.context())?;
+        }
         let (mut mean, mut rstd) = self.stats(rows)?;
         if rows > 0 && n > 0 {
             let (mean_d, rstd_d) = (mean.data_mut("mean")?, rstd.data_mut("rstd")?);
-            let (x, y) = (In::Cuda(x.view()), Out::Cuda(y.view_mut()));
-            self.run_forward(rows, n, x, None, y, output(dev, mean_d)?, output(dev, rstd_d)?)?;
+            let residual = residual.map(|(r, s)| (In::Cuda(r.cuda_view()), Out::Cuda(s.view_mut())));
+            let (x, y) = (In::Cuda(x.cuda_view()), Out::Cuda(y.view_mut()));
+            self.run_forward(
+                rows,
+                n,
+                x,
+                residual,
+                y,
+                output(dev, mean_d)?,
+                output(dev, rstd_d)?,
+            )?;
         }
-        Ok(self.context(x.clone(), mean, rstd))
+        Ok((mean, rstd))
     }
 
     fn context<X>(&self, x: X, mean: Tensor<f32>, rstd: Tensor<f32>) -> Context<T, X> {
@@ -564,6 +616,21 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
         dy: &BorrowedTensor<'_, T>,
         grads: &mut BorrowedGradients<'_, T, W>,
     ) -> Result<()> {
+        self.backward_residual_borrowed(ctx, dy, None, grads)
+    }
+
+    /// The backward of [`LayerNorm::forward_residual_borrowed`] (as
+    /// [`LayerNorm::backward_residual_into`]) on memory that stays the caller's: dx, the
+    /// gradient of x and of the residual alike, includes `dsum` where given. Errors as
+    /// `backward_residual_into` and `backward_borrowed`. With `dsum` `None` this is
+    /// `backward_borrowed`.
+    pub fn backward_residual_borrowed(
+        &self,
+        ctx: &Context<T, BorrowedTensor<'_, T>>,
+        dy: &BorrowedTensor<'_, T>,
+        dsum: Option<&BorrowedTensor<'_, T>>,
+        grads: &mut BorrowedGradients<'_, T, W>,
+    ) -> Result<()> {
         if ctx.op != self.id {
             return Err(Error::ForeignContext);
         }
@@ -571,6 +638,10 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
         dev.check_context("dy", dy.context())?;
         let [rows, n] = self.rows_and_n("dy", dy.shape())?;
         expect_same_shape("dy", dy.shape(), ctx.x.shape())?;
+        if let Some(d) = dsum {
+            expect_same_shape("dsum", d.shape(), ctx.x.shape())?;
+            dev.check_context("dsum", d.context())?;
+        }
         expect_same_shape("dx", grads.dx.shape(), dy.shape())?;
         self.check_param_grad("dgamma", &self.gamma, grads.dgamma.as_ref().map(|t| t.shape()))?;
         self.check_param_grad("dbeta", &self.beta, grads.dbeta.as_ref().map(|t| t.shape()))?;
@@ -590,9 +661,9 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
             rows,
             n,
             BackwardOperands {
-                x: In::Cuda(ctx.x.view()),
-                dy: In::Cuda(dy.view()),
-                dsum: None,
+                x: In::Cuda(ctx.x.cuda_view()),
+                dy: In::Cuda(dy.cuda_view()),
+                dsum: dsum.map(|d| In::Cuda(d.cuda_view())),
                 gamma: input(dev, self.gamma.tensor())?,
                 gamma_offset: self.gamma_offset,
                 mean: input(dev, &ctx.mean)?,

@@ -135,6 +135,18 @@ impl<T: Element, W: Weight<T>> RmsNorm<T, W> {
         self.op.forward_borrowed(x, y)
     }
 
+    /// As [`LayerNorm::forward_residual_borrowed`]: s = x + residual into `sum`, y =
+    /// RMSNorm(s), on memory the caller keeps owning; the context keeps `sum`.
+    pub fn forward_residual_borrowed<'s>(
+        &self,
+        x: &BorrowedTensor<'_, T>,
+        residual: &BorrowedTensor<'_, T>,
+        y: &mut BorrowedTensorMut<'_, T>,
+        sum: BorrowedTensorMut<'s, T>,
+    ) -> Result<Context<T, BorrowedTensor<'s, T>>> {
+        self.op.forward_residual_borrowed(x, residual, y, sum)
+    }
+
     /// dx and, where the op has a weight, dgamma for upstream gradient `dy`.
     pub fn backward(&self, ctx: &Context<T>, dy: &Tensor<T>) -> Result<Gradients<T, W>> {
         self.op.backward(ctx, dy)
@@ -176,5 +188,17 @@ impl<T: Element, W: Weight<T>> RmsNorm<T, W> {
         grads: &mut BorrowedGradients<'_, T, W>,
     ) -> Result<()> {
         self.op.backward_borrowed(ctx, dy, grads)
+    }
+
+    /// As [`LayerNorm::backward_residual_borrowed`]: the backward of
+    /// [`RmsNorm::forward_residual_borrowed`], dx including `dsum` where given.
+    pub fn backward_residual_borrowed(
+        &self,
+        ctx: &Context<T, BorrowedTensor<'_, T>>,
+        dy: &BorrowedTensor<'_, T>,
+        dsum: Option<&BorrowedTensor<'_, T>>,
+        grads: &mut BorrowedGradients<'_, T, W>,
+    ) -> Result<()> {
+        self.op.backward_residual_borrowed(ctx, dy, dsum, grads)
     }
 }

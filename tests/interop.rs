@@ -8,9 +8,9 @@ mod common;
 use std::sync::Arc;
 
 use common::{Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec};
-use layernorm_cuda::cudarc::driver::{CudaContext, CudaStream};
+use layernorm_cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use layernorm_cuda::{
-    BorrowedGradients, BorrowedTensor, BorrowedTensorMut, Device, Error, LayerNorm, Tensor,
+    BorrowedGradients, BorrowedTensor, BorrowedTensorMut, Device, Error, LayerNorm, RmsNorm, Tensor,
 };
 use ndarray::{Array1, Array2};
 
@@ -166,6 +166,165 @@ fn gpu_borrowed_inputs_and_outputs_match_upload_path_bitwise() {
             }
         }
     }
+}
+
+/// The residual forward and backward on borrowed memory (s kept by the context, lent back
+/// through `Context::normalized`) give the tensor path's bits, LayerNorm's and RMSNorm's,
+/// with dsum and without.
+#[test]
+fn gpu_borrowed_residual_matches_the_tensor_path_bitwise() {
+    let Some(ours) = gpu_or_skip() else { return };
+    for tracking in [true, false] {
+        for (i, n) in NS.into_iter().enumerate() {
+            let p = Problem::new(n, 6200 + i as u64);
+            let mut rng = Rng::new(6300 + i as u64);
+            let rows = p.x.len() / n;
+            let residual: Vec<f32> = random_matrix(&mut rng, rows, n).into_iter().collect();
+            let dsum: Vec<f32> = random_matrix(&mut rng, rows, n).into_iter().collect();
+            let stream = callers_stream(tracking);
+            let device = Device::from_cuda_stream(stream.clone()).unwrap();
+            for rms in [false, true] {
+                for with_dsum in [false, true] {
+                    let what = format!("n = {n}, tracking {tracking}, rms {rms}, dsum {with_dsum}");
+                    // The tensor path, on this crate's own device: y, s, dx, dgamma, dbeta.
+                    let up = |v: &[f32]| {
+                        ours.upload(ndarray::ArrayView1::from(v))
+                            .unwrap()
+                            .view(0, &p.shape)
+                            .unwrap()
+                    };
+                    let (x_t, r_t, dy_t, dsum_t) = (up(&p.x), up(&residual), up(&p.dy), up(&dsum));
+                    let dsum_t = with_dsum.then_some(&dsum_t);
+                    let expected: Vec<Vec<f32>> = if rms {
+                        let op = RmsNorm::from_array(&ours, p.gamma.view(), 1e-5).unwrap();
+                        let (y, s, ctx) = op.forward_residual(&x_t, &r_t).unwrap();
+                        let g = op.backward_residual(&ctx, &dy_t, dsum_t).unwrap();
+                        vec![y, s, g.dx, g.dgamma.unwrap()]
+                    } else {
+                        let op = p.op(&ours);
+                        let (y, s, ctx) = op.forward_residual(&x_t, &r_t).unwrap();
+                        let g = op.backward_residual(&ctx, &dy_t, dsum_t).unwrap();
+                        vec![y, s, g.dx, g.dgamma.unwrap(), g.dbeta.unwrap()]
+                    }
+                    .iter()
+                    .map(|t| t.to_vec().unwrap())
+                    .collect();
+                    // The same on the caller's slices, through borrows.
+                    let len = p.x.len();
+                    let htod = |v: &[f32]| stream.clone_htod(v).unwrap();
+                    let (x, r, dy, ds) = (htod(&p.x), htod(&residual), htod(&p.dy), htod(&dsum));
+                    let zeros = |len| stream.alloc_zeros::<f32>(len).unwrap();
+                    let (mut y, mut s, mut dx) = (zeros(len), zeros(len), zeros(len));
+                    let (mut dgamma, mut dbeta) = (zeros(n), zeros(n));
+                    let s_read;
+                    {
+                        fn view<'a>(v: &'a CudaSlice<f32>, shape: &[usize]) -> BorrowedTensor<'a, f32> {
+                            BorrowedTensor::new(v.as_view(), shape).unwrap()
+                        }
+                        let sh = &p.shape;
+                        let (xb, rb, dyb, dsb) = (view(&x, sh), view(&r, sh), view(&dy, sh), view(&ds, sh));
+                        let mut yb = BorrowedTensorMut::new(y.as_view_mut(), &p.shape).unwrap();
+                        let sb = BorrowedTensorMut::new(s.as_view_mut(), &p.shape).unwrap();
+                        let mut grads = BorrowedGradients {
+                            dx: BorrowedTensorMut::new(dx.as_view_mut(), &p.shape).unwrap(),
+                            dgamma: Some(BorrowedTensorMut::new(dgamma.as_view_mut(), &[n]).unwrap()),
+                            dbeta: (!rms).then(|| BorrowedTensorMut::new(dbeta.as_view_mut(), &[n]).unwrap()),
+                        };
+                        let dsb = with_dsum.then_some(&dsb);
+                        if rms {
+                            let op = RmsNorm::from_array(&device, p.gamma.view(), 1e-5).unwrap();
+                            let ctx = op.forward_residual_borrowed(&xb, &rb, &mut yb, sb).unwrap();
+                            s_read = stream.clone_dtoh(&ctx.normalized().cuda_view()).unwrap();
+                            op.backward_residual_borrowed(&ctx, &dyb, dsb, &mut grads)
+                                .unwrap();
+                        } else {
+                            let op = p.op(&device);
+                            let ctx = op.forward_residual_borrowed(&xb, &rb, &mut yb, sb).unwrap();
+                            s_read = stream.clone_dtoh(&ctx.normalized().cuda_view()).unwrap();
+                            op.backward_residual_borrowed(&ctx, &dyb, dsb, &mut grads)
+                                .unwrap();
+                        }
+                    }
+                    let mut got = vec![y, s, dx, dgamma];
+                    if !rms {
+                        got.push(dbeta);
+                    }
+                    let names = ["y", "s", "dx", "dgamma", "dbeta"];
+                    for ((name, slice), want) in names.iter().zip(&got).zip(&expected) {
+                        assert_eq!(
+                            bits(&stream.clone_dtoh(slice).unwrap()),
+                            bits(want),
+                            "{what}: {name}"
+                        );
+                    }
+                    assert_eq!(bits(&s_read), bits(&expected[1]), "{what}: s through the context");
+                }
+            }
+        }
+    }
+}
+
+/// Borrowed residual arguments of another shape or context are typed errors, before
+/// anything runs: the outputs keep what they held.
+#[test]
+fn gpu_bad_borrowed_residual_arguments_are_refused() {
+    let Some(ours) = gpu_or_skip() else { return };
+    let n = 4;
+    let ln = LayerNorm::<f32>::without_affine(&ours, n, 1e-5).unwrap();
+    let stream = ours.cuda_stream().unwrap();
+    let other = CudaContext::new_non_primary(0, 0).unwrap().new_stream().unwrap();
+    let x = stream.clone_htod(&[1.0f32; 8]).unwrap();
+    let short = stream.clone_htod(&[1.0f32; 4]).unwrap();
+    let theirs = other.clone_htod(&[1.0f32; 8]).unwrap();
+    let mut y = stream.clone_htod(&[7.0f32; 8]).unwrap();
+    let mut s = stream.clone_htod(&[7.0f32; 8]).unwrap();
+    let mut s_theirs = other.clone_htod(&[7.0f32; 8]).unwrap();
+    let xb = BorrowedTensor::new(x.as_view(), &[2, n]).unwrap();
+    {
+        let rb = BorrowedTensor::new(short.as_view(), &[1, n]).unwrap();
+        let mut yb = BorrowedTensorMut::new(y.as_view_mut(), &[2, n]).unwrap();
+        let sb = BorrowedTensorMut::new(s.as_view_mut(), &[2, n]).unwrap();
+        let r = ln.forward_residual_borrowed(&xb, &rb, &mut yb, sb);
+        assert!(matches!(r, Err(Error::Shape { what: "residual", .. })), "{r:?}");
+    }
+    {
+        let rb = BorrowedTensor::new(x.as_view(), &[2, n]).unwrap();
+        let mut yb = BorrowedTensorMut::new(y.as_view_mut(), &[2, n]).unwrap();
+        let sb = BorrowedTensorMut::new(s_theirs.as_view_mut(), &[2, n]).unwrap();
+        let r = ln.forward_residual_borrowed(&xb, &rb, &mut yb, sb);
+        assert!(
+            matches!(r, Err(Error::ContextMismatch { what: "sum", .. })),
+            "{r:?}"
+        );
+    }
+    {
+        let rb = BorrowedTensor::new(theirs.as_view(), &[2, n]).unwrap();
+        let mut yb = BorrowedTensorMut::new(y.as_view_mut(), &[2, n]).unwrap();
+        let sb = BorrowedTensorMut::new(s.as_view_mut(), &[2, n]).unwrap();
+        let r = ln.forward_residual_borrowed(&xb, &rb, &mut yb, sb);
+        assert!(
+            matches!(r, Err(Error::ContextMismatch { what: "residual", .. })),
+            "{r:?}"
+        );
+    }
+    assert_eq!(stream.clone_dtoh(&y).unwrap(), [7.0; 8], "y");
+    assert_eq!(stream.clone_dtoh(&s).unwrap(), [7.0; 8], "s");
+    // A dsum of another shape, against a context that ran.
+    let rb = BorrowedTensor::new(x.as_view(), &[2, n]).unwrap();
+    let mut yb = BorrowedTensorMut::new(y.as_view_mut(), &[2, n]).unwrap();
+    let sb = BorrowedTensorMut::new(s.as_view_mut(), &[2, n]).unwrap();
+    let ctx = ln.forward_residual_borrowed(&xb, &rb, &mut yb, sb).unwrap();
+    let mut dx = stream.clone_htod(&[7.0f32; 8]).unwrap();
+    let mut grads = BorrowedGradients {
+        dx: BorrowedTensorMut::new(dx.as_view_mut(), &[2, n]).unwrap(),
+        dgamma: None,
+        dbeta: None,
+    };
+    let dsb = BorrowedTensor::new(short.as_view(), &[1, n]).unwrap();
+    let r = ln.backward_residual_borrowed(&ctx, &xb, Some(&dsb), &mut grads);
+    assert!(matches!(r, Err(Error::Shape { what: "dsum", .. })), "{r:?}");
+    drop(grads);
+    assert_eq!(stream.clone_dtoh(&dx).unwrap(), [7.0; 8], "dx");
 }
 
 /// A tensor read through `cuda_view` on the device's stream holds the tensor's elements
