@@ -8,6 +8,11 @@
 //! The weights (gamma, beta) have x's dtype, or f32 beside f16 and bf16 x, as mixed-precision
 //! training keeps them; their gradients come in the weights' dtype.
 //!
+//! [`layer_norm_residual`] and [`rms_norm_residual`] (and the layers' `forward_residual`)
+//! fuse the residual add of a pre-norm block with the norm: s = x + residual, y = norm(s),
+//! both from one pass over x and the residual, and a backward that adds the gradient reaching
+//! s to dx in the same pass.
+//!
 //! candle's custom ops return one tensor, and their backward is handed only the inputs, the
 //! output and its gradient. So the forward op keeps its per-row mean and rstd itself (each
 //! call applies an op of its own, and candle's graph holds it until the backward). The
@@ -18,6 +23,14 @@
 //! (candle runs ops eagerly), and neither has a backward of its own (a second derivative is
 //! candle's `BackwardNotSupported`). LayerNorm's forward is a `CustomOp3` over (x, gamma,
 //! beta), RMSNorm's the same op as a `CustomOp2` over (x, gamma).
+//!
+//! A custom op also takes at most three operands. The residual forward is a `CustomOp3` over
+//! (x, residual, weights), the weights being gamma for RMSNorm and, for LayerNorm, gamma and
+//! beta stacked into one `[2, n]` tensor (a copy of 2n elements; candle's autograd splits
+//! its gradient back between the two). Its output is `[2, ...x's shape]`: y then s, both
+//! written by the one pass into the halves of one buffer, which the caller views as y and s
+//! (no copy). So its backward is handed s (in its output) and, as the output's gradient, dy
+//! then the gradient of s, which the backward op reads as dy and dsum.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -48,6 +61,14 @@ fn op_name(norm: Norm) -> &'static str {
     match norm {
         Norm::Layer => "layernorm-cuda layer_norm",
         Norm::Rms => "layernorm-cuda rms_norm",
+    }
+}
+
+/// The residual forward op's name.
+fn residual_name(norm: Norm) -> &'static str {
+    match norm {
+        Norm::Layer => "layernorm-cuda layer_norm_residual",
+        Norm::Rms => "layernorm-cuda rms_norm_residual",
     }
 }
 
@@ -110,6 +131,115 @@ fn rms_norm_with(x: &Tensor, gamma: &Tensor, eps: f32, gamma_offset: f32) -> Res
         .apply_op2(&gamma.contiguous()?, Forward::new(norm, eps, gamma_offset))
 }
 
+/// The residual add of a pre-norm block fused with LayerNorm: s = x + residual (each
+/// element summed in f32 and rounded once to x's dtype) and y = LayerNorm(s) as
+/// [`layer_norm`] computes it, in one pass over x and the residual (as
+/// `crate::LayerNorm::forward_residual`). Returns (y, s), both of x's shape and dtype: the
+/// halves of one `[2, ...]` tensor, which the pass writes, viewed without a copy.
+///
+/// Where x, the residual, gamma or beta are variables of candle's graph, `backward()` of a
+/// loss built on y, s or both gives their gradients. x's and the residual's are the same
+/// tensor, dx = (the gradient through the norm at s) + (the gradient reaching s from the
+/// loss), formed by one backward pass that adds the second as it writes dx (rounded once);
+/// dgamma and dbeta are [`layer_norm`]'s at s. Where s is not used, the gradient reaching it
+/// is candle's zeros, which that pass reads and adds all the same.
+///
+/// Errors as [`layer_norm`]'s, and `DTypeMismatchBinaryOp` for a residual of another dtype
+/// than x's, `ShapeMismatchBinaryOp` for one of another shape.
+pub fn layer_norm_residual(
+    x: &Tensor,
+    residual: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f32,
+) -> Result<(Tensor, Tensor)> {
+    layer_norm_residual_with(x, residual, gamma, beta, eps, PLAIN_WEIGHT)
+}
+
+/// [`layer_norm_residual`] with gamma's offset as [`layer_norm_with`] takes it.
+fn layer_norm_residual_with(
+    x: &Tensor,
+    residual: &Tensor,
+    gamma: &Tensor,
+    beta: &Tensor,
+    eps: f32,
+    gamma_offset: f32,
+) -> Result<(Tensor, Tensor)> {
+    let norm = Norm::Layer;
+    let [_, n] = rows_and_n(norm, x.shape())?;
+    check_params(norm, x.dtype(), n, &[("gamma", gamma), ("beta", beta)], eps)?;
+    check_residual(norm, x, residual)?;
+    let weights = Tensor::stack(&[gamma, beta], 0)?;
+    residual_forward(norm, x, residual, &weights, eps, gamma_offset)
+}
+
+/// The residual add fused with RMSNorm: s = x + residual as [`layer_norm_residual`] forms
+/// it and y = RMSNorm(s) as [`rms_norm`] computes it, returned as (y, s); gradients of x, the
+/// residual and gamma as [`layer_norm_residual`] gives them. Errors as
+/// [`layer_norm_residual`]'s.
+pub fn rms_norm_residual(
+    x: &Tensor,
+    residual: &Tensor,
+    gamma: &Tensor,
+    eps: f32,
+) -> Result<(Tensor, Tensor)> {
+    rms_norm_residual_with(x, residual, gamma, eps, PLAIN_WEIGHT)
+}
+
+/// [`rms_norm_residual`] with gamma's offset as [`layer_norm_with`] takes it.
+fn rms_norm_residual_with(
+    x: &Tensor,
+    residual: &Tensor,
+    gamma: &Tensor,
+    eps: f32,
+    gamma_offset: f32,
+) -> Result<(Tensor, Tensor)> {
+    let norm = Norm::Rms;
+    let [_, n] = rows_and_n(norm, x.shape())?;
+    check_params(norm, x.dtype(), n, &[("gamma", gamma)], eps)?;
+    check_residual(norm, x, residual)?;
+    residual_forward(norm, x, residual, gamma, eps, gamma_offset)
+}
+
+/// Refuses a residual whose dtype or shape is not x's.
+fn check_residual(norm: Norm, x: &Tensor, residual: &Tensor) -> Result<()> {
+    let op = residual_name(norm);
+    if residual.dtype() != x.dtype() {
+        return Err(Error::DTypeMismatchBinaryOp {
+            lhs: x.dtype(),
+            rhs: residual.dtype(),
+            op,
+        }
+        .bt());
+    }
+    if residual.shape() != x.shape() {
+        return Err(Error::ShapeMismatchBinaryOp {
+            lhs: x.shape().clone(),
+            rhs: residual.shape().clone(),
+            op,
+        }
+        .bt());
+    }
+    Ok(())
+}
+
+/// Applies the [`ResidualForward`] op to checked operands (`weights`: gamma, or LayerNorm's
+/// `[2, n]` gamma and beta) and views its output as y and s.
+fn residual_forward(
+    norm: Norm,
+    x: &Tensor,
+    residual: &Tensor,
+    weights: &Tensor,
+    eps: f32,
+    gamma_offset: f32,
+) -> Result<(Tensor, Tensor)> {
+    let op = ResidualForward(Forward::new(norm, eps, gamma_offset));
+    let both = x
+        .contiguous()?
+        .apply_op3(&residual.contiguous()?, &weights.contiguous()?, op)?;
+    Ok((both.get(0)?, both.get(1)?))
+}
+
 /// LayerNorm as a candle layer: weight and bias `[n]`, applied by [`layer_norm`] to the
 /// last dimension of its input.
 #[derive(Clone, Debug)]
@@ -151,6 +281,12 @@ impl LayerNorm {
     /// Whether the weight is zero-centred.
     pub fn zero_centered_weight(&self) -> bool {
         self.gamma_offset == ZERO_CENTERED_WEIGHT
+    }
+
+    /// (y, s) of [`layer_norm_residual`] with this layer's weight, bias, eps and weight
+    /// (zero-centred where the layer's is): s = x + residual, y = this layer applied to s.
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        layer_norm_residual_with(x, residual, &self.weight, &self.bias, self.eps, self.gamma_offset)
     }
 
     pub fn weight(&self) -> &Tensor {
@@ -208,6 +344,12 @@ impl RmsNorm {
     /// Whether the weight is zero-centred.
     pub fn zero_centered_weight(&self) -> bool {
         self.gamma_offset == ZERO_CENTERED_WEIGHT
+    }
+
+    /// (y, s) of [`rms_norm_residual`] with this layer's weight, eps and weight (zero-centred
+    /// where the layer's is): s = x + residual, y = this layer applied to s.
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<(Tensor, Tensor)> {
+        rms_norm_residual_with(x, residual, &self.weight, self.eps, self.gamma_offset)
     }
 
     pub fn weight(&self) -> &Tensor {
@@ -359,7 +501,7 @@ fn moved() -> Error {
 
 /// The forward op over (x, gamma, beta) for LayerNorm or (x, gamma) for RMSNorm, contiguous
 /// and checked by [`layer_norm`] or [`rms_norm`], and the statistics it leaves for its
-/// backward.
+/// backward; also the body of [`ResidualForward`].
 struct Forward {
     norm: Norm,
     eps: f32,
@@ -387,44 +529,49 @@ impl Forward {
             .map_err(|_| Error::Msg(format!("{}: an op applied twice", op_name(self.norm))).bt())
     }
 
-    /// The forward on CPU storage (beta absent for RMSNorm), keeping its statistics.
+    /// The forward on CPU storage (beta absent for RMSNorm; with a residual, the output is y
+    /// then s), keeping its statistics.
     fn cpu(
         &self,
         x: Operand<'_, CpuStorage>,
+        residual: Option<Operand<'_, CpuStorage>>,
         gamma: Operand<'_, CpuStorage>,
         beta: Option<Operand<'_, CpuStorage>>,
     ) -> Result<(CpuStorage, Shape)> {
-        let (y, stats) = by_types!(
+        let (out, stats) = by_types!(
             op_name(self.norm),
             x.0.dtype(),
             gamma.0.dtype(),
-            forward_cpu(self, x, gamma, beta)
+            forward_cpu(self, x, residual, gamma, beta)
         )?;
         self.keep(stats)?;
-        Ok((y, x.1.shape().clone()))
+        Ok((out, output_shape(x.1, residual.is_some())))
     }
 
-    /// The forward on CUDA storage (beta absent for RMSNorm), keeping its statistics.
+    /// The forward on CUDA storage, as [`Forward::cpu`].
     #[cfg(feature = "candle-cuda")]
     fn cuda(
         &self,
         x: Operand<'_, CudaStorage>,
+        residual: Option<Operand<'_, CudaStorage>>,
         gamma: Operand<'_, CudaStorage>,
         beta: Option<Operand<'_, CudaStorage>>,
     ) -> Result<(CudaStorage, Shape)> {
-        let (y, stats) = by_types!(
+        let (out, stats) = by_types!(
             op_name(self.norm),
             x.0.dtype(),
             gamma.0.dtype(),
-            forward_cuda(self, x, gamma, beta)
+            forward_cuda(self, x, residual, gamma, beta)
         )?;
         self.keep(stats)?;
-        Ok((y, x.1.shape().clone()))
+        Ok((out, output_shape(x.1, residual.is_some())))
     }
 
-    /// dx by the [`Backward`] op, from the statistics the forward kept, then dgamma and
-    /// (LayerNorm's) dbeta, which that op left, by [`Handover`].
-    fn grads(&self, x: &Tensor, gamma: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    /// dx by the [`Backward`] op, from the statistics the forward kept, then the weights'
+    /// gradients that op left (dgamma, then LayerNorm's dbeta, end to end, `[params * n]`) by
+    /// [`Handover`]. `x` holds the rows the forward normalized (x, or s after a residual);
+    /// `dy` is y's gradient or, with `dsum`, the residual forward's output's: y's then s's.
+    fn backward(&self, x: &Tensor, gamma: &Tensor, dy: &Tensor, dsum: bool) -> Result<(Tensor, Tensor)> {
         let stats = self.stats.get().cloned().ok_or_else(|| {
             Error::Msg(format!("{}: the forward has not run", backward_name(self.norm))).bt()
         })?;
@@ -432,6 +579,7 @@ impl Forward {
         let op = Backward {
             norm: self.norm,
             gamma_offset: self.gamma_offset,
+            dsum,
             stats,
             weight_grads: weight_grads.clone(),
         };
@@ -441,7 +589,13 @@ impl Forward {
             norm: self.norm,
             weight_grads,
         };
-        let grads = gamma.apply_op1(handover)?;
+        Ok((dx, gamma.apply_op1(handover)?))
+    }
+
+    /// dx, dgamma and (LayerNorm's) dbeta of the plain forward, by [`Forward::backward`],
+    /// the weights' gradients viewed apart (`narrow`, no copy).
+    fn grads(&self, x: &Tensor, gamma: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let (dx, grads) = self.backward(x, gamma, dy, false)?;
         let n = gamma.elem_count();
         let dgamma = grads.narrow(0, 0, n)?;
         let dbeta = match self.norm {
@@ -467,7 +621,7 @@ impl CustomOp3 for Forward {
         beta: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.cpu((x, lx), (gamma, lg), Some((beta, lb)))
+        self.cpu((x, lx), None, (gamma, lg), Some((beta, lb)))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -480,7 +634,7 @@ impl CustomOp3 for Forward {
         beta: &CudaStorage,
         lb: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        self.cuda((x, lx), (gamma, lg), Some((beta, lb)))
+        self.cuda((x, lx), None, (gamma, lg), Some((beta, lb)))
     }
 
     fn bwd(
@@ -509,7 +663,7 @@ impl CustomOp2 for Forward {
         gamma: &CpuStorage,
         lg: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.cpu((x, lx), (gamma, lg), None)
+        self.cpu((x, lx), None, (gamma, lg), None)
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -520,7 +674,7 @@ impl CustomOp2 for Forward {
         gamma: &CudaStorage,
         lg: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        self.cuda((x, lx), (gamma, lg), None)
+        self.cuda((x, lx), None, (gamma, lg), None)
     }
 
     fn bwd(
@@ -535,13 +689,89 @@ impl CustomOp2 for Forward {
     }
 }
 
+/// The residual forward over (x, residual, weights), contiguous and checked by
+/// [`layer_norm_residual`] or [`rms_norm_residual`]: the weights are gamma `[n]` for
+/// RMSNorm, gamma and beta `[2, n]` for LayerNorm. Its output is `[2, ...x's shape]`, y then
+/// s; the statistics it keeps are s's.
+struct ResidualForward(Forward);
+
+impl ResidualForward {
+    /// gamma's layout and, for LayerNorm, beta's: the rows of the weights' `[2, n]`.
+    fn weights(&self, lw: &Layout) -> Result<(Layout, Option<Layout>)> {
+        match self.0.norm {
+            Norm::Layer => Ok((lw.narrow(0, 0, 1)?, Some(lw.narrow(0, 1, 1)?))),
+            Norm::Rms => Ok((lw.clone(), None)),
+        }
+    }
+}
+
+impl CustomOp3 for ResidualForward {
+    fn name(&self) -> &'static str {
+        residual_name(self.0.norm)
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        residual: &CpuStorage,
+        lr: &Layout,
+        weights: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (lg, lb) = self.weights(lw)?;
+        let beta = lb.as_ref().map(|lb| (weights, lb));
+        self.0.cpu((x, lx), Some((residual, lr)), (weights, &lg), beta)
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        x: &CudaStorage,
+        lx: &Layout,
+        residual: &CudaStorage,
+        lr: &Layout,
+        weights: &CudaStorage,
+        lw: &Layout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let (lg, lb) = self.weights(lw)?;
+        let beta = lb.as_ref().map(|lb| (weights, lb));
+        self.0.cuda((x, lx), Some((residual, lr)), (weights, &lg), beta)
+    }
+
+    /// `both` is the output (y, s) and `dboth` its gradient (dy, then the gradient of s,
+    /// zeros where s is not used): one backward pass at s with that second half as dsum
+    /// gives dx, the gradient of both x and the residual, and the weights' gradients in the
+    /// weights' shape (for LayerNorm, `[2, n]`, which candle splits between gamma and beta).
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _residual: &Tensor,
+        weights: &Tensor,
+        both: &Tensor,
+        dboth: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let gamma = match self.0.norm {
+            Norm::Layer => weights.get(0)?,
+            Norm::Rms => weights.clone(),
+        };
+        let (dx, dweights) = self.0.backward(&both.get(1)?, &gamma, dboth, true)?;
+        let dweights = dweights.reshape(weights.shape())?;
+        Ok((Some(dx.clone()), Some(dx), Some(dweights)))
+    }
+}
+
 /// The backward op over (x, gamma, dy), with the statistics of x's forward: dx (x's shape
 /// and dtype) as its output, and dgamma then, for LayerNorm, dbeta, end to end in one 1-D
-/// buffer of the weights' dtype, left in `weight_grads` for [`Handover`].
+/// buffer of the weights' dtype, left in `weight_grads` for [`Handover`]. After a residual
+/// forward, x is s and dy is `[2, ...x's shape]`: y's gradient, then s's (dsum), which dx
+/// includes.
 struct Backward {
     norm: Norm,
     /// The forward's.
     gamma_offset: f32,
+    /// Whether dy holds dsum after y's gradient.
+    dsum: bool,
     stats: Arc<Stats>,
     weight_grads: Arc<Mutex<Option<Storage>>>,
 }
@@ -669,16 +899,28 @@ fn span(layout: &Layout) -> Result<Range<usize>> {
     }
 }
 
-/// Refuses a dy whose shape is not x's (candle hands the backward a gradient of y's shape,
-/// which is x's).
-fn same_shape(norm: Norm, lx: &Layout, ldy: &Layout) -> Result<()> {
-    if lx.shape() == ldy.shape() {
+/// The forward's output shape for x's layout: x's, or `[2, ...x's]` (y, then s) with a
+/// residual.
+fn output_shape(lx: &Layout, residual: bool) -> Shape {
+    if residual {
+        let dims: Vec<usize> = [2].iter().chain(lx.dims()).copied().collect();
+        dims.into()
+    } else {
+        lx.shape().clone()
+    }
+}
+
+/// Refuses an operand (named by the op `op`) whose shape is not `expected`: a residual that
+/// is not of x's shape, a dy that is not of the forward's output shape (candle hands the
+/// backward a gradient of that shape).
+fn expect_shape(op: &'static str, expected: Shape, got: &Layout) -> Result<()> {
+    if &expected == got.shape() {
         Ok(())
     } else {
         Err(Error::ShapeMismatchBinaryOp {
-            lhs: lx.shape().clone(),
-            rhs: ldy.shape().clone(),
-            op: backward_name(norm),
+            lhs: expected,
+            rhs: got.shape().clone(),
+            op,
         }
         .bt())
     }
@@ -686,7 +928,7 @@ fn same_shape(norm: Norm, lx: &Layout, ldy: &Layout) -> Result<()> {
 
 // The ops' bodies, CPU beside CUDA: each takes its operands in candle's memory, allocates
 // its outputs there, and runs this crate's core (`forward_rows`, `backward_rows`) on them.
-// Empty inputs run nothing: y and dx are then empty, and dgamma and dbeta are zeros (CPU:
+// Empty inputs run nothing: y, s and dx are then empty, and dgamma and dbeta are zeros (CPU:
 // allocated so; CUDA: `backward_rows` zeroes them for rows = 0, and n = 0 leaves them
 // empty). RMSNorm's forward runs the common core with beta = 0, made per call (n elements).
 
@@ -703,17 +945,28 @@ fn host<'a, T: WithDType>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'
 /// An operand's storage and layout.
 type Operand<'a, S> = (&'a S, &'a Layout);
 
+/// y in candle's CPU memory (with a residual, y then s, end to end), and the statistics.
 fn forward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
     op: &Forward,
     (x, lx): Operand<'_, CpuStorage>,
+    residual: Option<Operand<'_, CpuStorage>>,
     (gamma, lg): Operand<'_, CpuStorage>,
     beta: Option<Operand<'_, CpuStorage>>,
 ) -> Result<(CpuStorage, Stats)> {
     let (norm, eps) = (op.norm, op.eps);
     let [rows, n] = rows_and_n(norm, lx.shape())?;
-    let mut y = zeroed::<T>(norm, rows * n)?;
+    let len = rows * n;
+    let mut out = zeroed::<T>(norm, if residual.is_some() { 2 * len } else { len })?;
     let (mut mean, mut rstd) = (zeroed(norm, rows)?, zeroed(norm, rows)?);
     if rows > 0 && n > 0 {
+        let (y, sum) = out.split_at_mut(len);
+        let residual = match residual {
+            Some((r, lr)) => {
+                expect_shape(residual_name(norm), lx.shape().clone(), lr)?;
+                Some((In::Host(host(r, lr)?), Out::Host(sum)))
+            }
+            None => None,
+        };
         let no_beta;
         let beta = match beta {
             Some((beta, lb)) => host(beta, lb)?,
@@ -724,17 +977,17 @@ fn forward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
         };
         let o = ForwardOperands {
             x: In::Host(host(x, lx)?),
-            residual: None,
+            residual,
             gamma: In::Host(host::<W>(gamma, lg)?),
             gamma_offset: op.gamma_offset,
             beta: In::Host(beta),
-            y: Out::Host(&mut y),
+            y: Out::Host(y),
             mean: Out::Host(&mut mean),
             rstd: Out::Host(&mut rstd),
         };
         forward_rows(&Device::cpu(), norm, eps, rows, n, o).map_err(wrap(norm))?;
     }
-    Ok((T::to_cpu_storage_owned(y), Stats::Host { mean, rstd }))
+    Ok((T::to_cpu_storage_owned(out), Stats::Host { mean, rstd }))
 }
 
 /// This crate's device on the stream of a candle CUDA device. Made at the first call on
@@ -776,8 +1029,9 @@ fn cuda_in<'a, T: Element + CudaDType>(
 fn cuda_out<T: DeviceRepr>(norm: Norm, stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<T>> {
     let during = "allocating a candle tensor";
     // SAFETY: nothing reads an element before a kernel or a memset on `stream` wrote it:
-    // the forward writes all of y, mean and rstd (where n = 0, y is empty and mean and
-    // rstd are never read), the backward all of dx, dgamma and dbeta.
+    // the forward writes all of y (and of s, after y, with a residual), mean and rstd
+    // (where n = 0, y and s are empty and mean and rstd are never read), the backward all
+    // of dx, dgamma and dbeta.
     crate::gpu::storage::allocate(stream, len * size_of::<T>(), during, || unsafe {
         stream.alloc::<T>(len)
     })
@@ -798,10 +1052,13 @@ fn cuda_zeros<T: DeviceRepr + ValidAsZeroBits>(
     .map_err(wrap(norm))
 }
 
+/// y in candle's CUDA memory (with a residual, y then s), and the statistics, as
+/// [`forward_cpu`].
 #[cfg(feature = "candle-cuda")]
 fn forward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType + ValidAsZeroBits>(
     op: &Forward,
     (x, lx): Operand<'_, CudaStorage>,
+    residual: Option<Operand<'_, CudaStorage>>,
     (gamma, lg): Operand<'_, CudaStorage>,
     beta: Option<Operand<'_, CudaStorage>>,
 ) -> Result<(CudaStorage, Stats)> {
@@ -809,9 +1066,21 @@ fn forward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType + ValidAsZeroBi
     let [rows, n] = rows_and_n(norm, lx.shape())?;
     let device = device_of(norm, &x.device)?;
     let stream = x.device.cuda_stream();
-    let mut y = cuda_out::<T>(norm, &stream, rows * n)?;
+    let len = rows * n;
+    let mut out = cuda_out::<T>(norm, &stream, if residual.is_some() { 2 * len } else { len })?;
     let (mut mean, mut rstd) = (cuda_out(norm, &stream, rows)?, cuda_out(norm, &stream, rows)?);
     if rows > 0 && n > 0 {
+        let (y, sum) = out.split_at_mut(len);
+        let residual = match residual {
+            Some((r, lr)) => {
+                expect_shape(residual_name(norm), lx.shape().clone(), lr)?;
+                Some((
+                    In::Cuda(cuda_in(&device, norm, "residual", (r, lr))?),
+                    Out::Cuda(sum),
+                ))
+            }
+            None => None,
+        };
         let no_beta;
         let beta = match beta {
             Some(beta) => cuda_in(&device, norm, "beta", beta)?,
@@ -822,21 +1091,22 @@ fn forward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType + ValidAsZeroBi
         };
         let o = ForwardOperands {
             x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
-            residual: None,
+            residual,
             gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
             gamma_offset: op.gamma_offset,
             beta: In::Cuda(beta),
-            y: Out::Cuda(y.as_view_mut()),
+            y: Out::Cuda(y),
             mean: Out::Cuda(mean.as_view_mut()),
             rstd: Out::Cuda(rstd.as_view_mut()),
         };
         forward_rows(&device, norm, eps, rows, n, o).map_err(wrap(norm))?;
     }
-    let y = CudaStorage::wrap_cuda_slice(y, x.device.clone());
-    Ok((y, Stats::Cuda { mean, rstd }))
+    let out = CudaStorage::wrap_cuda_slice(out, x.device.clone());
+    Ok((out, Stats::Cuda { mean, rstd }))
 }
 
 /// dx in candle's CPU memory, and the weights' gradients (dgamma, then LayerNorm's dbeta).
+/// With `op.dsum`, dy's second half is dsum.
 fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
     op: &Backward,
     x: &CpuStorage,
@@ -848,16 +1118,17 @@ fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
 ) -> Result<(CpuStorage, CpuStorage)> {
     let (norm, stats) = (op.norm, &op.stats);
     let [rows, n] = rows_and_n(norm, lx.shape())?;
-    same_shape(norm, lx, ldy)?;
+    expect_shape(backward_name(norm), output_shape(lx, op.dsum), ldy)?;
     let (mean, rstd) = stats.host()?;
     let mut dx = zeroed::<T>(norm, rows * n)?;
     let mut weight_grads = zeroed::<W>(norm, params(norm) * n)?;
     if n > 0 {
         let (dgamma, dbeta) = weight_grads.split_at_mut(n);
+        let (dy, dsum) = host::<T>(dy, ldy)?.split_at(rows * n);
         let o = BackwardOperands {
             x: In::Host(host(x, lx)?),
-            dy: In::Host(host(dy, ldy)?),
-            dsum: None,
+            dy: In::Host(dy),
+            dsum: op.dsum.then_some(In::Host(dsum)),
             gamma: In::Host(host::<W>(gamma, lg)?),
             gamma_offset: op.gamma_offset,
             mean: In::Host(mean),
@@ -885,7 +1156,7 @@ fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType>(
 ) -> Result<(CudaStorage, CudaStorage)> {
     let (norm, stats) = (op.norm, &op.stats);
     let [rows, n] = rows_and_n(norm, lx.shape())?;
-    same_shape(norm, lx, ldy)?;
+    expect_shape(backward_name(norm), output_shape(lx, op.dsum), ldy)?;
     let (mean, rstd) = stats.cuda()?;
     let device = device_of(norm, &x.device)?;
     let stream = x.device.cuda_stream();
@@ -893,10 +1164,11 @@ fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType>(
     let mut weight_grads = cuda_out::<W>(norm, &stream, params(norm) * n)?;
     if n > 0 {
         let (dgamma, dbeta) = weight_grads.split_at_mut(n);
+        let (dy, dsum) = cuda_in::<T>(&device, norm, "dy", (dy, ldy))?.split_at(rows * n);
         let o = BackwardOperands {
             x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
-            dy: In::Cuda(cuda_in(&device, norm, "dy", (dy, ldy))?),
-            dsum: None,
+            dy: In::Cuda(dy),
+            dsum: op.dsum.then_some(In::Cuda(dsum)),
             gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
             gamma_offset: op.gamma_offset,
             mean: In::Cuda(mean.as_view()),

@@ -2,7 +2,9 @@
 //! their gradients through candle's autograd (`loss.backward()`), against the same math built
 //! from candle ops in f64 within the dtype's tolerance, and bitwise against this crate's own
 //! API on the same device (the same path runs underneath). Strided and offset inputs, the
-//! `Module` layers, empty inputs and every refusal as a typed candle error. The CPU tests run
+//! `Module` layers, empty inputs and every refusal as a typed candle error. The same for the
+//! residual add fused with the norm (`layer_norm_residual`, `rms_norm_residual`, the layers'
+//! `forward_residual`), with losses on y, on s and on both. The CPU tests run
 //! everywhere; with `candle-cuda`, the same checks run on candle's CUDA tensors where a GPU
 //! is (`LAYERNORM_REQUIRE_GPU=1` makes a missing GPU a failure).
 
@@ -10,7 +12,9 @@ mod common;
 
 use candle_core::{D, DType, Error, Module, Tensor, Var, WithDType};
 use common::{Rng, mixed_matrix, random_matrix, random_vec, rel_err, tolerance};
-use layernorm_cuda::candle::{LayerNorm, RmsNorm, as_layernorm_error, layer_norm, rms_norm};
+use layernorm_cuda::candle::{
+    LayerNorm, RmsNorm, as_layernorm_error, layer_norm, layer_norm_residual, rms_norm, rms_norm_residual,
+};
 use layernorm_cuda::{Element, Weight, bf16, f16};
 use ndarray::ArrayView1;
 
@@ -121,10 +125,12 @@ fn by_candle_op(norm: Norm, x: &Var, gamma: &Var, beta: &Var, w: &Tensor) -> Vec
 
 /// The same as [`by_candle_op`] by candle's own ops and autograd, in f64 on the CPU from
 /// the problem's (rounded) T values: the reference. RMSNorm is LayerNorm without the mean
-/// and the bias: x / sqrt(mean(x^2) + eps) * gamma.
+/// and the bias: x / sqrt(mean(x^2) + eps) * gamma. With `dsum`, the loss also has
+/// sum(x * dsum), so that dx has dsum added (x being s of a residual forward).
 fn by_candle_ops<T: Element + WithDType, W: Element + WithDType>(
     norm: Norm,
     p: &Problem<T, W>,
+    dsum: Option<&[T]>,
 ) -> Vec<Vec<f64>> {
     let cpu = candle_core::Device::Cpu;
     let f64s = |v: Vec<f64>, shape: &[usize]| Var::from_vec(v, shape, &cpu).unwrap();
@@ -154,7 +160,12 @@ fn by_candle_ops<T: Element + WithDType, W: Element + WithDType>(
         Norm::Layer => scaled.broadcast_add(&beta).unwrap(),
         Norm::Rms => scaled,
     };
-    let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+    let mut loss = (&y * &w).unwrap().sum_all().unwrap();
+    if let Some(dsum) = dsum {
+        let dsum = f64s(t(dsum), &p.shape).into_inner();
+        loss = (loss + (x.as_tensor() * dsum).unwrap().sum_all().unwrap()).unwrap();
+    }
+    let grads = loss.backward().unwrap();
     let grad = |v: &Var| grads.get(v.as_tensor()).unwrap().clone();
     let mut outputs = vec![y, grad(&x), grad(&gamma)];
     if let Norm::Layer = norm {
@@ -169,11 +180,13 @@ fn by_candle_ops<T: Element + WithDType, W: Element + WithDType>(
 /// Each output of `p` within its dtype's tolerance of the reference (T's for y and dx, W's
 /// for the weights' gradients; twice that for the gradients, as tests/backward.rs allows).
 /// RMSNorm's dx error is measured against the size of its
-/// terms, the largest rstd * |gamma * dy|, as tests/rms_norm.rs does: at n = 1 they cancel
+/// terms, the largest rstd * |gamma * dy| (and the largest |dsum| where dx has a dsum
+/// added), as tests/rms_norm.rs does: at n = 1 they cancel
 /// to about eps / x^2 of that size, below what f32 resolves.
 fn assert_near<T: Element + WithDType, W: Element + WithDType>(
     norm: Norm,
     p: &Problem<T, W>,
+    dsum: Option<&[T]>,
     got: &[Vec<f32>],
     reference: &[Vec<f64>],
     what: &str,
@@ -191,7 +204,11 @@ fn assert_near<T: Element + WithDType, W: Element + WithDType>(
                     .iter()
                     .zip(&reference[i])
                     .fold(0.0f64, |m, (&g, r)| m.max((g as f64 - r).abs()));
-                largest_diff / largest_rms_dx_term(p)
+                let largest_dsum = dsum
+                    .unwrap_or_default()
+                    .iter()
+                    .fold(0.0f64, |m, d| m.max(d.to_f32().abs() as f64));
+                largest_diff / largest_rms_dx_term(p).max(largest_dsum)
             }
             _ => rel_err(ArrayView1::from(&got[i]), ArrayView1::from(&reference[i])),
         };
@@ -273,7 +290,7 @@ fn check_device<T: Element + WithDType, W: Weight<T> + WithDType>(
                 T::NAME,
                 W::NAME
             );
-            assert_near(norm, &p, &got, &by_candle_ops(norm, &p), &what);
+            assert_near(norm, &p, None, &got, &by_candle_ops(norm, &p, None), &what);
             assert_bitwise(norm, &got, &by_this_crate(norm, &p, ours), &what);
         }
     }
@@ -479,6 +496,382 @@ fn cpu_empty_inputs() {
     check_empty(&candle_core::Device::Cpu);
 }
 
+/// Which of y and s the loss after a residual forward uses: sum(y * w), sum(s * v) or their
+/// sum. y's gradient is then w or zeros, and s's (dsum) v or none.
+#[derive(Clone, Copy, Debug)]
+enum Loss {
+    Y,
+    S,
+    Both,
+}
+
+const LOSSES: [Loss; 3] = [Loss::Y, Loss::S, Loss::Both];
+
+impl Norm {
+    /// What a residual run returns: y, s, then the gradients of its variables (the
+    /// residual's, which is dx, checked apart).
+    fn residual_outputs(self) -> &'static [&'static str] {
+        match self {
+            Norm::Layer => &["y", "s", "dx", "dgamma", "dbeta"],
+            Norm::Rms => &["y", "s", "dx", "dgamma"],
+        }
+    }
+}
+
+/// A residual problem: p's x, weights and w (y's weight in the loss), a residual of x's
+/// shape, and v (s's weight in the loss).
+struct ResidualProblem<T, W = T> {
+    p: Problem<T, W>,
+    residual: Vec<T>,
+    v: Vec<T>,
+}
+
+impl<T: Element + WithDType, W: Element + WithDType> ResidualProblem<T, W> {
+    fn new(shape: &[usize], seed: u64) -> ResidualProblem<T, W> {
+        let p = Problem::new(shape, seed);
+        let mut rng = Rng::new(seed ^ 0x5eed);
+        let (rows, n) = (p.x.len() / p.n(), p.n());
+        ResidualProblem {
+            residual: mixed_matrix(&mut rng, rows, n).into_iter().collect(),
+            v: random_matrix(&mut rng, rows, n).into_iter().collect(),
+            p,
+        }
+    }
+
+    /// y's gradient and s's (dsum) under `loss`.
+    fn dy_dsum(&self, loss: Loss) -> (Vec<T>, Option<&[T]>) {
+        let dy = match loss {
+            Loss::S => vec![T::from_f32(0.0); self.p.w.len()],
+            Loss::Y | Loss::Both => self.p.w.clone(),
+        };
+        let dsum = match loss {
+            Loss::Y => None,
+            Loss::S | Loss::Both => Some(self.v.as_slice()),
+        };
+        (dy, dsum)
+    }
+
+    /// s as this crate forms it: each x + residual summed in f32 and rounded once to T.
+    fn sum(&self) -> Vec<T> {
+        let x = self.p.x.iter().zip(&self.residual);
+        x.map(|(x, r)| T::from_f32(x.to_f32() + r.to_f32())).collect()
+    }
+
+    /// The plain problem of normalizing s with y's gradient `dy`: the float64 reference's.
+    fn at_sum(&self, dy: Vec<T>) -> Problem<T, W> {
+        Problem {
+            shape: self.p.shape.clone(),
+            x: self.sum(),
+            gamma: self.p.gamma.clone(),
+            beta: self.p.beta.clone(),
+            w: dy,
+        }
+    }
+}
+
+/// y, s and their loss's gradients, by the residual op of `norm` on candle tensors on
+/// `device` and candle's backward of `loss`, on the host (see [`Norm::residual_outputs`]),
+/// after checking that the residual's gradient is dx to the bit, that y and s have x's shape,
+/// and that RMSNorm gives beta none.
+fn by_candle_residual_op<T: Element + WithDType, W: Element + WithDType>(
+    norm: Norm,
+    rp: &ResidualProblem<T, W>,
+    loss: Loss,
+    device: &candle_core::Device,
+) -> Vec<Vec<f32>> {
+    let p = &rp.p;
+    let (x, gamma, beta, w) = p.tensors(device);
+    let residual = Var::from_slice(&rp.residual, p.shape.as_slice(), device).unwrap();
+    let v = Tensor::from_slice(&rp.v, p.shape.as_slice(), device).unwrap();
+    let (y, s) = match norm {
+        Norm::Layer => layer_norm_residual(
+            x.as_tensor(),
+            residual.as_tensor(),
+            gamma.as_tensor(),
+            beta.as_tensor(),
+            EPS,
+        ),
+        Norm::Rms => rms_norm_residual(x.as_tensor(), residual.as_tensor(), gamma.as_tensor(), EPS),
+    }
+    .unwrap();
+    assert_eq!((y.dims(), s.dims()), (p.shape.as_slice(), p.shape.as_slice()));
+    let term = |t: &Tensor, weight: &Tensor| (t * weight).unwrap().sum_all().unwrap();
+    let loss = match loss {
+        Loss::Y => term(&y, &w),
+        Loss::S => term(&s, &v),
+        Loss::Both => (term(&y, &w) + term(&s, &v)).unwrap(),
+    };
+    let grads = loss.backward().unwrap();
+    let grad = |v: &Var| grads.get(v.as_tensor()).expect("a gradient for every variable");
+    let (t, weights) = (x.dtype(), gamma.dtype());
+    let dx = host(grad(&x), t, "dx");
+    let dresidual = host(grad(&residual), t, "dresidual");
+    assert_eq!(bits(&dresidual), bits(&dx), "the residual's gradient is x's");
+    let mut outputs = vec![
+        host(&y, t, "y"),
+        host(&s, t, "s"),
+        dx,
+        host(grad(&gamma), weights, "dgamma"),
+    ];
+    match norm {
+        Norm::Layer => outputs.push(host(grad(&beta), weights, "dbeta")),
+        Norm::Rms => assert!(grads.get(beta.as_tensor()).is_none(), "RMSNorm has no beta"),
+    }
+    outputs
+}
+
+/// The same outputs by this crate's own `forward_residual` and `backward_residual` on
+/// `device`, with y's gradient and dsum as `loss` makes them, widened to f32.
+fn by_this_crate_residual<T: Element + WithDType, W: Weight<T> + WithDType>(
+    norm: Norm,
+    rp: &ResidualProblem<T, W>,
+    loss: Loss,
+    device: &layernorm_cuda::Device,
+) -> Vec<Vec<f32>> {
+    let p = &rp.p;
+    let up = |v: &[T]| {
+        let t = device.upload(ArrayView1::from(v)).unwrap();
+        t.view(0, &p.shape).unwrap()
+    };
+    let up_w = |v: &[W]| device.upload(ArrayView1::from(v)).unwrap();
+    let (dy, dsum) = rp.dy_dsum(loss);
+    let (x, residual, dy, dsum) = (up(&p.x), up(&rp.residual), up(&dy), dsum.map(up));
+    let (y, s, dx, weight_grads) = match norm {
+        Norm::Layer => {
+            let ln = layernorm_cuda::LayerNorm::<T, W>::new(up_w(&p.gamma), up_w(&p.beta), EPS).unwrap();
+            let (y, s, ctx) = ln.forward_residual(&x, &residual).unwrap();
+            let g = ln.backward_residual(&ctx, &dy, dsum.as_ref()).unwrap();
+            (y, s, g.dx, vec![g.dgamma.unwrap(), g.dbeta.unwrap()])
+        }
+        Norm::Rms => {
+            let rms = layernorm_cuda::RmsNorm::<T, W>::new(up_w(&p.gamma), EPS).unwrap();
+            let (y, s, ctx) = rms.forward_residual(&x, &residual).unwrap();
+            let g = rms.backward_residual(&ctx, &dy, dsum.as_ref()).unwrap();
+            (y, s, g.dx, vec![g.dgamma.unwrap()])
+        }
+    };
+    let widen = |t: layernorm_cuda::Tensor<T>| t.to_vec().unwrap().into_iter().map(T::to_f32).collect();
+    let widen_w = |t: &layernorm_cuda::Tensor<W>| t.to_vec().unwrap().into_iter().map(W::to_f32).collect();
+    let mut outputs: Vec<Vec<f32>> = vec![widen(y), widen(s), widen(dx)];
+    outputs.extend(weight_grads.iter().map(widen_w));
+    outputs
+}
+
+/// For each norm, shape and loss, x of type T and weights of W: s is x + residual rounded
+/// once, to the bit; y, dx and the weights' gradients are near the float64 reference of the
+/// norm at s (dx with dsum added where the loss has s); and every output is this crate's
+/// own residual op's: y, s and the weights' gradients to the bit, dx to the value (candle
+/// adds each gradient to zeros, which makes a -0 a +0). Where the loss has only y, the candle
+/// op's backward adds s's gradient of zeros and this crate's is given no dsum.
+fn check_residual_device<T: Element + WithDType, W: Weight<T> + WithDType>(
+    candle: &candle_core::Device,
+    ours: &layernorm_cuda::Device,
+) {
+    for norm in [Norm::Layer, Norm::Rms] {
+        for (i, shape) in SHAPES.iter().enumerate() {
+            let rp = ResidualProblem::<T, W>::new(shape, 9400 + i as u64);
+            for loss in LOSSES {
+                let what = format!(
+                    "{norm:?} residual, loss of {loss:?}, {} with {} weights {shape:?} on {candle:?}",
+                    T::NAME,
+                    W::NAME
+                );
+                let got = by_candle_residual_op(norm, &rp, loss, candle);
+                let sum: Vec<f32> = rp.sum().into_iter().map(T::to_f32).collect();
+                assert_eq!(bits(&got[1]), bits(&sum), "{what}: s");
+
+                let (dy, dsum) = rp.dy_dsum(loss);
+                let at_sum = rp.at_sum(dy);
+                let mut without_sum = got.clone();
+                without_sum.remove(1);
+                let reference = by_candle_ops(norm, &at_sum, dsum);
+                assert_near(norm, &at_sum, dsum, &without_sum, &reference, &what);
+
+                let expected = by_this_crate_residual(norm, &rp, loss, ours);
+                for (k, &name) in norm.residual_outputs().iter().enumerate() {
+                    if name == "dx" {
+                        assert_eq!(got[k], expected[k], "{what}: dx");
+                    } else {
+                        assert_eq!(bits(&got[k]), bits(&expected[k]), "{what}: {name}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Every dtype with weights of its own, and f16 and bf16 with f32 weights.
+fn check_residual_all_types(candle: &candle_core::Device, ours: &layernorm_cuda::Device) {
+    check_residual_device::<f32, f32>(candle, ours);
+    check_residual_device::<f16, f16>(candle, ours);
+    check_residual_device::<bf16, bf16>(candle, ours);
+    check_residual_device::<f16, f32>(candle, ours);
+    check_residual_device::<bf16, f32>(candle, ours);
+}
+
+#[test]
+fn cpu_residual_matches_candle_ops_and_this_crates_cpu_path() {
+    let (candle, ours) = (candle_core::Device::Cpu, layernorm_cuda::Device::cpu());
+    check_residual_all_types(&candle, &ours);
+}
+
+/// A strided residual (a transpose) and an x at an offset in its storage give the results
+/// of contiguous ones, and their gradients reach the variables they were taken from.
+fn check_residual_views(device: &candle_core::Device) {
+    let rp = ResidualProblem::<f32>::new(&[6, 77], 9500);
+    let expected = by_candle_residual_op(Norm::Layer, &rp, Loss::Both, device);
+    let what = format!("on {device:?}");
+    let (_, gamma, beta, w) = rp.p.tensors(device);
+    let v = Tensor::from_slice(&rp.v, (6, 77), device).unwrap();
+
+    // The residual^T as a variable [77, 6]; x as rows 4..10 of a variable [11, 77].
+    let residual = Tensor::from_slice(&rp.residual, (6, 77), device).unwrap();
+    let residual_t = Var::from_tensor(&residual.t().unwrap().contiguous().unwrap()).unwrap();
+    let n = rp.p.n();
+    let mut padded = vec![1000.0f32; 4 * n];
+    padded.extend(&rp.p.x);
+    padded.extend(vec![-1000.0f32; n]);
+    let big = Var::from_vec(padded, (11, n), device).unwrap();
+    let (y, s) = layer_norm_residual(
+        &big.narrow(0, 4, 6).unwrap(),
+        &residual_t.t().unwrap(),
+        gamma.as_tensor(),
+        beta.as_tensor(),
+        EPS,
+    )
+    .unwrap();
+    let loss = ((&y * &w).unwrap().sum_all().unwrap() + (&s * &v).unwrap().sum_all().unwrap()).unwrap();
+    let grads = loss.backward().unwrap();
+    let dbig = host(grads.get(big.as_tensor()).unwrap(), DType::F32, &what);
+    let dresidual_t = grads.get(residual_t.as_tensor()).unwrap().t().unwrap();
+    let rows = 4 * n..10 * n;
+    for (name, got, expected) in [
+        ("y", host(&y, DType::F32, &what), &expected[0]),
+        ("s", host(&s, DType::F32, &what), &expected[1]),
+        ("dx", dbig[rows.clone()].to_vec(), &expected[2]),
+        ("dresidual", host(&dresidual_t, DType::F32, &what), &expected[2]),
+    ] {
+        assert_eq!(bits(&got), bits(expected), "{what}: {name}");
+    }
+    assert!(
+        dbig[..rows.start]
+            .iter()
+            .chain(&dbig[rows.end..])
+            .all(|&d| d == 0.0),
+        "{what}: rows outside the view get no gradient"
+    );
+}
+
+#[test]
+fn cpu_residual_strided_and_offset_inputs() {
+    check_residual_views(&candle_core::Device::Cpu);
+}
+
+/// The layers' `forward_residual` gives the functions' bits; with a zero-centred weight
+/// w - 1, the plain layers' bits with w (y, s and the gradients of x, the residual and the
+/// weight, the loss on y and s), as [`check_zero_centered`] checks the plain forward.
+fn check_residual_layers<T: Element + WithDType, W: Element + WithDType>(device: &candle_core::Device) {
+    let rp = ResidualProblem::<T, W>::new(&[5, 96], 9600);
+    let (x, gamma, beta, w) = rp.p.tensors(device);
+    let residual = Var::from_slice(&rp.residual, (5, 96), device).unwrap();
+    let v = Tensor::from_slice(&rp.v, (5, 96), device).unwrap();
+    let centered = Var::from_tensor(&(gamma.as_tensor() - 1.0).unwrap()).unwrap();
+    let what = format!("{} x, {} weights on {device:?}", T::NAME, W::NAME);
+    let to_host = |t: &Tensor| host(t, t.dtype(), &what);
+    for norm in [Norm::Layer, Norm::Rms] {
+        let (x, r) = (x.as_tensor(), residual.as_tensor());
+        let run = |weight: &Var, zero_centered: bool| {
+            // The two layers have the same calls, but no trait in common.
+            macro_rules! forward {
+                ($layer:expr) => {{
+                    let layer = $layer.unwrap();
+                    let layer = if zero_centered {
+                        layer.with_zero_centered_weight()
+                    } else {
+                        layer
+                    };
+                    layer.forward_residual(x, r).unwrap()
+                }};
+            }
+            let weight_tensor = weight.as_tensor().clone();
+            let (y, s) = match norm {
+                Norm::Layer => forward!(LayerNorm::new(weight_tensor, beta.as_tensor().clone(), EPS)),
+                Norm::Rms => forward!(RmsNorm::new(weight_tensor, EPS)),
+            };
+            let loss =
+                ((&y * &w).unwrap().sum_all().unwrap() + (&s * &v).unwrap().sum_all().unwrap()).unwrap();
+            let grads = loss.backward().unwrap();
+            let grad = |t: &Tensor| grads.get(t).expect("a gradient").clone();
+            [y, s, grad(x), grad(r), grad(weight.as_tensor())].map(|t| to_host(&t))
+        };
+        let plain = run(&gamma, false);
+        let (y, s) = match norm {
+            Norm::Layer => layer_norm_residual(x, r, gamma.as_tensor(), beta.as_tensor(), EPS),
+            Norm::Rms => rms_norm_residual(x, r, gamma.as_tensor(), EPS),
+        }
+        .unwrap();
+        assert_eq!(bits(&plain[0]), bits(&to_host(&y)), "{norm:?} {what}: layer y");
+        assert_eq!(bits(&plain[1]), bits(&to_host(&s)), "{norm:?} {what}: layer s");
+        let zero_centered = run(&centered, true);
+        for (i, name) in ["y", "s", "dx", "dresidual", "dweight"].iter().enumerate() {
+            assert_eq!(
+                bits(&zero_centered[i]),
+                bits(&plain[i]),
+                "{norm:?} {what}: zero-centred {name}"
+            );
+        }
+    }
+}
+
+fn check_residual_layers_all(device: &candle_core::Device) {
+    check_residual_layers::<f32, f32>(device);
+    check_residual_layers::<bf16, bf16>(device);
+    check_residual_layers::<f16, f32>(device);
+}
+
+#[test]
+fn cpu_residual_layers() {
+    check_residual_layers_all(&candle_core::Device::Cpu);
+}
+
+/// M = 0: empty y, s, dx and dresidual, zero dgamma and dbeta. N = 0: all empty.
+fn check_residual_empty(device: &candle_core::Device) {
+    for (shape, n) in [((0, 5), 5), ((3, 0), 0)] {
+        // As in `check_empty`: no `ones` for empty shapes on CUDA.
+        let ones = |shape: &[usize]| (Tensor::zeros(shape, DType::F32, device).unwrap() + 1.0).unwrap();
+        let x = Var::zeros(shape, DType::F32, device).unwrap();
+        let residual = Var::zeros(shape, DType::F32, device).unwrap();
+        let gamma = Var::from_tensor(&ones(&[n])).unwrap();
+        let beta = Var::from_tensor(&ones(&[n])).unwrap();
+        let w = ones(&[shape.0, shape.1]);
+        for norm in [Norm::Layer, Norm::Rms] {
+            let what = format!("{norm:?} residual {shape:?} on {device:?}");
+            let (x, r, g) = (x.as_tensor(), residual.as_tensor(), gamma.as_tensor());
+            let (y, s) = match norm {
+                Norm::Layer => layer_norm_residual(x, r, g, beta.as_tensor(), EPS),
+                Norm::Rms => rms_norm_residual(x, r, g, EPS),
+            }
+            .unwrap();
+            let loss =
+                ((&y * &w).unwrap().sum_all().unwrap() + (&s * &w).unwrap().sum_all().unwrap()).unwrap();
+            let grads = loss.backward().unwrap();
+            let grad = |t: &Tensor| host(grads.get(t).expect("a gradient"), DType::F32, &what);
+            assert_eq!(y.dims(), &[shape.0, shape.1], "{what}");
+            assert_eq!(s.dims(), &[shape.0, shape.1], "{what}");
+            assert!(grad(x).is_empty() && grad(r).is_empty(), "{what}");
+            assert_eq!(grad(g), vec![0.0; n], "{what}: dgamma");
+            if let Norm::Layer = norm {
+                assert_eq!(grad(beta.as_tensor()), vec![0.0; n], "{what}: dbeta");
+            }
+        }
+    }
+}
+
+#[test]
+fn cpu_residual_empty_inputs() {
+    check_residual_empty(&candle_core::Device::Cpu);
+}
+
 /// candle's error inside any backtrace wrapper.
 fn bare(e: &Error) -> &Error {
     match e {
@@ -605,6 +998,89 @@ fn rms_norm_refusals_are_typed_candle_errors() {
     assert!(matches!(bare(&e), Error::UnexpectedNumberOfDims { .. }), "{e}");
 }
 
+/// The residual functions and the layers' `forward_residual` refuse a residual of another
+/// shape or dtype than x's, and what the plain functions refuse.
+#[test]
+fn residual_refusals_are_typed_candle_errors() {
+    let cpu = candle_core::Device::Cpu;
+    let t = |shape: &[usize], dtype| Tensor::zeros(shape, dtype, &cpu).unwrap();
+    let (x, w) = (t(&[2, 4], DType::F32), t(&[4], DType::F32));
+    let layer = LayerNorm::new(w.clone(), w.clone(), EPS).unwrap();
+    let rms_layer = RmsNorm::new(w.clone(), EPS).unwrap();
+    // All four forms with x and a residual; the functions with gamma, beta and eps too.
+    let all = |x: &Tensor, residual: &Tensor| {
+        [
+            layer_norm_residual(x, residual, &w, &w, EPS).map(|_| ()),
+            rms_norm_residual(x, residual, &w, EPS).map(|_| ()),
+            layer.forward_residual(x, residual).map(|_| ()),
+            rms_layer.forward_residual(x, residual).map(|_| ()),
+        ]
+    };
+
+    for shape in [&[2, 5][..], &[4, 2], &[8], &[1, 2, 4]] {
+        for result in all(&x, &t(shape, DType::F32)) {
+            let e = result.unwrap_err();
+            assert!(
+                matches!(bare(&e), Error::ShapeMismatchBinaryOp { lhs, rhs, op }
+                    if lhs.dims() == [2, 4] && rhs.dims() == shape && op.contains("residual")),
+                "{shape:?}: {e}"
+            );
+        }
+    }
+    for dtype in [DType::F16, DType::BF16, DType::F64] {
+        for result in all(&x, &t(&[2, 4], dtype)) {
+            let e = result.unwrap_err();
+            assert!(
+                matches!(bare(&e), Error::DTypeMismatchBinaryOp { lhs: DType::F32, rhs, .. } if *rhs == dtype),
+                "{dtype:?}: {e}"
+            );
+        }
+    }
+    // f32 weights beside bf16 x and residual are taken; the x of another dtype than the
+    // residual is refused, in either order.
+    let (xh, rh) = (t(&[2, 4], DType::BF16), t(&[2, 4], DType::BF16));
+    assert!(all(&xh, &rh).iter().all(Result::is_ok));
+    let e = layer_norm_residual(&xh, &x, &w, &w, EPS).unwrap_err();
+    assert!(
+        matches!(
+            bare(&e),
+            Error::DTypeMismatchBinaryOp {
+                lhs: DType::BF16,
+                rhs: DType::F32,
+                ..
+            }
+        ),
+        "{e}"
+    );
+
+    // The plain functions' refusals.
+    let e = layer_norm_residual(&x, &x, &w, &t(&[5], DType::F32), EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::UnexpectedShape { .. }), "{e}");
+    assert!(e.to_string().contains("beta"), "{e}");
+    let e = rms_norm_residual(&x, &x, &t(&[4], DType::F16), EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::DTypeMismatchBinaryOp { .. }), "{e}");
+    let (x64, r64) = (t(&[2, 4], DType::F64), t(&[2, 4], DType::F64));
+    let e = layer_norm_residual(&x64, &r64, &w, &w, EPS).unwrap_err();
+    assert!(
+        matches!(bare(&e), Error::UnsupportedDTypeForOp(DType::F64, _)),
+        "{e}"
+    );
+    let scalar = Tensor::new(1.0f32, &cpu).unwrap();
+    let e = rms_norm_residual(&scalar, &scalar, &w, EPS).unwrap_err();
+    assert!(matches!(bare(&e), Error::DimOutOfRange { .. }), "{e}");
+    for eps in [0.0, f32::NAN] {
+        for e in [
+            layer_norm_residual(&x, &x, &w, &w, eps).unwrap_err(),
+            rms_norm_residual(&x, &x, &w, eps).unwrap_err(),
+        ] {
+            assert!(
+                matches!(as_layernorm_error(&e), Some(layernorm_cuda::Error::BadEps(_))),
+                "eps {eps}: {e}"
+            );
+        }
+    }
+}
+
 /// candle's CUDA device 0 where a GPU is (the rule of `common::gpu_or_skip`), with this
 /// crate's device on it for the bitwise comparison.
 #[cfg(feature = "candle-cuda")]
@@ -652,6 +1128,42 @@ fn gpu_zero_centered_layers() {
     check_zero_centered_all(&candle);
 }
 
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn gpu_residual_matches_candle_ops_and_this_crates_kernels() {
+    let Some((candle, ours)) = candle_gpu_or_skip() else {
+        return;
+    };
+    check_residual_all_types(&candle, &ours);
+}
+
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn gpu_residual_strided_and_offset_inputs() {
+    let Some((candle, _)) = candle_gpu_or_skip() else {
+        return;
+    };
+    check_residual_views(&candle);
+}
+
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn gpu_residual_layers() {
+    let Some((candle, _)) = candle_gpu_or_skip() else {
+        return;
+    };
+    check_residual_layers_all(&candle);
+}
+
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn gpu_residual_empty_inputs() {
+    let Some((candle, _)) = candle_gpu_or_skip() else {
+        return;
+    };
+    check_residual_empty(&candle);
+}
+
 /// A CPU tensor beside a CUDA one is candle's device mismatch, not a panic.
 #[cfg(feature = "candle-cuda")]
 #[test]
@@ -665,4 +1177,11 @@ fn gpu_mixed_devices_are_refused() {
     assert!(matches!(bare(&e), Error::DeviceMismatchBinaryOp { .. }), "{e}");
     let e = rms_norm(&x, &w, EPS).unwrap_err();
     assert!(matches!(bare(&e), Error::DeviceMismatchBinaryOp { .. }), "{e}");
+    let cpu_x = Tensor::zeros((2, 4), DType::F32, &candle_core::Device::Cpu).unwrap();
+    for (x, residual) in [(&x, &cpu_x), (&cpu_x, &x)] {
+        let e = layer_norm_residual(x, residual, &w, &w, EPS).unwrap_err();
+        assert!(matches!(bare(&e), Error::DeviceMismatchBinaryOp { .. }), "{e}");
+        let e = rms_norm_residual(x, residual, &w, EPS).unwrap_err();
+        assert!(matches!(bare(&e), Error::DeviceMismatchBinaryOp { .. }), "{e}");
+    }
 }
