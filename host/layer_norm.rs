@@ -8,6 +8,7 @@
 //! device that the kernels read as if given (ones for gamma, zeros for beta); the backward
 //! then has no gradient for them to return.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::driver::{CudaView, CudaViewMut, DevicePtr};
@@ -21,6 +22,7 @@ use crate::error::{DriverContext, Error, Result};
 use crate::gpu::launch::{Backward, Forward};
 use crate::gpu::layer_norm as gpu;
 use crate::plan::Norm;
+use crate::stats::{ReturnTo, StatsPool};
 use crate::tensor::{Data, Tensor};
 
 /// The largest row count and row length: the kernels index rows and columns with u32 and
@@ -56,7 +58,15 @@ pub struct Context<T: Element, X = Tensor<T>> {
     x: X,
     mean: Tensor<f32>,
     rstd: Tensor<f32>,
+    /// Where mean and rstd go when the context drops: its op's next forward writes them.
+    pool: ReturnTo,
     element: std::marker::PhantomData<T>,
+}
+
+impl<T: Element, X> Drop for Context<T, X> {
+    fn drop(&mut self) {
+        self.pool.give_back(&self.mean, &self.rstd);
+    }
 }
 
 impl<T: Element, X> Context<T, X> {
@@ -138,6 +148,8 @@ pub struct LayerNorm<T: Element, W: Element = T> {
     norm: Norm,
     /// The type of x, y, dy and dx.
     rows: std::marker::PhantomData<fn() -> T>,
+    /// Mean and rstd tensors of dropped contexts, for the next forward (crate::stats).
+    stats: Arc<StatsPool>,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
@@ -197,6 +209,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
             mode: BackwardMode::default(),
             norm,
             rows: std::marker::PhantomData,
+            stats: Arc::default(),
         })
     }
 
@@ -469,23 +482,24 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
             x,
             mean,
             rstd,
+            pool: ReturnTo::new(&self.stats),
             element: std::marker::PhantomData,
         }
     }
 
-    /// Per-row mean and rstd tensors of `rows` for a forward to write. The kernels write
-    /// every row's statistics; those of an empty row are undefined: NaN, as 0/0 gives.
-    /// (Filling from the host would cost a copy per call.)
+    /// Per-row mean and rstd tensors of `rows` for a forward to write: a pair a dropped
+    /// context gave back ([`StatsPool`]), or new ones. The kernels write every row's
+    /// statistics; those of an empty row are undefined: NaN, as 0/0 gives. (Filling from
+    /// the host would cost a copy per call.)
     fn stats(&self, rows: usize) -> Result<(Tensor<f32>, Tensor<f32>)> {
         let dev = self.device();
-        let stats = || {
-            if self.n == 0 {
-                dev.full(&[rows], f32::NAN)
-            } else {
-                dev.empty::<f32>(&[rows])
-            }
-        };
-        Ok((stats()?, stats()?))
+        if self.n == 0 {
+            return Ok((dev.full(&[rows], f32::NAN)?, dev.full(&[rows], f32::NAN)?));
+        }
+        match self.stats.take(rows) {
+            Some(kept) => Ok(kept),
+            None => Ok((dev.empty::<f32>(&[rows])?, dev.empty::<f32>(&[rows])?)),
+        }
     }
 
     /// The forward of `[rows, n]` (both >= 1) with this op's parameters, on memory already

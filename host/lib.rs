@@ -21,7 +21,8 @@
 //!
 //! Layout: `device` (where data lives), `tensor` on it (tensors, their storage and the
 //! `Device` methods that make them), `borrowed` (shaped borrows of CUDA memory that stays
-//! the caller's), `layer_norm` (the op and its checks),
+//! the caller's), `layer_norm` (the op and its checks), `stats` (the mean and rstd tensors
+//! a forward writes, reused once their context is gone),
 //! `cpu` (the ndarray path), `plan` (which kernel and block a call takes, a pure function),
 //! `gpu` (CUDA: context, kernel launches, grid sizing), and with the `candle` feature
 //! `candle` (the op on candle tensors, with candle's autograd).
@@ -43,6 +44,7 @@ mod layer_norm;
 mod layout;
 pub mod plan;
 mod rms_norm;
+mod stats;
 mod tensor;
 
 pub use borrowed::{BorrowedTensor, BorrowedTensorMut};

@@ -322,6 +322,12 @@ impl<T: Element> Tensor<T> {
         self.offset..self.offset + self.len()
     }
 
+    /// Whether this is a whole tensor and its storage's only handle: what
+    /// [`Tensor::data_mut`] lets an op write.
+    pub(crate) fn is_sole(&self) -> bool {
+        !self.is_view() && Arc::strong_count(&self.data) == 1 && Arc::weak_count(&self.data) == 0
+    }
+
     /// The storage, for writing: only a whole tensor (not a view), and only its sole handle.
     pub(crate) fn data_mut(&mut self, what: &'static str) -> Result<&mut Data<T>> {
         if self.is_view() {

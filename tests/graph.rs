@@ -5,6 +5,7 @@
 mod common;
 
 use common::{Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec};
+use layernorm_cuda::cudarc::driver::DevicePtr;
 use layernorm_cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use layernorm_cuda::{Device, Error, Gradients, LayerNorm, Tensor};
 
@@ -63,6 +64,80 @@ fn host_grads(g: &Gradients<f32>) -> [Vec<f32>; 3] {
         host(g.dgamma.as_ref().unwrap()),
         host(g.dbeta.as_ref().unwrap()),
     ]
+}
+
+/// The device address of a tensor's elements on a GPU (storage does not move); None on the
+/// CPU, whose tensors do not show theirs.
+fn address(t: &Tensor<f32>) -> Option<u64> {
+    let stream = t.device().cuda_stream()?;
+    let view = t.cuda_view().unwrap();
+    let (ptr, _sync) = view.device_ptr(stream);
+    Some(ptr)
+}
+
+/// The statistics of a dropped context go to the op's next forward (no allocation: on a
+/// GPU the same device memory), while those of a live context, of its clone, or of a
+/// tensor taken from it, are never written again.
+#[test]
+fn statistics_of_a_dropped_context_are_reused_and_of_a_live_one_never() {
+    for device in devices() {
+        let p = Problem::new(&device, 6, 40, 7100);
+        let mut y = device.zeros(p.x1.shape()).unwrap();
+        let fresh = |x: &Tensor<f32>| {
+            let (_, ctx) = p.ln.forward(x).unwrap();
+            (host(ctx.mean()), host(ctx.rstd()))
+        };
+        let (mean1, rstd1) = fresh(&p.x1);
+        let (mean2, rstd2) = fresh(&p.x2);
+        assert_ne!(mean1, mean2, "{}: the two inputs differ", device.name());
+
+        // Dropped: the next forward writes the same memory, with its own statistics.
+        let ctx = p.ln.forward_into(&p.x1, &mut y).unwrap();
+        let at = (address(ctx.mean()), address(ctx.rstd()));
+        drop(ctx);
+        let ctx = p.ln.forward_into(&p.x2, &mut y).unwrap();
+        assert_eq!(
+            (address(ctx.mean()), address(ctx.rstd())),
+            at,
+            "{}: reused",
+            device.name()
+        );
+        assert_eq!(
+            (host(ctx.mean()), host(ctx.rstd())),
+            (mean2.clone(), rstd2.clone())
+        );
+
+        // Live, cloned or taken from: every later forward gets other memory.
+        let clone = ctx.clone();
+        let taken = ctx.mean().clone();
+        drop(ctx);
+        let live = p.ln.forward_into(&p.x1, &mut y).unwrap();
+        for _ in 0..3 {
+            let later = p.ln.forward_into(&p.x1, &mut y).unwrap();
+            if let Some(at) = address(later.mean()) {
+                assert_ne!(
+                    Some(at),
+                    address(live.mean()),
+                    "{}: a live context",
+                    device.name()
+                );
+                assert_ne!(Some(at), address(&taken), "{}: a taken mean", device.name());
+            }
+        }
+        assert_eq!(host(&taken), mean2, "{}: a taken mean", device.name());
+        assert_eq!(
+            (host(clone.mean()), host(clone.rstd())),
+            (mean2, rstd2),
+            "{}: a clone",
+            device.name()
+        );
+        assert_eq!(
+            (host(live.mean()), host(live.rstd())),
+            (mean1, rstd1),
+            "{}: a live context",
+            device.name()
+        );
+    }
 }
 
 /// The statistics and y of x2 written through x1's context equal a fresh forward of x2
