@@ -635,7 +635,12 @@ fn by_this_crate_residual<T: Element + WithDType, W: Weight<T> + WithDType>(
     };
     let up_w = |v: &[W]| device.upload(ArrayView1::from(v)).unwrap();
     let (dy, dsum) = rp.dy_dsum(loss);
-    let (x, residual, dy, dsum) = (up(&p.x), up(&rp.residual), up(&dy), dsum.map(up));
+    // Where the loss does not use s, candle hands the op zeros as its gradient, which the
+    // fused pass adds: the same pass here (without dsum the GPU may take another kernel,
+    // whose dx can differ in the last bit).
+    let zeros = vec![T::from_f32(0.0); p.x.len()];
+    let dsum = dsum.unwrap_or(&zeros);
+    let (x, residual, dy, dsum) = (up(&p.x), up(&rp.residual), up(&dy), Some(up(dsum)));
     let (y, s, dx, weight_grads) = match norm {
         Norm::Layer => {
             let ln = layernorm_cuda::LayerNorm::<T, W>::new(up_w(&p.gamma), up_w(&p.beta), EPS).unwrap();
