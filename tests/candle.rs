@@ -694,7 +694,24 @@ fn check_residual_device<T: Element + WithDType, W: Weight<T> + WithDType>(
 
                 let expected = by_this_crate_residual(norm, &rp, loss, ours);
                 for (k, &name) in norm.residual_outputs().iter().enumerate() {
-                    if name == "dx" {
+                    if name != "s" && ours.cuda_stream().is_some() {
+                        // The op's y and s, and its dy and dsum, are the two halves of one
+                        // buffer, the second aligned otherwise than a tensor of its own
+                        // (n = 7: 28-byte rows): the GPU may then take the kernels for
+                        // unaligned rows, whose sums round in another order: the dtype's
+                        // tolerance, as against the reference. s is exact.
+                        let bound = match name {
+                            "dgamma" | "dbeta" => tolerance::<W>(),
+                            _ => tolerance::<T>(),
+                        };
+                        for (j, (&a, &b)) in got[k].iter().zip(&expected[k]).enumerate() {
+                            let diff = (a as f64 - b as f64).abs();
+                            assert!(
+                                diff <= bound * (b as f64).abs().max(1.0),
+                                "{what}: {name}[{j}] {a} against {b}"
+                            );
+                        }
+                    } else if name == "dx" {
                         assert_eq!(got[k], expected[k], "{what}: dx");
                     } else {
                         assert_eq!(bits(&got[k]), bits(&expected[k]), "{what}: {name}");
