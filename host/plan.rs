@@ -9,7 +9,8 @@
 //! - Forward: rows all of aligned packs that fit 4 packs a thread take the pipelined kernel
 //!   (two rows in flight a team); the others the general one, which holds rows of up to 8
 //!   packs a thread and stages longer aligned rows in shared memory where it has room. With
-//!   a residual add, the residual kernel of the team (the general one's rows, no staging).
+//!   a residual add, the residual kernels, chosen by the same rules (staging takes room for
+//!   the residual's packs too).
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
@@ -17,11 +18,12 @@
 //!   aligned packs that fit take the held kernel (block teams stacked along y, as many as
 //!   the thread limit and shared memory allow); the rest the owned kernel, summing in shared
 //!   memory where it fits.
-//! - Backward with a residual's dsum: as above, without clusters.
+//! - Backward with a residual's dsum: as above, the clusters general only (the held cluster
+//!   kernels take no dsum).
 
 pub use crate::layout::registry::{Arch, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
-    BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PART_HELD, PIPE_HELD, SCRATCH_BYTES,
+    BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PIPE_HELD, SCRATCH_BYTES,
 };
 
 use crate::element::{Element, Weight};
@@ -54,14 +56,13 @@ impl DeviceLimits {
 pub enum Pass {
     Forward,
     /// The forward with a residual add (s = x + residual normalized): its own kernels, which
-    /// form s before each row and then take it as the general forward does, without
-    /// staging in shared memory.
+    /// form s as each row is loaded and then take it as the plain forward takes x.
     ForwardResidual,
     /// Backward stage 1, in either mode: each block sums its rows' partials, then writes
     /// them as its partial row (deterministic) or adds them into a spinlocked group (locked).
     Backward,
-    /// As `Backward`, with the gradient reaching a residual forward's s added to dx: never
-    /// over clusters, whose kernels take none (long rows take the owned kernel).
+    /// As `Backward`, with the gradient reaching a residual forward's s added to dx: the held
+    /// cluster kernels take none, so rows that need a cluster take the general one.
     BackwardResidual,
 }
 
@@ -178,46 +179,59 @@ impl<T: Element> Planner<T> {
     }
 
     fn forward(&self) -> Plan {
-        // Four packs per thread, up to eight where the block is capped: rows to 8 packs per
-        // thread stay in registers.
-        let general = self.team_plan(Variant::FwdWarp, Variant::FwdBlock);
-        let ranks = if warp_rows(self.n) { 32 } else { general.threads };
-        let pipelined = if warp_rows(self.n) {
-            Variant::FwdPipelinedWarp
-        } else {
-            Variant::FwdPipelinedBlock
-        };
-        // Rows that are all aligned whole packs, 4 a thread at most, take the pipelined kernel.
-        if self.aligned
-            && self.fits(self.n, ranks, PIPE_HELD)
-            && general.threads <= self.max_threads(pipelined)
+        self.forward_of(
+            (Variant::FwdWarp, Variant::FwdBlock),
+            (Variant::FwdPipelinedWarp, Variant::FwdPipelinedBlock),
+            1,
+        )
+    }
+
+    /// The residual add's kernels, chosen as the plain forward's: their staging takes room
+    /// for the residual's packs beside x's.
+    fn forward_residual(&self) -> Plan {
+        self.forward_of(
+            (Variant::FwdResidualWarp, Variant::FwdResidualBlock),
+            (
+                Variant::FwdResidualPipelinedWarp,
+                Variant::FwdResidualPipelinedBlock,
+            ),
+            2,
+        )
+    }
+
+    /// A forward among its (warp, block) `general` kernels and its `pipelined` ones: rows
+    /// that are all aligned whole packs, 4 a thread at most, take the pipelined kernel; the
+    /// others the general one at four packs a thread, up to eight where the block is capped
+    /// (rows to 8 packs a thread stay in registers), with room to stage rows too long to
+    /// hold where the device has it: their packs past `PART_HELD` a rank, in `copies`
+    /// areas. Rows it cannot stage whole stream, with the scratch only.
+    fn forward_of(&self, general: (Variant, Variant), pipelined: (Variant, Variant), copies: u32) -> Plan {
+        let plan = self.team_plan(general.0, general.1);
+        let warp = warp_rows(self.n);
+        let ranks = if warp { 32 } else { plan.threads };
+        let pipelined = if warp { pipelined.0 } else { pipelined.1 };
+        if self.aligned && self.fits(self.n, ranks, PIPE_HELD) && plan.threads <= self.max_threads(pipelined)
         {
             return Plan {
                 variant: pipelined,
-                ..general
+                ..plan
             };
         }
-        // Rows too long to hold: room to stage their packs past `PART_HELD` a rank, where the
-        // device has it; rows it cannot stage whole stream, with the scratch only.
-        let staged =
-            SCRATCH_BYTES + (self.n / pack_len::<T>()).saturating_sub(PART_HELD * general.threads) * 16;
-        let holds = warp_rows(self.n) || self.fits(self.n, ranks, FWD_HELD);
+        let staged = crate::layout::staged_smem(self.n / pack_len::<T>(), plan.threads, copies);
+        let holds = warp || self.fits(self.n, ranks, FWD_HELD);
         Plan {
             smem: if !holds && staged <= self.limits.max_smem {
                 staged
             } else {
                 SCRATCH_BYTES
             },
-            ..general
+            ..plan
         }
     }
 
-    fn forward_residual(&self) -> Plan {
-        self.team_plan(Variant::FwdResidualWarp, Variant::FwdResidualBlock)
-    }
-
-    fn backward(&self, clusters: bool) -> Result<Plan> {
-        if let Some(plan) = self.cluster().filter(|_| clusters) {
+    /// Stage 1's plan; `held_clusters`: the held cluster kernels may take it (not with dsum).
+    fn backward(&self, held_clusters: bool) -> Result<Plan> {
+        if let Some(plan) = self.cluster(held_clusters) {
             return Ok(plan);
         }
         if let Some(plan) = self.held() {
@@ -247,9 +261,9 @@ impl<T: Element> Planner<T> {
     /// The cluster kernels, where they should run: on sm_90, for block-team rows that one
     /// block cannot hold in registers (4 packs a thread) or cannot sum in shared memory (8n
     /// bytes), as long as an eighth of the row fits. Slices held in registers where every row
-    /// is aligned packs, over the fewest blocks whose slices fit: fewer blocks wait at each
-    /// row's cluster barrier.
-    fn cluster(&self) -> Option<Plan> {
+    /// is aligned packs (and `held`), over the fewest blocks whose slices fit: fewer blocks
+    /// wait at each row's cluster barrier.
+    fn cluster(&self, held: bool) -> Option<Plan> {
         let n = self.n;
         if self.limits.arch != Arch::Sm90 || warp_rows(n) {
             return None;
@@ -261,7 +275,7 @@ impl<T: Element> Planner<T> {
         if one_block || !self.smem_fits(general_smem) {
             return None;
         }
-        let held = HELD_CLUSTER_SIZES.iter().find_map(|&size| {
+        let held = HELD_CLUSTER_SIZES.iter().filter(|_| held).find_map(|&size| {
             let variant = Variant::cluster_held(size)?;
             let slice = crate::layout::slice_width(n, pack_len::<T>(), size);
             let threads = self.block_threads(variant, slice, 4);

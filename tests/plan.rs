@@ -128,6 +128,23 @@ fn known_choices() {
         !p.local,
         "f32 rows of 65536 do not fit an A100 block's shared memory"
     );
+    let p = plan::<f16, f16>(1024, Pass::ForwardResidual, true, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdResidualPipelinedWarp);
+    // 2048 packs at 4 a thread on 512 threads: pipelined, as the plain forward.
+    let p = plan::<f32, f32>(8192, Pass::ForwardResidual, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdResidualPipelinedBlock, 512));
+    // 8192 packs on 512 threads: 4 a thread held, the other 6144 staged twice (x's and the
+    // residual's) after the 512-byte scratch.
+    let p = plan::<f32, f32>(32768, Pass::ForwardResidual, true, h).unwrap();
+    assert_eq!(
+        (p.variant, p.threads, p.smem),
+        (Variant::FwdResidualBlock, 512, 512 + 2 * 6144 * 16)
+    );
+    // With dsum, long rows take the general cluster kernel: the held ones take no dsum.
+    let p = plan::<f16, f16>(32768, Pass::Backward, true, h).unwrap();
+    assert_eq!(p.variant, Variant::BwdCluster2Held);
+    let p = plan::<f16, f16>(32768, Pass::BackwardResidual, true, h).unwrap();
+    assert_eq!(p.variant, Variant::BwdCluster8);
     assert_eq!(DeviceLimits::H100.arch, Arch::Sm90);
 }
 

@@ -213,6 +213,26 @@ against_reference! {
     bf16_f32: bf16, f32;
 }
 
+/// Rows longer than the shapes above reach, on the GPU, every way the residual forward's
+/// block kernels take a row (kernels-gpu/src/forward.rs): s held in registers (f32 n =
+/// 12288 and bf16 24576 on 512 threads: 6 packs a rank), staged in shared memory (f32
+/// 32768 and f16 65536: 16 packs a rank, 4 held), streamed (f32 65536: too long to stage),
+/// and one row of odd length each held and staged, whose last elements follow one by one.
+/// Their backward, with a dsum and without, reaches the general cluster kernel on sm_90
+/// (f32 n >= 32768, f16 65536), which takes the dsum the held cluster kernels do not.
+#[test]
+fn gpu_residual_long_rows_match_the_reference() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    // Odd seeds run without a dsum, even ones with (`check`).
+    for (norm, seed) in [(Norm::Layer, 1000), (Norm::Rms, 1001)] {
+        for (rows, n) in [(2, 12288), (1, 12289), (2, 32768), (1, 32771), (2, 65536)] {
+            check::<f32, f32>(&gpu, norm, BackwardMode::Deterministic, rows, n, seed + n as u64);
+        }
+        check::<f16, f16>(&gpu, norm, BackwardMode::Locked { groups: None }, 2, 65536, seed);
+        check::<bf16, bf16>(&gpu, norm, BackwardMode::Deterministic, 2, 24576, seed + 1);
+    }
+}
+
 /// CPU and GPU agree on s to the bit (the same f32 sum, rounded once), and the GPU's y is
 /// the CPU's within the dtype's rounding.
 #[test]

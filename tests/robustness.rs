@@ -414,6 +414,12 @@ fn rows_near_the_f32_limit_normalize_as_in_f64() {
         );
         let ln = op(device, &gamma, &beta);
         let (y, ctx) = ln.forward(&device.upload(x.view()).unwrap()).unwrap();
+        // The residual forward's kernels take such rows as well: with a residual of zeros,
+        // s is x and y the same as the plain forward's.
+        let zeros = device.zeros::<T>(&[rows, n]).unwrap();
+        let (y_residual, s, _) = ln
+            .forward_residual(&device.upload(x.view()).unwrap(), &zeros)
+            .unwrap();
         let grads = ln.backward(&ctx, &device.upload(dy.view()).unwrap()).unwrap();
         let (xf, gf, bf) = (to_f64(x.view()), to_f64(gamma.view()), to_f64(beta.view()));
         let (ry, rmean, rrstd) = reference::forward(xf.view(), gf.view(), bf.view(), 1e-5f32 as f64);
@@ -421,8 +427,17 @@ fn rows_near_the_f32_limit_normalize_as_in_f64() {
             reference::backward(xf.view(), to_f64(dy.view()).view(), gf.view(), 1e-5f32 as f64);
         let what = format!("{} {} n = {n}", device.name(), T::NAME);
         let tol = tolerance::<T>();
+        let s = s.to_array2().unwrap();
+        assert!(
+            s.iter().zip(&x).all(|(s, x)| s.to_f32() == x.to_f32()),
+            "{what}: s = x + 0"
+        );
         let errs = [
             ("y", rel_err(y.to_array2().unwrap().view(), ry.view())),
+            (
+                "y of x + 0",
+                rel_err(y_residual.to_array2().unwrap().view(), ry.view()),
+            ),
             (
                 "mean",
                 rel_err(ctx.mean().to_array1().unwrap().view(), rmean.view()),
@@ -455,8 +470,9 @@ fn rows_near_the_f32_limit_normalize_as_in_f64() {
         assert!(dx.iter().all(|v| v.to_f32().is_finite()), "{what}: dx not finite");
     }
     for device in devices() {
-        // One element at a time (odd n), warp rows, held block rows, streamed block rows.
-        for n in [7, 1024, 4096, 40000] {
+        // One element at a time (odd n), warp rows, held block rows, streamed block rows;
+        // for the residual forward also rows it holds (12288) and stages (bf16 40000).
+        for n in [7, 1024, 4096, 12288, 40000] {
             check::<f32>(&device, n);
             check::<bf16>(&device, n);
         }

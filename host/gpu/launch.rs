@@ -425,7 +425,7 @@ pub(crate) fn backward_cluster<T: Element, W: Weight<T>>(
     sums: Sums<'_, '_>,
 ) -> Result<()> {
     a.check();
-    require(a.dsum.is_none(), "cluster kernels take no dsum");
+    require(!held || a.dsum.is_none(), "held cluster kernels take no dsum");
     require(launch.blocks.is_multiple_of(size), "whole clusters");
     sums.check(launch.blocks / size, size, a.n, false);
     let k = gpu.kernels.of_norm::<T, W>(a.norm)?;

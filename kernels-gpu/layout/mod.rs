@@ -31,6 +31,15 @@ pub const PIPE_HELD: u32 = 4;
 /// registers.)
 pub const PART_HELD: u32 = 4;
 
+/// Dynamic shared memory of a forward block team that stages an aligned row of `packs`
+/// whole packs past the `PART_HELD` a rank of its `threads` hold: its scratch, then
+/// `copies` areas of one 16-byte slot per staged pack (x's; and the residual's, for the
+/// residual forward, which forms s over x's copy).
+#[inline(always)]
+pub const fn staged_smem(packs: u32, threads: u32, copies: u32) -> u32 {
+    SCRATCH_BYTES + copies * packs.saturating_sub(PART_HELD * threads) * PACK_BYTES
+}
+
 /// Packs of x and of dy each rank of the backward holds: 2 * 4 packs = 32 registers.
 pub const BWD_HELD: u32 = 4;
 

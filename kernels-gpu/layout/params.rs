@@ -163,7 +163,9 @@ pub const fn param_bytes(variant: Variant) -> &'static [usize] {
         | Variant::FwdPipelinedWarp
         | Variant::FwdPipelinedBlock
         | Variant::FwdResidualWarp
-        | Variant::FwdResidualBlock => &[size_of::<Forward<f32, f32>>()],
+        | Variant::FwdResidualBlock
+        | Variant::FwdResidualPipelinedWarp
+        | Variant::FwdResidualPipelinedBlock => &[size_of::<Forward<f32, f32>>()],
         Variant::BwdOwnedWarp | Variant::BwdOwnedBlock => &[ROWS, size_of::<Partials>(), size_of::<u32>()],
         Variant::BwdHeldWarp
         | Variant::BwdHeldBlock

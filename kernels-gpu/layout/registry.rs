@@ -218,6 +218,9 @@ pub enum Variant {
     /// Forward of s = x + residual (the pre-norm residual add), which it also writes.
     FwdResidualWarp,
     FwdResidualBlock,
+    /// The same for rows all of aligned packs that fit 4 a rank: two rows in flight a team.
+    FwdResidualPipelinedWarp,
+    FwdResidualPipelinedBlock,
     /// Backward stage 1, owned (deterministic) mode, rows streamed or held.
     BwdOwnedWarp,
     BwdOwnedBlock,
@@ -236,13 +239,15 @@ pub enum Variant {
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 15] = [
+    pub const ALL: [Variant; 17] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
         Variant::FwdPipelinedBlock,
         Variant::FwdResidualWarp,
         Variant::FwdResidualBlock,
+        Variant::FwdResidualPipelinedWarp,
+        Variant::FwdResidualPipelinedBlock,
         Variant::BwdOwnedWarp,
         Variant::BwdOwnedBlock,
         Variant::BwdHeldWarp,
@@ -263,6 +268,8 @@ impl Variant {
             Variant::FwdPipelinedBlock => "fwd_pipelined_block",
             Variant::FwdResidualWarp => "fwd_residual_warp",
             Variant::FwdResidualBlock => "fwd_residual_block",
+            Variant::FwdResidualPipelinedWarp => "fwd_residual_pipelined_warp",
+            Variant::FwdResidualPipelinedBlock => "fwd_residual_pipelined_block",
             Variant::BwdOwnedWarp => "bwd_owned_warp",
             Variant::BwdOwnedBlock => "bwd_owned_block",
             Variant::BwdHeldWarp => "bwd_held_warp",
@@ -289,7 +296,13 @@ impl Variant {
     /// (`.minnctapersm 1`): without it, ptxas held the residual forward to 64 registers
     /// whatever its `.maxntid` allowed, and spilled.
     pub const fn one_block_per_sm(self) -> bool {
-        matches!(self, Variant::FwdResidualWarp | Variant::FwdResidualBlock)
+        matches!(
+            self,
+            Variant::FwdResidualWarp
+                | Variant::FwdResidualBlock
+                | Variant::FwdResidualPipelinedWarp
+                | Variant::FwdResidualPipelinedBlock
+        )
     }
 
     /// Whether only the sm_90 module has the kernel (clusters exist from sm_90 on).
@@ -306,7 +319,13 @@ impl Variant {
             (Variant::FwdBlock, _) if f32_weights_of_halves => 768,
             (Variant::FwdWarp | Variant::FwdBlock | Variant::BwdReduce, _) => 1024,
             (Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock, _) => 1024,
-            (Variant::FwdResidualWarp | Variant::FwdResidualBlock, _) => 512,
+            (
+                Variant::FwdResidualWarp
+                | Variant::FwdResidualBlock
+                | Variant::FwdResidualPipelinedWarp
+                | Variant::FwdResidualPipelinedBlock,
+                _,
+            ) => 512,
             (Variant::BwdOwnedWarp, _) => 512,
             (Variant::BwdOwnedBlock, _) => 512,
             (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm80) => 384,
@@ -329,6 +348,7 @@ impl Variant {
             Variant::FwdWarp
                 | Variant::FwdPipelinedWarp
                 | Variant::FwdResidualWarp
+                | Variant::FwdResidualPipelinedWarp
                 | Variant::BwdOwnedWarp
                 | Variant::BwdHeldWarp
         )

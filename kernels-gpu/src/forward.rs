@@ -27,9 +27,13 @@
 //! (host/gpu/layer_norm.rs) picks per launch:
 //! - the team: a warp per row for n <= 1024, a block per row beyond (about 4 packs a
 //!   thread);
-//! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for every launch with a
-//!   residual: each row summed into s first, then s as `warp` and `block` take rows (below),
-//!   without staging;
+//! - `residual_pipelined_warp`, `residual_pipelined_block`
+//!   ([`forward_rows_residual_pipelined`]) for launches with a residual whose rows all fit
+//!   as the pipelined ones (below) do: s = x + residual formed in registers as each row
+//!   comes up, written out, and normalized from there;
+//! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
+//!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
+//!   take rows (below), s held or staged where x would be;
 //! - `pipelined_warp`, `pipelined_block` ([`forward_rows_pipelined`]) where every row is
 //!   whole aligned 16-byte packs that fit 4 a rank: x held in registers, and the team's next
 //!   row loaded right after this row's first sum, so that each team has two rows in flight;
@@ -57,7 +61,7 @@ use crate::device::{fma, sqrt_rn};
 use crate::element::{Element, Pack, for_each_weight_pack, is_pack_aligned, read, read_cached, write};
 use crate::layout::params::Forward;
 use crate::row::{FWD_HELD, Held, Staged, fits, for_each_chunk, values};
-use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Warp};
+use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
 
 /// Packs per rank a block team holds in registers of a row too long to hold whole; the
@@ -217,19 +221,35 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
     }
 }
 
-/// As [`forward_rows`], each row first summed with its residual into s ([`add_residual`]),
-/// and s normalized. A loop and kernels of its own: the residual's two more row pointers
-/// do not fit beside the plain loop in its 64 registers (the plain kernels spill even when
-/// this loop is only compiled in beside theirs behind a branch).
+/// As [`forward_rows`], the row normalized being
+///   s_j = x_j + residual_j   (in f32, rounded once to `T`)
+/// which the kernel writes to `sum` as it forms it (the next block's residual, and the
+/// backward's x). Each rank forms s in the packs it later reads, and keeps what it can:
+/// - held: rows that fit `FWD_HELD` packs a rank. x's and the residual's packs are loaded
+///   together, and s is formed, stored and normalized from registers ([`store_sum`]);
+/// - staged (block teams): aligned rows too long to hold, where the host gave the launch
+///   shared memory for two copies of the rest (`layout::staged_smem`). `PART_HELD` packs a
+///   rank are held, x's and the residual's other packs copied into shared memory together,
+///   and s formed over x's copy ([`Staged::sum_into`]);
+/// - streamed: the rest. s is formed a few packs at a time ([`add_residual`]), then
+///   normalized as [`forward_rows`] streams a row: read back from L2, only what this rank
+///   wrote, so no barrier.
+///
+/// A loop and kernels of their own: the residual's two more row pointers do not fit beside
+/// the plain loop in its 64 registers. The plain kernels spill even when this loop is only
+/// compiled in beside theirs, behind a branch.
 ///
 /// # Safety
-/// As for [`forward_rows`]; `p.residual` and `p.sum` hold `rows * n` elements.
+/// As for [`forward_rows`]; `p.residual` and `p.sum` hold `rows * n` elements; a block
+/// team's shared memory past the scratch is its own.
 #[inline(always)]
 unsafe fn forward_rows_residual<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     p: Forward<T, W>,
 ) {
     let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
+    let (x_staged, residual_staged) = Staged::<PART_HELD>::halves_after(SCRATCH_BYTES);
+    let packs = n / T::PACK as u32;
     let mut row = S::id();
     while row < rows {
         let offset = row as usize * n as usize;
@@ -245,26 +265,40 @@ unsafe fn forward_rows_residual<T: Element, W: Element, S: StatsTeam, const CENT
             && is_pack_aligned(affine.beta)
             && is_pack_aligned(residual_row)
             && is_pack_aligned(sum_row);
-        // SAFETY: residual and sum hold the row too; `packed` was checked for both.
-        unsafe {
-            if packed {
-                add_residual::<T, S, true>(x_row, residual_row, sum_row, n)
-            } else {
-                add_residual::<T, S, false>(x_row, residual_row, sum_row, n)
-            }
-        }
-        // From here on, the row is s.
-        let x_row = sum_row.cast_const();
-        // SAFETY: as above; `packed` was checked for every pointer the packed path reads.
-        // No staged path: its copies would read s right behind this rank's stores of it, so
-        // rows too long to hold stream (s from L2) instead.
+        // From the stores on, the row normalized is s: each path below reads back, from
+        // registers, shared memory or L2, only what this rank itself wrote.
+        let s_row = sum_row.cast_const();
+        // SAFETY: residual and sum hold the row too; `packed` was checked for every pointer
+        // the packed paths read or write, and `fits` or `holds` for the held and staged.
         let norm = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
-                forward_row::<T, W, S, CENTERED, true, FWD_HELD>(x_row, affine, y_row, n, eps)
+                let held = store_sum::<T, S, FWD_HELD>(
+                    Held::load::<T, S>(x_row, packs),
+                    Held::load::<T, S>(residual_row, packs),
+                    sum_row,
+                    packs,
+                );
+                add_residual_elements::<T, S>(x_row, residual_row, sum_row, packs * T::PACK as u32, n);
+                normalize_row::<T, W, S, CENTERED, true, FWD_HELD>(&held, s_row, affine, y_row, n, eps)
+            } else if packed && S::HOLDS_PART_OF_LONG_ROWS && x_staged.holds::<T, S>(n) {
+                // Every load of the row in flight at once: the held packs' and both copies.
+                let (xs, rs) = (
+                    Held::<PART_HELD>::load::<T, S>(x_row, packs),
+                    Held::<PART_HELD>::load::<T, S>(residual_row, packs),
+                );
+                x_staged.fill_async::<T, S>(x_row, n);
+                residual_staged.fill_async::<T, S>(residual_row, n);
+                let held = store_sum::<T, S, PART_HELD>(xs, rs, sum_row, packs);
+                crate::device::cp_async_wait_all();
+                x_staged.sum_into::<T, S>(residual_staged, sum_row, n);
+                add_residual_elements::<T, S>(x_row, residual_row, sum_row, packs * T::PACK as u32, n);
+                normalize_staged::<T, W, S, CENTERED>(&held, s_row, affine, y_row, n, eps, x_staged)
             } else if packed {
-                forward_row::<T, W, S, CENTERED, true, 0>(x_row, affine, y_row, n, eps)
+                add_residual::<T, S, true>(x_row, residual_row, sum_row, n);
+                forward_row::<T, W, S, CENTERED, true, 0>(s_row, affine, y_row, n, eps)
             } else {
-                forward_row::<T, W, S, CENTERED, false, 0>(x_row, affine, y_row, n, eps)
+                add_residual::<T, S, false>(x_row, residual_row, sum_row, n);
+                forward_row::<T, W, S, CENTERED, false, 0>(s_row, affine, y_row, n, eps)
             }
         };
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
@@ -275,7 +309,7 @@ unsafe fn forward_rows_residual<T: Element, W: Element, S: StatsTeam, const CENT
                 if packed {
                     S::sync();
                 }
-                forward_row_huge::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps)
+                forward_row_huge::<T, W, S, CENTERED>(s_row, affine, y_row, n, eps)
             });
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
@@ -283,10 +317,31 @@ unsafe fn forward_rows_residual<T: Element, W: Element, S: StatsTeam, const CENT
     }
 }
 
+/// The residual add of this rank's held packs of a row (`xs` and `rs`, x's and the
+/// residual's, loaded together so that all their loads are in flight at once): s formed
+/// ([`Held::sum`]), written to `sum` and returned, so that the row is normalized from
+/// registers rather than read back.
+///
+/// # Safety
+/// `sum` is 16-byte aligned and holds `packs` whole packs, the ones `xs` and `rs` hold
+/// this rank's of.
+#[inline(always)]
+unsafe fn store_sum<T: Element, S: Team, const K: usize>(
+    xs: Held<K>,
+    rs: Held<K>,
+    sum: *mut T,
+    packs: u32,
+) -> Held<K> {
+    let s = xs.sum::<T>(&rs);
+    // SAFETY: the caller's guarantee.
+    unsafe { s.store::<T, S>(sum, packs) };
+    s
+}
+
 /// Packs of x and of the residual each rank has in flight at once as it forms s.
 const SUM_BATCH: usize = 2;
 
-/// The residual add of one row, before its normalization:
+/// The residual add of one streamed row, before its normalization:
 ///   s_j = x_j + residual_j   (in f32, rounded once to `T`)
 /// written to `sum` in this rank's own chunks, the ones `for_each_chunk::<T, S, PACKED, _>`
 /// gives it: every later pass of this rank over s reads only what it wrote itself, so the
@@ -316,38 +371,39 @@ unsafe fn add_residual<T: Element, S: StatsTeam, const PACKED: bool>(
                 Held::<SUM_BATCH>::load::<T, S>(residual.add(at), left),
             )
         };
-        for c in 0..SUM_BATCH {
-            // Held slot c is pack rank + c * size past `first`, as for_each_chunk walks them.
-            let p = S::rank() + c as u32 * S::size();
-            if p < left {
-                let j = (first + p) * T::PACK as u32;
-                // SAFETY: pack `first + p` is a whole aligned pack of the row.
-                unsafe { write_sum(sum, j, T::PACK, xs.pack::<T>(c), rs.pack::<T>(c)) };
-            }
-        }
+        // SAFETY: as above: `left` whole packs from `at` on (held slot c is pack
+        // rank + c * size past `first`, as for_each_chunk walks them).
+        unsafe { store_sum::<T, S, SUM_BATCH>(xs, rs, sum.add(at), left) };
         first += SUM_BATCH as u32 * S::size();
     }
-    // The elements after the last whole pack (all of them without PACKED), one by one.
-    let mut j = packs * T::PACK as u32 + S::rank();
-    while j < n {
-        // SAFETY: j < n.
-        unsafe { write_sum(sum, j, 1, read(x, j, 1), read(residual, j, 1)) };
-        j += S::size();
-    }
+    // SAFETY: the caller's guarantee.
+    unsafe { add_residual_elements::<T, S>(x, residual, sum, packs * T::PACK as u32, n) };
 }
 
-/// s = x + residual of chunk (`j`, `len`) of a row, from its values.
+/// The residual add of elements `from..n` of a row, one at a time, element `from + i` by
+/// rank `i mod size`: as `for_each_chunk` hands out the elements after a row's whole packs
+/// (`from` the first of them), or every element of an unaligned row (`from` 0).
 ///
 /// # Safety
-/// The chunk lies inside the row; a whole pack is 16-byte aligned in `sum`.
+/// x, residual and sum hold the `n`-element row.
 #[inline(always)]
-unsafe fn write_sum<T: Element>(sum: *mut T, j: u32, len: usize, xv: Pack, rv: Pack) {
-    let mut s = xv;
-    for k in 0..len {
-        s[k] = xv[k] + rv[k];
+unsafe fn add_residual_elements<T: Element, S: Team>(
+    x: *const T,
+    residual: *const T,
+    sum: *mut T,
+    from: u32,
+    n: u32,
+) {
+    let mut j = from + S::rank();
+    while j < n {
+        // SAFETY: j < n.
+        unsafe {
+            let mut s = read(x, j, 1);
+            s[0] += read(residual, j, 1)[0];
+            write(sum, j, 1, &s);
+        }
+        j += S::size();
     }
-    // SAFETY: the caller's guarantee.
-    unsafe { write(sum, j, len, &s) };
 }
 
 /// One row, holding `HELD` packs per rank in registers: writes y and returns the row's
@@ -374,17 +430,42 @@ unsafe fn forward_row<
 ) -> Option<RowNorm> {
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let held = unsafe { Held::<HELD>::load::<T, S>(x, if PACKED { n / T::PACK as u32 } else { 0 }) };
+    // SAFETY: `held` holds the row's first packs; the rest as for this function.
+    unsafe { normalize_row::<T, W, S, CENTERED, PACKED, HELD>(&held, x, affine, y, n, eps) }
+}
 
+/// [`forward_row`] past its loads: the statistics and y of the row at `x`, whose first
+/// packs (this rank's) `held` holds.
+///
+/// # Safety
+/// As for [`forward_row`]; `held` holds this rank's packs of the row at `x`, which this
+/// rank reads where not held (the row this rank wrote, or one no thread writes).
+#[inline(always)]
+unsafe fn normalize_row<
+    T: Element,
+    W: Element,
+    S: StatsTeam,
+    const CENTERED: bool,
+    const PACKED: bool,
+    const HELD: usize,
+>(
+    held: &Held<HELD>,
+    x: *const T,
+    affine: Affine<W>,
+    y: *mut T,
+    n: u32,
+    eps: f32,
+) -> Option<RowNorm> {
     // Pass 1: statistics, with every subtraction between numbers of the row's own scale.
     let (mean, m2) = if HELD > 0 {
         // Held rows: exactly two passes over registers, plain sums (no divisions in the
         // reductions): mean = sum x / n, then M2 = sum (x - mean)^2.
         // SAFETY: held rows are packed and fit.
-        let mean = S::sum2(unsafe { rank_sum::<T, S, PACKED, HELD>(&held, x, n) }, 0.0).0 / n as f32;
+        let mean = S::sum2(unsafe { rank_sum::<T, S, PACKED, HELD>(held, x, n) }, 0.0).0 / n as f32;
         // SAFETY: as above.
         (
             mean,
-            S::sum2(unsafe { rank_m2::<T, S, PACKED, HELD>(&held, x, n, mean) }, 0.0).0,
+            S::sum2(unsafe { rank_m2::<T, S, PACKED, HELD>(held, x, n, mean) }, 0.0).0,
         )
     } else {
         // Streamed rows: one pass over memory. Each pack's own (mean, M2) is exact in
@@ -392,7 +473,7 @@ unsafe fn forward_row<
         let mut stats = Stats::EMPTY;
         for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
             // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-            let v = unsafe { values(&held, x, j, len, slot) };
+            let v = unsafe { values(held, x, j, len, slot) };
             stats = stats.merge(Stats::of(&v[..len]));
         });
         let stats = S::reduce_stats(stats);
@@ -403,7 +484,7 @@ unsafe fn forward_row<
         RowNorm::of(mean, m2, n, eps)?
     };
     // SAFETY: as for this function.
-    unsafe { write_y::<T, W, S, PACKED, HELD>(&held, x, affine, y, n, norm) };
+    unsafe { write_y::<T, W, S, PACKED, HELD>(held, x, affine, y, n, norm) };
     Some(norm)
 }
 
@@ -474,12 +555,32 @@ unsafe fn forward_row_staged<T: Element, W: Element, S: StatsTeam, const CENTERE
         held
     };
     // SAFETY: as above; this rank filled the staging with this row.
-    let mut sum = unsafe { rank_sum::<T, S, true, PART_HELD>(&held, x, n) };
+    unsafe { normalize_staged::<T, W, S, CENTERED>(&held, x, affine, y, n, eps, staged) }
+}
+
+/// [`forward_row_staged`] past its loads: the statistics and y of the row at `x`, whose
+/// packs `held` holds (this rank's first `PART_HELD`) and `staged` the rest of this rank's.
+///
+/// # Safety
+/// As for [`forward_row_staged`]; this rank filled `held` and `staged` with the row at `x`,
+/// whose tail elements it reads there (the row this rank wrote, or one no thread writes).
+#[inline(always)]
+unsafe fn normalize_staged<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+    held: &Held<PART_HELD>,
+    x: *const T,
+    affine: Affine<W>,
+    y: *mut T,
+    n: u32,
+    eps: f32,
+    staged: Staged<PART_HELD>,
+) -> Option<RowNorm> {
+    // SAFETY: the caller's guarantee: `held`, the staging and x are this row's.
+    let mut sum = unsafe { rank_sum::<T, S, true, PART_HELD>(held, x, n) };
     // SAFETY: the staging holds this row's packs past the held ones, filled by this rank.
     unsafe { staged.for_each::<T, S>(n, |_, v| sum += v[..T::PACK].iter().sum::<f32>()) };
     let mean = S::sum2(sum, 0.0).0 / n as f32;
     // SAFETY: as for the sum: `held` and x are this row's.
-    let mut m2 = unsafe { rank_m2::<T, S, true, PART_HELD>(&held, x, n, mean) };
+    let mut m2 = unsafe { rank_m2::<T, S, true, PART_HELD>(held, x, n, mean) };
     // SAFETY: as for the sum: the staging is this rank's copy of this row.
     unsafe {
         staged.for_each::<T, S>(n, |_, v| {
@@ -495,7 +596,7 @@ unsafe fn forward_row_staged<T: Element, W: Element, S: StatsTeam, const CENTERE
     // SAFETY: y holds the row and gamma, beta its n columns (the caller's guarantee), all
     // 16-byte aligned; `held` and the staging hold this row's x.
     unsafe {
-        write_y::<T, W, S, true, PART_HELD>(&held, x, affine, y, n, norm);
+        write_y::<T, W, S, true, PART_HELD>(held, x, affine, y, n, norm);
         staged.for_each::<T, S>(n, |j, v| write_y_chunk(affine, y, j, T::PACK, v, norm));
     }
     Some(norm)
@@ -600,30 +701,90 @@ const PIPE_HELD: usize = crate::layout::PIPE_HELD as usize;
 /// team).
 ///
 /// # Safety
-/// As for [`forward_rows`], without a residual (`p.residual` 0: the host takes
-/// [`forward_rows`] for those); x, y, gamma and beta 16-byte aligned, `n` a whole number of
-/// packs that [`fits`] `PIPE_HELD` per rank.
+/// As for [`forward_rows`], without a residual (the host takes
+/// [`forward_rows_residual_pipelined`] for those); x, y, gamma and beta 16-byte aligned,
+/// `n` a whole number of packs that [`fits`] `PIPE_HELD` per rank.
 #[inline(always)]
 unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     p: Forward<T, W>,
 ) {
-    let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
+    let x = p.x.ptr();
+    let n = p.n as usize;
+    // SAFETY: the caller's guarantee; `load` reads rows below `rows` only (`pipeline`'s).
+    unsafe {
+        pipeline::<T, W, S, CENTERED, false, _>(
+            p,
+            x,
+            |row, packs| Held::load::<T, S>(x.wrapping_add(row as usize * n), packs),
+            |held, _| held,
+        )
+    }
+}
+
+/// As [`forward_rows_pipelined`], the rows normalized being s = x + residual, formed as
+/// [`forward_rows_residual`]'s held rows form it: the next row's x and residual are loaded
+/// after this row's first sum, and s is added, stored and kept in registers as the row
+/// comes up.
+///
+/// # Safety
+/// As for [`forward_rows_pipelined`], with a residual: x, the residual, s, y, gamma and
+/// beta 16-byte aligned.
+#[inline(always)]
+unsafe fn forward_rows_residual_pipelined<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+    p: Forward<T, W>,
+) {
+    let (x, residual, sum) = (p.x.ptr(), p.residual.ptr(), p.sum.ptr());
+    let n = p.n as usize;
+    let at = |row: u32| row as usize * n;
+    // SAFETY: the caller's guarantee; `load` reads rows below `rows` only, and `hold`
+    // stores the row it is given, one below `rows`, into s (`pipeline`'s).
+    unsafe {
+        pipeline::<T, W, S, CENTERED, true, _>(
+            p,
+            sum.cast_const(),
+            |row, packs| {
+                (
+                    Held::load::<T, S>(x.wrapping_add(at(row)), packs),
+                    Held::load::<T, S>(residual.wrapping_add(at(row)), packs),
+                )
+            },
+            |(xs, rs), row| {
+                let packs = (n / T::PACK) as u32;
+                store_sum::<T, S, PIPE_HELD>(xs, rs, sum.wrapping_add(at(row)), packs)
+            },
+        )
+    }
+}
+
+/// The pipelined forward's loop over the team's rows: `load(row, packs)` issues the loads
+/// of a row's held packs (`packs` 0 past the last row: the pipeline's end, nothing
+/// loaded), `hold(loaded, row)` turns them into the row's held values, which are then
+/// normalized as the row at `rows_at + row * n`. `WRITES_ROWS`: `hold` stored the row it
+/// holds (s), so that ranks reading each other's packs of it must synchronize first.
+///
+/// # Safety
+/// As for [`forward_rows_pipelined`]; `load` and `hold` are sound for every row below
+/// `rows` (and `load` for any row with `packs` 0), and the values `hold` gives are this
+/// rank's packs of the row at `rows_at`.
+#[inline(always)]
+unsafe fn pipeline<T: Element, W: Element, S: StatsTeam, const CENTERED: bool, const WRITES_ROWS: bool, L>(
+    p: Forward<T, W>,
+    rows_at: *const T,
+    load: impl Fn(u32, u32) -> L,
+    hold: impl Fn(L, u32) -> Held<PIPE_HELD>,
+) {
+    let (y, affine) = (p.y.ptr(), Affine::of(p));
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
-    let row_of = |row: u32| x.wrapping_add(row as usize * n as usize);
-    // Past the last row nothing is loaded (the pipeline's end).
-    let load = |row: u32| {
-        let packs = if row < rows { n / T::PACK as u32 } else { 0 };
-        // SAFETY: with row < rows the row lies inside x, aligned whole packs that fit.
-        unsafe { Held::<PIPE_HELD>::load::<T, S>(row_of(row), packs) }
-    };
+    let row_packs = |row: u32| if row < rows { n / T::PACK as u32 } else { 0 };
     let mut row = S::id();
-    let mut held = load(row);
+    let mut loaded = load(row, row_packs(row));
     while row < rows {
         let next = row + S::count();
-        let x_row = row_of(row);
+        let held = hold(loaded, row);
+        let x_row = rows_at.wrapping_add(row as usize * n as usize);
         // SAFETY: the row is aligned whole packs that fit, held in `held`.
         let sum = unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) };
-        let upcoming = load(next);
+        loaded = load(next, row_packs(next));
         let m = S::sum2(sum, 0.0).0 / n as f32;
         let m2 = S::sum2(
             // SAFETY: as for the sum: `held` holds this row.
@@ -640,11 +801,18 @@ unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CEN
                     write_y::<T, W, S, true, PIPE_HELD>(&held, x_row, affine, y_row, n, norm);
                     norm
                 }
-                None => forward_row_huge::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps),
+                None => {
+                    // The huge path reads the row element by element: with the row this
+                    // team's own stores, other ranks' must be visible first (the branch is
+                    // the team's).
+                    if WRITES_ROWS {
+                        S::sync();
+                    }
+                    forward_row_huge::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps)
+                }
             };
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
-        held = upcoming;
         row = next;
     }
 }
@@ -676,6 +844,12 @@ macro_rules! forward_kernels {
                 "Forward of x + residual, one warp per row (short rows).");
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, residual_block, forward_rows_residual, Block,
                 "Forward of x + residual, one block per row (long rows).");
+            forward_kernels!(@one $prefix, $centered, $types, $t, $w, residual_pipelined_warp,
+                forward_rows_residual_pipelined, Warp,
+                "Forward of x + residual, one warp per row, two rows in flight (rows of aligned packs, 4 a rank).");
+            forward_kernels!(@one $prefix, $centered, $types, $t, $w, residual_pipelined_block,
+                forward_rows_residual_pipelined, Block,
+                "Forward of x + residual, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
         }
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $rows:ident,

@@ -43,6 +43,37 @@ impl<const K: usize> Held<K> {
     pub fn pack<T: Element>(&self, c: usize) -> Pack {
         T::unpack(self.words[c].map(device::opaque))
     }
+
+    /// The residual add of two rows' held packs, slot by slot:
+    ///   s_j = x_j + residual_j   (in f32, rounded once to `T`)
+    #[inline(always)]
+    pub fn sum<T: Element>(&self, residual: &Held<K>) -> Self {
+        let mut words = [[0u32; 4]; K];
+        for (c, w) in words.iter_mut().enumerate() {
+            let (mut s, r) = (self.pack::<T>(c), residual.pack::<T>(c));
+            for k in 0..T::PACK {
+                s[k] += r[k];
+            }
+            *w = T::pack(&s);
+        }
+        Held { words }
+    }
+
+    /// Stores this rank's packs among the row's first `packs` (the slots [`Held::load`]
+    /// fills) to `row`.
+    ///
+    /// # Safety
+    /// `row` is 16-byte aligned and holds `packs` whole packs.
+    #[inline(always)]
+    pub unsafe fn store<T: Element, S: Team>(&self, row: *mut T, packs: u32) {
+        for (c, w) in self.words.iter().enumerate() {
+            let p = S::rank() + c as u32 * S::size();
+            if p < packs {
+                // SAFETY: p < packs, and the caller guarantees alignment and bounds.
+                unsafe { device::store_16(row.add(p as usize * T::PACK) as *mut u32, *w) };
+            }
+        }
+    }
 }
 
 /// The values of chunk (`start`, `len`): from slot `c` of `held`, or read from `row`.
@@ -116,6 +147,22 @@ impl<const K: usize> Staged<K> {
         }
     }
 
+    /// The staging area after the first `scratch` bytes cut in two of equal slots: one for
+    /// x's packs, one for the residual's, of the rows a residual forward stages
+    /// ([`Staged::sum_into`]).
+    #[inline(always)]
+    pub fn halves_after(scratch: u32) -> (Self, Self) {
+        let whole = Staged::<K>::after(scratch);
+        let slots = whole.slots / 2;
+        (
+            Staged { slots, ..whole },
+            Staged {
+                base: whole.base + slots * 16,
+                slots,
+            },
+        )
+    }
+
     /// Whether the whole packs of an `n`-element row past the held ones all have a slot.
     #[inline(always)]
     pub fn holds<T: Element, S: Team>(self, n: u32) -> bool {
@@ -130,6 +177,18 @@ impl<const K: usize> Staged<K> {
     /// shared memory past `scratch` is this team's alone.
     #[inline(always)]
     pub unsafe fn fill<T: Element, S: Team>(self, row: *const T, n: u32) {
+        // SAFETY: the caller's guarantee.
+        unsafe { self.fill_async::<T, S>(row, n) };
+        device::cp_async_wait_all();
+    }
+
+    /// As [`Staged::fill`], without the wait: the copies are this rank's to read only after
+    /// its next `device::cp_async_wait_all`.
+    ///
+    /// # Safety
+    /// As for [`Staged::fill`]; nothing reads or writes the slots until the wait.
+    #[inline(always)]
+    pub unsafe fn fill_async<T: Element, S: Team>(self, row: *const T, n: u32) {
         let packs = n / T::PACK as u32;
         let first = K as u32 * S::size();
         let mut p = S::rank() + first;
@@ -143,7 +202,38 @@ impl<const K: usize> Staged<K> {
             };
             p += S::size();
         }
-        device::cp_async_wait_all();
+    }
+
+    /// The residual add over this rank's staged packs: x's copies in `self`, the
+    /// residual's in `residual` (both filled by this rank, the copies waited for),
+    ///   s_j = x_j + residual_j   (in f32, rounded once to `T`)
+    /// written to the row `sum` and over x's copies, which [`Staged::for_each`] then reads
+    /// as s.
+    ///
+    /// # Safety
+    /// This rank filled both stagings with the same row; `sum` is 16-byte aligned and holds
+    /// the `n`-element row.
+    #[inline(always)]
+    pub unsafe fn sum_into<T: Element, S: Team>(self, residual: Self, sum: *mut T, n: u32) {
+        let packs = n / T::PACK as u32;
+        let first = K as u32 * S::size();
+        let mut p = S::rank() + first;
+        while p < packs {
+            let slot = (p - first) * 16;
+            // SAFETY: both slots hold pack p, copied there by this rank; pack p is a whole
+            // aligned pack of the row `sum`.
+            unsafe {
+                let mut s = T::unpack(device::load_shared_16(self.base + slot));
+                let r = T::unpack(device::load_shared_16(residual.base + slot));
+                for k in 0..T::PACK {
+                    s[k] += r[k];
+                }
+                let words = T::pack(&s);
+                device::store_16(sum.add(p as usize * T::PACK) as *mut u32, words);
+                device::store_shared_16(self.base + slot, words);
+            }
+            p += S::size();
+        }
     }
 
     /// Calls `f(start, values)` for each of this rank's packs past the held ones, from the

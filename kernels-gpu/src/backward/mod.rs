@@ -149,10 +149,8 @@ impl<T, W> Rows<T, W> {
         (!self.dsum.is_null()).then(|| self.dsum.wrapping_add(offset))
     }
 
-    /// These rows' `cols` columns from column `at` (a cluster block's slice), without dsum:
-    /// the host plans no cluster launch with one (their slices' fifth row pointer would
-    /// spill the held cluster kernels), and a null dsum here lets the compiler drop its code
-    /// from them.
+    /// These rows' `cols` columns from column `at` (a cluster block's slice), dsum's too
+    /// where there is one.
     #[cfg(layernorm_sm90)]
     #[inline(always)]
     pub(crate) fn slice(self, at: u32, cols: u32) -> Self {
@@ -162,8 +160,21 @@ impl<T, W> Rows<T, W> {
             dy: self.dy.wrapping_add(at),
             gamma: self.gamma.wrapping_add(at),
             dx: self.dx.wrapping_add(at),
-            dsum: core::ptr::null(),
+            dsum: self.dsum_row(at).unwrap_or(self.dsum),
             cols,
+            ..self
+        }
+    }
+
+    /// These rows without dsum: for the held cluster kernels, whose f16 and bf16 builds a
+    /// fifth row pointer spills at their 128 registers. The host sends a backward with dsum
+    /// to the general cluster kernel instead, and a null dsum here lets the compiler drop its
+    /// code from the held ones.
+    #[cfg(layernorm_sm90)]
+    #[inline(always)]
+    pub(crate) fn without_dsum(self) -> Self {
+        Rows {
+            dsum: core::ptr::null(),
             ..self
         }
     }

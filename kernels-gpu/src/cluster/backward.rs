@@ -15,7 +15,7 @@ use crate::team::Team;
 /// (U = clusters); block q of the cluster takes the q-th slice of each row ([`slice_width`]
 /// columns), keeps that slice's partials in its shared memory, and hands them over for unit
 /// u at the end (its columns of partial row u, or of group u mod G). The row sums c1 and c2
-/// come from all C slices ([`Cluster`]'s `sum2`).
+/// come from all C slices ([`Cluster`]'s `sum2`). dx includes dsum where the launch has one.
 ///
 /// # Safety
 /// `r`'s buffers sized as documented (`r.cols` = `r.n`); `out` as [`Destination`] says,
@@ -42,7 +42,8 @@ unsafe fn stage1_cluster<T: Element, W: Element, const C: u32>(r: Rows<T, W>, ou
 /// Stage 1 over clusters of `C` blocks for rows that are all whole aligned
 /// packs: as [`stage1_cluster`] (block q takes the q-th slice of each row, the row sums come
 /// from all C slices), with each slice held in registers, two rows in flight and the
-/// partials kept by rank, as [`stage1_held`].
+/// partials kept by rank, as [`stage1_held`]. No dsum ([`Rows::without_dsum`]: the host
+/// plans no launch with one here).
 ///
 /// # Safety
 /// `r`'s buffers sized as documented (`r.cols` = `r.n`), every row 16-byte aligned and `n`
@@ -55,7 +56,7 @@ unsafe fn stage1_cluster_held<T: Element, W: Element, const C: u32>(r: Rows<T, W
     let start = (Cluster::<C>::block_rank() * width).min(r.n);
     // The slice's first column. A cluster's last slices may be empty (start == n); their
     // pointers are then never read.
-    let slice = r.slice(start, width.min(r.n - start));
+    let slice = r.without_dsum().slice(start, width.min(r.n - start));
     let (rank, id) = (Cluster::<C>::block_rank(), Cluster::<C>::id());
     let out = Destination::of(out, r.n, start, id, C, rank);
     Cluster::<C>::begin();
