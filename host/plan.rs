@@ -18,10 +18,10 @@
 //!   aligned packs that fit take the held kernel (block teams stacked along y, as many as
 //!   the thread limit and shared memory allow); the rest the owned kernel, summing in shared
 //!   memory where it fits.
-//! - Backward with a residual's dsum: as above, the clusters general only (the held cluster
-//!   kernels take no dsum).
+//! - Backward with a residual's dsum: as above, but for 16-bit rows with 16-bit weights the
+//!   general cluster kernel only (their held cluster kernels take no dsum).
 
-pub use crate::layout::registry::{Arch, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
+pub use crate::layout::registry::{Arch, DTYPE_BYTES, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
     BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PIPE_HELD, SCRATCH_BYTES,
 };
@@ -62,7 +62,8 @@ pub enum Pass {
     /// them as its partial row (deterministic) or adds them into a spinlocked group (locked).
     Backward,
     /// As `Backward`, with the gradient reaching a residual forward's s added to dx: the held
-    /// cluster kernels take none, so rows that need a cluster take the general one.
+    /// cluster kernels of 16-bit rows and weights take none, so such rows that need a
+    /// cluster take the general one (`Variant::takes_dsum`).
     BackwardResidual,
 }
 
@@ -119,8 +120,8 @@ pub fn plan<T: Element, W: Weight<T>>(
     match pass {
         Pass::Forward => Ok(planner.forward()),
         Pass::ForwardResidual => Ok(planner.forward_residual()),
-        Pass::Backward => planner.backward(true),
-        Pass::BackwardResidual => planner.backward(false),
+        Pass::Backward => planner.backward(false),
+        Pass::BackwardResidual => planner.backward(true),
     }
 }
 
@@ -156,6 +157,11 @@ impl<T: Element> Planner<T> {
     /// Whether `cols` columns fit `held` packs a rank of a team of `ranks`.
     fn fits(&self, cols: u32, ranks: u32, held: u32) -> bool {
         crate::layout::fits(cols, pack_len::<T>(), ranks, held)
+    }
+
+    /// Whether `v` adds a residual's dsum to dx for these types.
+    fn takes_dsum(&self, v: Variant) -> bool {
+        v.takes_dsum(DTYPE_BYTES[self.pair.x], DTYPE_BYTES[self.pair.weights])
     }
 
     fn smem_fits(&self, bytes: usize) -> bool {
@@ -229,9 +235,9 @@ impl<T: Element> Planner<T> {
         }
     }
 
-    /// Stage 1's plan; `held_clusters`: the held cluster kernels may take it (not with dsum).
-    fn backward(&self, held_clusters: bool) -> Result<Plan> {
-        if let Some(plan) = self.cluster(held_clusters) {
+    /// Stage 1's plan; `dsum`: the launch adds a residual's dsum to dx.
+    fn backward(&self, dsum: bool) -> Result<Plan> {
+        if let Some(plan) = self.cluster(dsum) {
             return Ok(plan);
         }
         if let Some(plan) = self.held() {
@@ -261,9 +267,9 @@ impl<T: Element> Planner<T> {
     /// The cluster kernels, where they should run: on sm_90, for block-team rows that one
     /// block cannot hold in registers (4 packs a thread) or cannot sum in shared memory (8n
     /// bytes), as long as an eighth of the row fits. Slices held in registers where every row
-    /// is aligned packs (and `held`), over the fewest blocks whose slices fit: fewer blocks
-    /// wait at each row's cluster barrier.
-    fn cluster(&self, held: bool) -> Option<Plan> {
+    /// is aligned packs (and, with a `dsum`, where the held kernels take it), over the
+    /// fewest blocks whose slices fit: fewer blocks wait at each row's cluster barrier.
+    fn cluster(&self, dsum: bool) -> Option<Plan> {
         let n = self.n;
         if self.limits.arch != Arch::Sm90 || warp_rows(n) {
             return None;
@@ -275,8 +281,8 @@ impl<T: Element> Planner<T> {
         if one_block || !self.smem_fits(general_smem) {
             return None;
         }
-        let held = HELD_CLUSTER_SIZES.iter().filter(|_| held).find_map(|&size| {
-            let variant = Variant::cluster_held(size)?;
+        let held = HELD_CLUSTER_SIZES.iter().find_map(|&size| {
+            let variant = Variant::cluster_held(size).filter(|v| !dsum || self.takes_dsum(*v))?;
             let slice = crate::layout::slice_width(n, pack_len::<T>(), size);
             let threads = self.block_threads(variant, slice, 4);
             let smem = crate::layout::cluster_held_smem(pack_len::<T>(), threads);

@@ -140,11 +140,24 @@ fn known_choices() {
         (p.variant, p.threads, p.smem),
         (Variant::FwdResidualBlock, 512, 512 + 2 * 6144 * 16)
     );
-    // With dsum, long rows take the general cluster kernel: the held ones take no dsum.
+    // With dsum, long f16 rows take the general cluster kernel (the held ones of f16 rows and
+    // weights take no dsum), and f32 rows or weights the held one, as without.
     let p = plan::<f16, f16>(32768, Pass::Backward, true, h).unwrap();
     assert_eq!(p.variant, Variant::BwdCluster2Held);
     let p = plan::<f16, f16>(32768, Pass::BackwardResidual, true, h).unwrap();
     assert_eq!(p.variant, Variant::BwdCluster8);
+    let residual = plan::<f16, f32>(32768, Pass::BackwardResidual, true, h).unwrap();
+    assert_eq!(
+        residual,
+        plan::<f16, f32>(32768, Pass::Backward, true, h).unwrap()
+    );
+    assert_eq!(residual.variant, Variant::BwdCluster4Held);
+    let residual = plan::<f32, f32>(32768, Pass::BackwardResidual, true, h).unwrap();
+    assert_eq!(
+        residual,
+        plan::<f32, f32>(32768, Pass::Backward, true, h).unwrap()
+    );
+    assert_eq!(residual.variant, Variant::BwdCluster4Held);
     assert_eq!(DeviceLimits::H100.arch, Arch::Sm90);
 }
 

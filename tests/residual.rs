@@ -218,8 +218,9 @@ against_reference! {
 /// 12288 and bf16 24576 on 512 threads: 6 packs a rank), staged in shared memory (f32
 /// 32768 and f16 65536: 16 packs a rank, 4 held), streamed (f32 65536: too long to stage),
 /// and one row of odd length each held and staged, whose last elements follow one by one.
-/// Their backward, with a dsum and without, reaches the general cluster kernel on sm_90
-/// (f32 n >= 32768, f16 65536), which takes the dsum the held cluster kernels do not.
+/// Their backward, with a dsum and without, reaches the cluster kernels on sm_90: with a
+/// dsum, the held ones for f32 n >= 32768 and the general one for f16 65536 (the held
+/// cluster kernels of f16 rows and weights take no dsum).
 #[test]
 fn gpu_residual_long_rows_match_the_reference() {
     let Some(gpu) = gpu_or_skip() else { return };

@@ -425,7 +425,16 @@ pub(crate) fn backward_cluster<T: Element, W: Weight<T>>(
     sums: Sums<'_, '_>,
 ) -> Result<()> {
     a.check();
-    require(!held || a.dsum.is_none(), "held cluster kernels take no dsum");
+    let takes_dsum = |v: Variant| v.takes_dsum(size_of::<T>(), size_of::<W>());
+    let variant = if held {
+        Variant::cluster_held(size)
+    } else {
+        Some(Variant::BwdCluster8)
+    };
+    require(
+        a.dsum.is_none() || variant.is_some_and(takes_dsum),
+        "a cluster kernel that takes dsum",
+    );
     require(launch.blocks.is_multiple_of(size), "whole clusters");
     sums.check(launch.blocks / size, size, a.n, false);
     let k = gpu.kernels.of_norm::<T, W>(a.norm)?;

@@ -30,6 +30,9 @@
 /// Storage types.
 pub const DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
 
+/// Bytes of a value of each of [`DTYPES`].
+pub const DTYPE_BYTES: [usize; 3] = [4, 2, 2];
+
 /// The types of one kernel: `x` of x, y, dy and dx, `weights` of gamma, beta and their
 /// gradients (indices into [`DTYPES`]), and `name`, the last part of its name:
 /// `<norm>_<stem>_<name>`.
@@ -303,6 +306,18 @@ impl Variant {
                 | Variant::FwdResidualPipelinedWarp
                 | Variant::FwdResidualPipelinedBlock
         )
+    }
+
+    /// Whether the kernel adds a residual's dsum to dx, for rows of `x_bytes`-byte values
+    /// with `weight_bytes`-byte weights: every stage 1 kernel but the held cluster ones of
+    /// 16-bit rows with 16-bit weights, which a fifth row pointer spills at their 128
+    /// registers (the host sends such a backward to the general cluster kernel).
+    pub const fn takes_dsum(self, x_bytes: usize, weight_bytes: usize) -> bool {
+        let held_cluster = matches!(
+            self,
+            Variant::BwdCluster2Held | Variant::BwdCluster4Held | Variant::BwdCluster8Held
+        );
+        !(held_cluster && x_bytes == 2 && weight_bytes == 2)
     }
 
     /// Whether only the sm_90 module has the kernel (clusters exist from sm_90 on).

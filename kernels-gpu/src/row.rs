@@ -49,13 +49,13 @@ impl<const K: usize> Held<K> {
     #[inline(always)]
     pub fn sum<T: Element>(&self, residual: &Held<K>) -> Self {
         let mut words = [[0u32; 4]; K];
-        for (c, w) in words.iter_mut().enumerate() {
+        each_slot::<K>(|c| {
             let (mut s, r) = (self.pack::<T>(c), residual.pack::<T>(c));
             for k in 0..T::PACK {
                 s[k] += r[k];
             }
-            *w = T::pack(&s);
-        }
+            words[c] = T::pack(&s);
+        });
         Held { words }
     }
 
@@ -66,14 +66,35 @@ impl<const K: usize> Held<K> {
     /// `row` is 16-byte aligned and holds `packs` whole packs.
     #[inline(always)]
     pub unsafe fn store<T: Element, S: Team>(&self, row: *mut T, packs: u32) {
-        for (c, w) in self.words.iter().enumerate() {
+        each_slot::<K>(|c| {
             let p = S::rank() + c as u32 * S::size();
             if p < packs {
                 // SAFETY: p < packs, and the caller guarantees alignment and bounds.
-                unsafe { device::store_16(row.add(p as usize * T::PACK) as *mut u32, *w) };
+                unsafe { device::store_16(row.add(p as usize * T::PACK) as *mut u32, self.words[c]) };
             }
-        }
+        });
     }
+}
+
+/// Calls `f(c)` for each slot c < `K` of a [`Held<K>`], written out rather than looped, as
+/// [`for_each_chunk`] is and for its reason: with c a constant in each copy, the slots stay
+/// registers (a loop LLVM declines to unroll moves them to local memory).
+#[inline(always)]
+fn each_slot<const K: usize>(mut f: impl FnMut(usize)) {
+    const { assert!(K <= MAX_HELD) };
+    let mut slot = |c: usize| {
+        if c < K {
+            f(c)
+        }
+    };
+    slot(0);
+    slot(1);
+    slot(2);
+    slot(3);
+    slot(4);
+    slot(5);
+    slot(6);
+    slot(7);
 }
 
 /// The values of chunk (`start`, `len`): from slot `c` of `held`, or read from `row`.

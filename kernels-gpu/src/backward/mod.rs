@@ -166,16 +166,19 @@ impl<T, W> Rows<T, W> {
         }
     }
 
-    /// These rows without dsum: for the held cluster kernels, whose f16 and bf16 builds a
-    /// fifth row pointer spills at their 128 registers. The host sends a backward with dsum
-    /// to the general cluster kernel instead, and a null dsum here lets the compiler drop its
-    /// code from the held ones.
+    /// These rows, without their dsum where `variant` takes none for these types
+    /// ([`crate::layout::registry::Variant::takes_dsum`]): a null dsum lets the compiler drop its code from the
+    /// kernel (the host sends no launch with one there).
     #[cfg(layernorm_sm90)]
     #[inline(always)]
-    pub(crate) fn without_dsum(self) -> Self {
-        Rows {
-            dsum: core::ptr::null(),
-            ..self
+    pub(crate) fn for_kernel(self, variant: crate::layout::registry::Variant) -> Self {
+        if variant.takes_dsum(size_of::<T>(), size_of::<W>()) {
+            self
+        } else {
+            Rows {
+                dsum: core::ptr::null(),
+                ..self
+            }
         }
     }
 

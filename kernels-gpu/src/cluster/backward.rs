@@ -9,6 +9,7 @@ use crate::backward::partials::Destination;
 use crate::backward::streamed::owned_in_shared;
 use crate::element::Element;
 use crate::layout::params::Partials;
+use crate::layout::registry::Variant;
 use crate::team::Team;
 
 /// Stage 1 over clusters of `C` blocks (sm_90): cluster u handles rows u, u + U, ...
@@ -42,8 +43,8 @@ unsafe fn stage1_cluster<T: Element, W: Element, const C: u32>(r: Rows<T, W>, ou
 /// Stage 1 over clusters of `C` blocks for rows that are all whole aligned
 /// packs: as [`stage1_cluster`] (block q takes the q-th slice of each row, the row sums come
 /// from all C slices), with each slice held in registers, two rows in flight and the
-/// partials kept by rank, as [`stage1_held`]. No dsum ([`Rows::without_dsum`]: the host
-/// plans no launch with one here).
+/// partials kept by rank, as [`stage1_held`]. dx includes dsum where the launch has one
+/// and the kernel takes it ([`Rows::for_kernel`]).
 ///
 /// # Safety
 /// `r`'s buffers sized as documented (`r.cols` = `r.n`), every row 16-byte aligned and `n`
@@ -56,7 +57,9 @@ unsafe fn stage1_cluster_held<T: Element, W: Element, const C: u32>(r: Rows<T, W
     let start = (Cluster::<C>::block_rank() * width).min(r.n);
     // The slice's first column. A cluster's last slices may be empty (start == n); their
     // pointers are then never read.
-    let slice = r.without_dsum().slice(start, width.min(r.n - start));
+    let slice = r
+        .for_kernel(held_variant::<C>())
+        .slice(start, width.min(r.n - start));
     let (rank, id) = (Cluster::<C>::block_rank(), Cluster::<C>::id());
     let out = Destination::of(out, r.n, start, id, C, rank);
     Cluster::<C>::begin();
@@ -64,6 +67,14 @@ unsafe fn stage1_cluster_held<T: Element, W: Element, const C: u32>(r: Rows<T, W
     // its slice's columns of it, and the launch sized shared memory for its ranks.
     unsafe { stage1_held::<T, W, Cluster<C>>(slice, out, CLUSTER_SCRATCH_BYTES) };
     Cluster::<C>::end();
+}
+
+/// The registry's held cluster kernel over `C` blocks.
+const fn held_variant<const C: u32>() -> Variant {
+    match Variant::cluster_held(C) {
+        Some(v) => v,
+        None => panic!("a held cluster kernel over C blocks exists"),
+    }
 }
 
 /// Blocks per cluster of the general cluster kernels: the portable maximum. Measured
