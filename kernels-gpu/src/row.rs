@@ -76,9 +76,10 @@ impl<const K: usize> Held<K> {
     }
 }
 
-/// Calls `f(c)` for each slot c < `K` of a [`Held<K>`], written out rather than looped, as
-/// [`for_each_chunk`] is and for its reason: with c a constant in each copy, the slots stay
-/// registers (a loop LLVM declines to unroll moves them to local memory).
+/// Calls `f(c)` for each slot c < `K` of a [`Held<K>`], written out rather than looped:
+/// with c a constant in each copy, the slots stay registers. A loop LLVM declines to unroll
+/// (its body is large; 8 slots of f16 packs are) would index them at run time and move them
+/// to local memory.
 #[inline(always)]
 fn each_slot<const K: usize>(mut f: impl FnMut(usize)) {
     const { assert!(K <= MAX_HELD) };
@@ -291,24 +292,13 @@ pub fn for_each_chunk<T: Element, S: Team, const PACKED: bool, const K: usize>(
     let width = if PACKED { T::PACK as u32 } else { 1 };
     let packs = n / width;
     if PACKED && K > 0 {
-        const { assert!(K <= MAX_HELD) };
-        // Written out rather than looped: with c a constant in each copy, `Held`'s slots
-        // are registers. A loop LLVM declines to unroll (its body is large) would index
-        // them at run time and move them to local memory.
-        let mut slot = |c: usize| {
+        // Slot by slot ([`each_slot`]), so that `Held`'s slots stay registers.
+        each_slot::<K>(|c| {
             let p = S::rank() + c as u32 * S::size();
-            if c < K && p < packs {
+            if p < packs {
                 f(p * width, T::PACK, Some(c));
             }
-        };
-        slot(0);
-        slot(1);
-        slot(2);
-        slot(3);
-        slot(4);
-        slot(5);
-        slot(6);
-        slot(7);
+        });
     } else {
         let mut p = S::rank();
         while p < packs {
