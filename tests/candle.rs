@@ -412,49 +412,108 @@ fn module_forward_is_the_function() {
     check_layers::<f32>();
 }
 
+/// This crate's candle layer of a norm: LayerNorm and RmsNorm have the same calls, but no
+/// trait in common but `Module`.
+enum NormLayer {
+    LayerNorm(LayerNorm),
+    RmsNorm(RmsNorm),
+}
+
+impl NormLayer {
+    /// `norm`'s layer over `weight` (LayerNorm's with `beta`), zero-centred or not.
+    fn new(norm: Norm, weight: &Var, beta: &Var, zero_centered: bool) -> NormLayer {
+        let weight = weight.as_tensor().clone();
+        let layer = match norm {
+            Norm::Layer => {
+                let layer = LayerNorm::new(weight, beta.as_tensor().clone(), EPS).unwrap();
+                NormLayer::LayerNorm(if zero_centered {
+                    layer.with_zero_centered_weight()
+                } else {
+                    layer
+                })
+            }
+            Norm::Rms => {
+                let layer = RmsNorm::new(weight, EPS).unwrap();
+                NormLayer::RmsNorm(if zero_centered {
+                    layer.with_zero_centered_weight()
+                } else {
+                    layer
+                })
+            }
+        };
+        let zero_centered_weight = match &layer {
+            NormLayer::LayerNorm(layer) => layer.zero_centered_weight(),
+            NormLayer::RmsNorm(layer) => layer.zero_centered_weight(),
+        };
+        assert_eq!(zero_centered_weight, zero_centered);
+        layer
+    }
+
+    fn forward(&self, x: &Tensor) -> Tensor {
+        match self {
+            NormLayer::LayerNorm(layer) => layer.forward(x),
+            NormLayer::RmsNorm(layer) => layer.forward(x),
+        }
+        .unwrap()
+    }
+
+    fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> (Tensor, Tensor) {
+        match self {
+            NormLayer::LayerNorm(layer) => layer.forward_residual(x, residual),
+            NormLayer::RmsNorm(layer) => layer.forward_residual(x, residual),
+        }
+        .unwrap()
+    }
+}
+
+/// The `outputs` of `norm`'s layer with a zero-centred weight gamma - 1 have the bits of
+/// the plain layer's with gamma, each of `names` (gamma in [0.5, 1.5], so gamma - 1 and
+/// 1 + (gamma - 1) are exact). `outputs` gets the layer and its weight, and returns tensors
+/// of any dtype; the plain layer's outputs are returned, on the host.
+fn assert_zero_centered_as_plain<const K: usize>(
+    norm: Norm,
+    gamma: &Var,
+    beta: &Var,
+    names: [&str; K],
+    what: &str,
+    outputs: impl Fn(&NormLayer, &Var) -> [Tensor; K],
+) -> [Vec<f32>; K] {
+    let centered = Var::from_tensor(&(gamma.as_tensor() - 1.0).unwrap()).unwrap();
+    let run = |weight: &Var, zero_centered: bool| {
+        let layer = NormLayer::new(norm, weight, beta, zero_centered);
+        outputs(&layer, weight).map(|t| host(&t, t.dtype(), what))
+    };
+    let (plain, zero_centered) = (run(gamma, false), run(&centered, true));
+    for (i, name) in names.iter().enumerate() {
+        assert_eq!(
+            bits(&zero_centered[i]),
+            bits(&plain[i]),
+            "{norm:?} {what}: zero-centred {name}"
+        );
+    }
+    plain
+}
+
 /// The layers with a zero-centred weight w - 1 give the bits of the plain layers with w,
-/// forward and backward (w in [0.5, 1.5], so w - 1 and 1 + (w - 1) are exact), and the
-/// gradient of the zero-centred weight is the plain weight's.
+/// forward and backward, and the gradient of the zero-centred weight is the plain weight's.
 fn check_zero_centered<T: Element + WithDType, W: Element + WithDType>(device: &candle_core::Device) {
     let p = Problem::<T, W>::new(&[5, 96], 9300);
     let (x, gamma, beta, w) = p.tensors(device);
-    let centered = Var::from_tensor(&(gamma.as_tensor() - 1.0).unwrap()).unwrap();
     let what = format!("{} x, {} weights on {device:?}", T::NAME, W::NAME);
     for norm in [Norm::Layer, Norm::Rms] {
-        let run = |weight: &Var, zero_centered: bool| {
-            // The two layers have the same calls, but no trait in common but `Module`.
-            macro_rules! forward {
-                ($layer:expr) => {{
-                    let layer = $layer.unwrap();
-                    let layer = if zero_centered {
-                        layer.with_zero_centered_weight()
-                    } else {
-                        layer
-                    };
-                    assert_eq!(layer.zero_centered_weight(), zero_centered);
-                    layer.forward(x.as_tensor()).unwrap()
-                }};
-            }
-            let weight_tensor = weight.as_tensor().clone();
-            let y = match norm {
-                Norm::Layer => forward!(LayerNorm::new(weight_tensor, beta.as_tensor().clone(), EPS)),
-                Norm::Rms => forward!(RmsNorm::new(weight_tensor, EPS)),
-            };
-            let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let grad = |v: &Var| grads.get(v.as_tensor()).expect("a gradient").clone();
-            [y, grad(&x), grad(weight)].map(|t| {
-                let dtype = t.dtype();
-                host(&t, dtype, &what)
-            })
-        };
-        let (plain, zero_centered) = (run(&gamma, false), run(&centered, true));
-        for (i, name) in ["y", "dx", "dweight"].iter().enumerate() {
-            assert_eq!(
-                bits(&zero_centered[i]),
-                bits(&plain[i]),
-                "{norm:?} {what}: {name}"
-            );
-        }
+        assert_zero_centered_as_plain(
+            norm,
+            &gamma,
+            &beta,
+            ["y", "dx", "dweight"],
+            &what,
+            |layer, weight| {
+                let y = layer.forward(x.as_tensor());
+                let grads = (&y * &w).unwrap().sum_all().unwrap().backward().unwrap();
+                let grad = |v: &Var| grads.get(v.as_tensor()).expect("a gradient").clone();
+                [y, grad(&x), grad(weight)]
+            },
+        );
     }
 }
 
@@ -469,16 +528,26 @@ fn cpu_zero_centered_layers() {
     check_zero_centered_all(&candle_core::Device::Cpu);
 }
 
-/// M = 0: empty y and dx, zero dgamma and dbeta (sums over no rows). N = 0: all empty.
-fn check_empty(device: &candle_core::Device) {
-    for (shape, n) in [((0, 5), 5), ((3, 0), 0)] {
+/// An empty problem: its shape, x of zeros, and gamma, beta and the loss's weights w of ones.
+type EmptyProblem = ((usize, usize), Var, Var, Var, Tensor);
+
+/// The empty problems: M = 0, and N = 0.
+fn empty_problems(device: &candle_core::Device) -> [EmptyProblem; 2] {
+    [(0, 5), (3, 0)].map(|shape| {
         // candle 0.11.1's `ones` launches its fill kernel with an empty grid for an empty
         // shape on CUDA, which the driver refuses; `zeros + 1` (no launch when empty) does not.
         let ones = |shape: &[usize]| (Tensor::zeros(shape, DType::F32, device).unwrap() + 1.0).unwrap();
         let x = Var::zeros(shape, DType::F32, device).unwrap();
-        let gamma = Var::from_tensor(&ones(&[n])).unwrap();
-        let beta = Var::from_tensor(&ones(&[n])).unwrap();
-        let w = ones(&[shape.0, shape.1]);
+        let gamma = Var::from_tensor(&ones(&[shape.1])).unwrap();
+        let beta = Var::from_tensor(&ones(&[shape.1])).unwrap();
+        (shape, x, gamma, beta, ones(&[shape.0, shape.1]))
+    })
+}
+
+/// M = 0: empty y and dx, zero dgamma and dbeta (sums over no rows). N = 0: all empty.
+fn check_empty(device: &candle_core::Device) {
+    for (shape, x, gamma, beta, w) in empty_problems(device) {
+        let n = shape.1;
         for norm in [Norm::Layer, Norm::Rms] {
             let outputs = by_candle_op(norm, &x, &gamma, &beta, &w);
             let what = format!("{norm:?} {shape:?} on {device:?}");
@@ -797,36 +866,19 @@ fn check_residual_layers<T: Element + WithDType, W: Element + WithDType>(device:
     let (x, gamma, beta, w) = rp.p.tensors(device);
     let residual = Var::from_slice(&rp.residual, (5, 96), device).unwrap();
     let v = Tensor::from_slice(&rp.v, (5, 96), device).unwrap();
-    let centered = Var::from_tensor(&(gamma.as_tensor() - 1.0).unwrap()).unwrap();
     let what = format!("{} x, {} weights on {device:?}", T::NAME, W::NAME);
     let to_host = |t: &Tensor| host(t, t.dtype(), &what);
+    let (x, r) = (x.as_tensor(), residual.as_tensor());
     for norm in [Norm::Layer, Norm::Rms] {
-        let (x, r) = (x.as_tensor(), residual.as_tensor());
-        let run = |weight: &Var, zero_centered: bool| {
-            // The two layers have the same calls, but no trait in common.
-            macro_rules! forward {
-                ($layer:expr) => {{
-                    let layer = $layer.unwrap();
-                    let layer = if zero_centered {
-                        layer.with_zero_centered_weight()
-                    } else {
-                        layer
-                    };
-                    layer.forward_residual(x, r).unwrap()
-                }};
-            }
-            let weight_tensor = weight.as_tensor().clone();
-            let (y, s) = match norm {
-                Norm::Layer => forward!(LayerNorm::new(weight_tensor, beta.as_tensor().clone(), EPS)),
-                Norm::Rms => forward!(RmsNorm::new(weight_tensor, EPS)),
-            };
+        let names = ["y", "s", "dx", "dresidual", "dweight"];
+        let plain = assert_zero_centered_as_plain(norm, &gamma, &beta, names, &what, |layer, weight| {
+            let (y, s) = layer.forward_residual(x, r);
             let loss =
                 ((&y * &w).unwrap().sum_all().unwrap() + (&s * &v).unwrap().sum_all().unwrap()).unwrap();
             let grads = loss.backward().unwrap();
             let grad = |t: &Tensor| grads.get(t).expect("a gradient").clone();
-            [y, s, grad(x), grad(r), grad(weight.as_tensor())].map(|t| to_host(&t))
-        };
-        let plain = run(&gamma, false);
+            [y, s, grad(x), grad(r), grad(weight.as_tensor())]
+        });
         let (y, s) = match norm {
             Norm::Layer => layer_norm_residual(x, r, gamma.as_tensor(), beta.as_tensor(), EPS),
             Norm::Rms => rms_norm_residual(x, r, gamma.as_tensor(), EPS),
@@ -834,14 +886,6 @@ fn check_residual_layers<T: Element + WithDType, W: Element + WithDType>(device:
         .unwrap();
         assert_eq!(bits(&plain[0]), bits(&to_host(&y)), "{norm:?} {what}: layer y");
         assert_eq!(bits(&plain[1]), bits(&to_host(&s)), "{norm:?} {what}: layer s");
-        let zero_centered = run(&centered, true);
-        for (i, name) in ["y", "s", "dx", "dresidual", "dweight"].iter().enumerate() {
-            assert_eq!(
-                bits(&zero_centered[i]),
-                bits(&plain[i]),
-                "{norm:?} {what}: zero-centred {name}"
-            );
-        }
     }
 }
 
@@ -858,14 +902,9 @@ fn cpu_residual_layers() {
 
 /// M = 0: empty y, s, dx and dresidual, zero dgamma and dbeta. N = 0: all empty.
 fn check_residual_empty(device: &candle_core::Device) {
-    for (shape, n) in [((0, 5), 5), ((3, 0), 0)] {
-        // As in `check_empty`: no `ones` for empty shapes on CUDA.
-        let ones = |shape: &[usize]| (Tensor::zeros(shape, DType::F32, device).unwrap() + 1.0).unwrap();
-        let x = Var::zeros(shape, DType::F32, device).unwrap();
+    for (shape, x, gamma, beta, w) in empty_problems(device) {
+        let n = shape.1;
         let residual = Var::zeros(shape, DType::F32, device).unwrap();
-        let gamma = Var::from_tensor(&ones(&[n])).unwrap();
-        let beta = Var::from_tensor(&ones(&[n])).unwrap();
-        let w = ones(&[shape.0, shape.1]);
         for norm in [Norm::Layer, Norm::Rms] {
             let what = format!("{norm:?} residual {shape:?} on {device:?}");
             let (x, r, g) = (x.as_tensor(), residual.as_tensor(), gamma.as_tensor());
