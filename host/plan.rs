@@ -5,7 +5,11 @@
 //!
 //! The rules, in order:
 //! - Rows of up to 1024 elements go one warp per row (8 warps a block); longer rows one block
-//!   per row, about 4 packs a thread.
+//!   per row, about 4 packs a thread, or one pack a thread in launches of at most one row a
+//!   multiprocessor (`DeviceLimits::sm_count`). There each multiprocessor has one row and
+//!   threads to spare, and the launch takes as long as one rank's chain of dependent
+//!   instructions: at 4 packs a rank, about 790 instructions a warp in a bf16 forward of
+//!   N = 4096 (ncu), where the peers' kernels run about 320.
 //! - Forward: rows all of aligned packs that fit 4 packs a thread take the pipelined kernel
 //!   (two rows in flight a team); the others the general one, which holds rows of up to 8
 //!   packs a thread and stages longer aligned rows in shared memory where it has room. With
@@ -36,6 +40,9 @@ pub struct DeviceLimits {
     pub arch: Arch,
     /// Dynamic shared memory a block may have (the opt-in maximum).
     pub max_smem: u32,
+    /// Multiprocessors: launches of at most this many rows run one row a multiprocessor at
+    /// most, and are planned for latency (see [`plan`]).
+    pub sm_count: u32,
 }
 
 impl DeviceLimits {
@@ -43,11 +50,13 @@ impl DeviceLimits {
     pub const A100: DeviceLimits = DeviceLimits {
         arch: Arch::Sm80,
         max_smem: 166_912,
+        sm_count: 108,
     };
-    /// An H100's or H200's: sm_90 module, 227 KB of shared memory a block.
+    /// An H100's or H200's (SXM): sm_90 module, 227 KB of shared memory a block.
     pub const H100: DeviceLimits = DeviceLimits {
         arch: Arch::Sm90,
         max_smem: 232_448,
+        sm_count: 132,
     };
 }
 
@@ -105,12 +114,14 @@ fn warp_rows(n: u32) -> bool {
 /// kernel can take the shape: a warp-row backward whose partials do not fit the device's
 /// shared memory.
 pub fn plan<T: Element, W: Weight<T>>(
+    rows: u32,
     n: u32,
     pass: Pass,
     aligned: bool,
     limits: DeviceLimits,
 ) -> Result<Plan> {
     let planner = Planner::<T> {
+        few_rows: rows <= limits.sm_count,
         n,
         aligned,
         limits,
@@ -126,6 +137,8 @@ pub fn plan<T: Element, W: Weight<T>>(
 }
 
 struct Planner<T> {
+    /// At most one row a multiprocessor: block teams take a pack a rank.
+    few_rows: bool,
     n: u32,
     aligned: bool,
     limits: DeviceLimits,
@@ -168,12 +181,18 @@ impl<T: Element> Planner<T> {
         bytes <= self.limits.max_smem as usize
     }
 
-    /// `v` with the team's block (warps of 8, or a block team of about 4 packs a thread).
+    /// Packs a block team's rank takes of a row: 4, where rows in flight decide the speed;
+    /// 1 where each multiprocessor has a row at most, and the time is one rank's chain.
+    fn packs_per_rank(&self) -> u32 {
+        if self.few_rows { 1 } else { 4 }
+    }
+
+    /// `v` with the team's block (warps of 8, or a block team of [`Self::packs_per_rank`]).
     fn team_plan(&self, warp: Variant, block: Variant) -> Plan {
         let (variant, threads) = if warp_rows(self.n) {
             (warp, self.warp_threads(warp))
         } else {
-            (block, self.block_threads(block, self.n, 4))
+            (block, self.block_threads(block, self.n, self.packs_per_rank()))
         };
         Plan {
             variant,
@@ -320,14 +339,17 @@ impl<T: Element> Planner<T> {
         } else {
             Variant::BwdHeldBlock
         };
-        // A team's ranks, and the most teams the kernel's thread limit allows a block.
+        // A team's ranks, and the most teams the kernel's thread limit allows a block (one
+        // where there are few rows: stacked teams would idle).
         let ranks = if warp {
             32
         } else {
-            self.block_threads(variant, self.n, 4)
+            self.block_threads(variant, self.n, self.packs_per_rank())
         };
         let most = if warp {
             self.max_threads(variant) / 32
+        } else if self.few_rows {
+            1
         } else {
             (self.max_threads(variant) / ranks).min(MAX_STACKED)
         };

@@ -56,21 +56,24 @@ fn test_cases() -> Vec<(usize, Pass, u32)> {
     cases
 }
 
-fn plan_of<T: Element, W: Weight<T>>(n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
+fn plan_of<T: Element, W: Weight<T>>(rows: u32, n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
     let pack = (16 / size_of::<T>()) as u32;
-    plan::<T, W>(n, pass, n.is_multiple_of(pack), limits).unwrap()
+    plan::<T, W>(rows, n, pass, n.is_multiple_of(pack), limits).unwrap()
 }
+
+/// Rows enough that every multiprocessor has several: the planner's rules for throughput.
+const MANY: u32 = 4096;
 
 fn reached(limits: DeviceLimits) -> BTreeSet<String> {
     test_cases()
         .into_iter()
         .map(|(dtype, pass, n)| {
             let p = match layout::registry::TYPE_PAIRS[dtype].name {
-                "f32" => plan_of::<f32, f32>(n, pass, limits),
-                "f16" => plan_of::<f16, f16>(n, pass, limits),
-                "bf16" => plan_of::<bf16, bf16>(n, pass, limits),
-                "f16_f32w" => plan_of::<f16, f32>(n, pass, limits),
-                "bf16_f32w" => plan_of::<bf16, f32>(n, pass, limits),
+                "f32" => plan_of::<f32, f32>(MANY, n, pass, limits),
+                "f16" => plan_of::<f16, f16>(MANY, n, pass, limits),
+                "bf16" => plan_of::<bf16, bf16>(MANY, n, pass, limits),
+                "f16_f32w" => plan_of::<f16, f32>(MANY, n, pass, limits),
+                "bf16_f32w" => plan_of::<bf16, f32>(MANY, n, pass, limits),
                 other => panic!("a type pair this test does not know: {other}"),
             };
             format!("{:?}", p.variant)
@@ -113,52 +116,91 @@ fn check_coverage(limits: DeviceLimits) {
 #[test]
 fn known_choices() {
     let h = DeviceLimits::H100;
-    let p = plan::<f16, f16>(1024, Pass::Forward, true, h).unwrap();
+    let p = plan::<f16, f16>(MANY, 1024, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedWarp, 256));
-    let p = plan::<f16, f16>(4096, Pass::Backward, true, h).unwrap();
+    let p = plan::<f16, f16>(MANY, 4096, Pass::Backward, true, h).unwrap();
     // 512 packs at 4 a thread: 128 ranks, and the 512-thread bound stacks 4 teams.
     assert_eq!((p.variant, p.threads, p.stacked), (Variant::BwdHeldBlock, 128, 4));
-    let p = plan::<f16, f16>(4097, Pass::Backward, false, h).unwrap();
+    let p = plan::<f16, f16>(MANY, 4097, Pass::Backward, false, h).unwrap();
     assert_eq!(p.variant, Variant::BwdOwnedBlock);
-    let p = plan::<f32, f32>(65536, Pass::Backward, true, h).unwrap();
+    let p = plan::<f32, f32>(MANY, 65536, Pass::Backward, true, h).unwrap();
     assert_eq!(p.variant, Variant::BwdCluster8Held);
-    let p = plan::<f32, f32>(65536, Pass::Backward, true, DeviceLimits::A100).unwrap();
+    let p = plan::<f32, f32>(MANY, 65536, Pass::Backward, true, DeviceLimits::A100).unwrap();
     assert_eq!(p.variant, Variant::BwdOwnedBlock);
     assert!(
         !p.local,
         "f32 rows of 65536 do not fit an A100 block's shared memory"
     );
-    let p = plan::<f16, f16>(1024, Pass::ForwardResidual, true, h).unwrap();
+    let p = plan::<f16, f16>(MANY, 1024, Pass::ForwardResidual, true, h).unwrap();
     assert_eq!(p.variant, Variant::FwdResidualPipelinedWarp);
     // 2048 packs at 4 a thread on 512 threads: pipelined, as the plain forward.
-    let p = plan::<f32, f32>(8192, Pass::ForwardResidual, true, h).unwrap();
+    let p = plan::<f32, f32>(MANY, 8192, Pass::ForwardResidual, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdResidualPipelinedBlock, 512));
     // 8192 packs on 512 threads: 4 a thread held, the other 6144 staged twice (x's and the
     // residual's) after the 512-byte scratch.
-    let p = plan::<f32, f32>(32768, Pass::ForwardResidual, true, h).unwrap();
+    let p = plan::<f32, f32>(MANY, 32768, Pass::ForwardResidual, true, h).unwrap();
     assert_eq!(
         (p.variant, p.threads, p.smem),
         (Variant::FwdResidualBlock, 512, 512 + 2 * 6144 * 16)
     );
     // With dsum, long f16 rows take the general cluster kernel (the held ones of f16 rows and
     // weights take no dsum), and f32 rows or weights the held one, as without.
-    let p = plan::<f16, f16>(32768, Pass::Backward, true, h).unwrap();
+    let p = plan::<f16, f16>(MANY, 32768, Pass::Backward, true, h).unwrap();
     assert_eq!(p.variant, Variant::BwdCluster2Held);
-    let p = plan::<f16, f16>(32768, Pass::BackwardResidual, true, h).unwrap();
+    let p = plan::<f16, f16>(MANY, 32768, Pass::BackwardResidual, true, h).unwrap();
     assert_eq!(p.variant, Variant::BwdCluster8);
-    let residual = plan::<f16, f32>(32768, Pass::BackwardResidual, true, h).unwrap();
+    let residual = plan::<f16, f32>(MANY, 32768, Pass::BackwardResidual, true, h).unwrap();
     assert_eq!(
         residual,
-        plan::<f16, f32>(32768, Pass::Backward, true, h).unwrap()
+        plan::<f16, f32>(MANY, 32768, Pass::Backward, true, h).unwrap()
     );
     assert_eq!(residual.variant, Variant::BwdCluster4Held);
-    let residual = plan::<f32, f32>(32768, Pass::BackwardResidual, true, h).unwrap();
+    let residual = plan::<f32, f32>(MANY, 32768, Pass::BackwardResidual, true, h).unwrap();
     assert_eq!(
         residual,
-        plan::<f32, f32>(32768, Pass::Backward, true, h).unwrap()
+        plan::<f32, f32>(MANY, 32768, Pass::Backward, true, h).unwrap()
     );
     assert_eq!(residual.variant, Variant::BwdCluster4Held);
     assert_eq!(DeviceLimits::H100.arch, Arch::Sm90);
+}
+
+/// Launches of at most one row a multiprocessor spread each block-team row over a pack a
+/// rank, up to the kernel's thread limit, with no stacked teams; one more row and the
+/// throughput plans come back.
+#[test]
+fn few_rows_take_a_pack_a_rank() {
+    let h = DeviceLimits::H100;
+    let fwd = |rows| plan::<bf16, bf16>(rows, 4096, Pass::Forward, true, h).unwrap();
+    // 512 packs: 512 ranks of one pack, not 128 of four.
+    assert_eq!(
+        (fwd(1).variant, fwd(1).threads),
+        (Variant::FwdPipelinedBlock, 512)
+    );
+    assert_eq!(fwd(h.sm_count), fwd(1));
+    assert_eq!(fwd(h.sm_count + 1).threads, 128);
+    // f32 N = 8192: 2048 packs on the 1024-thread bound, two a rank.
+    let p = plan::<f32, f32>(64, 8192, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedBlock, 1024));
+    // The residual forward's bound is 512: f16 N = 8192 (1024 packs) at two a rank.
+    let p = plan::<f16, f16>(8, 8192, Pass::ForwardResidual, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdResidualPipelinedBlock, 512));
+    let bwd = |rows| plan::<bf16, bf16>(rows, 4096, Pass::Backward, true, h).unwrap();
+    assert_eq!(
+        (bwd(1).variant, bwd(1).threads, bwd(1).stacked),
+        (Variant::BwdHeldBlock, 512, 1)
+    );
+    assert_eq!(
+        (bwd(h.sm_count + 1).threads, bwd(h.sm_count + 1).stacked),
+        (128, 4)
+    );
+    // The A100 module's held kernels are bound at 384 threads: 512 packs on 384 ranks, one
+    // or two each.
+    let a = DeviceLimits::A100;
+    let p = plan::<bf16, bf16>(1, 4096, Pass::Backward, true, a).unwrap();
+    assert_eq!((p.variant, p.threads, p.stacked), (Variant::BwdHeldBlock, 384, 1));
+    // Warp rows stay warp rows.
+    let p = plan::<bf16, bf16>(1, 1024, Pass::Forward, true, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdPipelinedWarp);
 }
 
 const SM80: &str = include_str!("../kernels-gpu/layernorm_kernels.ptx");

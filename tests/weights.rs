@@ -210,7 +210,7 @@ where
                     .collect::<Vec<_>>()
             };
             let own_bits = |a: &Array1<T>| a.iter().map(|e| e.to_f32().to_bits()).collect::<Vec<_>>();
-            if same_plans::<T>(device, n) {
+            if same_plans::<T>(device, rows, n) {
                 assert_eq!(bits(&own.y), bits(&wide.y), "{what}: y");
                 assert_eq!(bits(&own.dx), bits(&wide.dx), "{what}: dx");
                 assert_eq!(own_bits(&own.dgamma), rounded(&wide.dgamma), "{what}: dgamma");

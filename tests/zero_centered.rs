@@ -229,7 +229,7 @@ where
                 beta: own.beta.mapv(|b| b.to_f32()),
             };
             check_reference(device, norm, &wide, &what);
-            if same_plans::<T>(device, n) {
+            if same_plans::<T>(device, rows, n) {
                 let mode = BackwardMode::Deterministic;
                 let (a, b) = (
                     run(device, norm, mode, &own, true),

@@ -77,7 +77,7 @@ impl Gpu {
         let sm_count = ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .during("reading the multiprocessor count")? as u32;
-        let kernels = Arc::new(KernelTable::new(&ctx, major)?);
+        let kernels = Arc::new(KernelTable::new(&ctx, major, sm_count)?);
         Ok(Gpu {
             stream,
             kernels,

@@ -17,7 +17,7 @@ use crate::plan::{Norm, Variant, pack_len};
 
 // What the kernels and the launches must agree on, from the one crate both compile.
 pub(crate) use crate::layout::{BWD_HELD, CLUSTER_SIZE, SCRATCH_BYTES};
-use crate::layout::{STAGE2_SMEM, STAGE2_THREADS};
+use crate::layout::{stage2_smem, stage2_threads};
 
 /// Which threads share a row: one warp (short rows), or a whole block.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -494,12 +494,13 @@ pub(crate) fn backward_reduce<W: Element>(
         dgamma.len() >= n as usize && dbeta.len() >= n as usize,
         "dgamma/dbeta",
     );
-    // A tile of 32 columns per block; two blocks per multiprocessor at most (blocks loop
-    // over tiles), each slice sum a 16-byte slot for dgamma and one for dbeta.
+    // A tile of 32 columns per block, a slice of threads per partial row up to 128; at most
+    // as many blocks as fill the multiprocessors' 2048 threads (blocks loop over tiles).
+    let threads = stage2_threads(rows);
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(32).min(gpu.sm_count * 2).max(1), 1, 1),
-        block_dim: (STAGE2_THREADS, 1, 1),
-        shared_mem_bytes: STAGE2_SMEM,
+        grid_dim: (n.div_ceil(32).min(gpu.sm_count * (2048 / threads)).max(1), 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: stage2_smem(rows),
     };
     let ((part_dgamma, _part_dgamma), (part_dbeta, _part_dbeta)) =
         (input(gpu, part_dgamma), input(gpu, part_dbeta));

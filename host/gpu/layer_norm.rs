@@ -66,7 +66,7 @@ pub(crate) fn forward<T: Element, W: Weight<T>>(gpu: &Gpu, a: Forward<'_, T, W>)
     } else {
         Pass::Forward
     };
-    let plan = plan::<T, W>(a.n, pass, a.packed, gpu.kernels.limits)?;
+    let plan = plan::<T, W>(a.rows, a.n, pass, a.packed, gpu.kernels.limits)?;
     let kernel = gpu.kernels.of_norm::<T, W>(a.norm)?.any(plan.variant);
     let launch = resident(gpu, kernel, a.rows, &plan)?;
     launch::forward(gpu, kernel, launch, a)
@@ -111,7 +111,7 @@ pub(crate) fn backward<T: Element, W: Weight<T>>(
     } else {
         Pass::Backward
     };
-    let plan = plan::<T, W>(n, pass, stage1.packed, gpu.kernels.limits)?;
+    let plan = plan::<T, W>(rows, n, pass, stage1.packed, gpu.kernels.limits)?;
     let team = team_of(&plan);
     let kernels = gpu.kernels.of_norm::<T, W>(stage1.norm)?;
     let kernel = kernels.any(plan.variant);

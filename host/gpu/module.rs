@@ -114,8 +114,8 @@ pub(crate) struct KernelTable {
     /// Held while a module loads, so that two threads asking for one module at once
     /// compile it once.
     loading: Mutex<()>,
-    /// What the planner needs of this device: its module, and the dynamic shared memory a
-    /// block may have (the opt-in maximum).
+    /// What the planner needs of this device: its module, the dynamic shared memory a
+    /// block may have (the opt-in maximum), and its multiprocessors.
     pub(crate) limits: DeviceLimits,
 }
 
@@ -126,9 +126,10 @@ struct Module {
 }
 
 impl KernelTable {
-    /// The kernel table of the device of `ctx`, whose compute capability is `major`.x:
-    /// the sm_90 PTX (with the cluster kernels) on 9.0 and later. Loads nothing yet.
-    pub(crate) fn new(ctx: &Arc<CudaContext>, major: i32) -> Result<KernelTable> {
+    /// The kernel table of the device of `ctx`, whose compute capability is `major`.x and
+    /// which has `sm_count` multiprocessors: the sm_90 PTX (with the cluster kernels) on 9.0
+    /// and later. Loads nothing yet.
+    pub(crate) fn new(ctx: &Arc<CudaContext>, major: i32, sm_count: u32) -> Result<KernelTable> {
         let max_smem = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .during("reading the shared memory limit")? as u32;
@@ -137,7 +138,11 @@ impl KernelTable {
             ctx: ctx.clone(),
             modules: Default::default(),
             loading: Mutex::new(()),
-            limits: DeviceLimits { arch, max_smem },
+            limits: DeviceLimits {
+                arch,
+                max_smem,
+                sm_count,
+            },
         })
     }
 

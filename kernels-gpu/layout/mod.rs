@@ -131,12 +131,28 @@ pub const fn cluster_held_smem(pack: u32, threads: u32) -> usize {
 /// Stage 2's tile: 32 columns, read as 8 groups of 4 (one 16-byte load per group and row).
 pub const STAGE2_GROUPS: u32 = 8;
 
-/// Slices of the partial rows a stage 2 block sums at once: with 8 groups, 1024 threads, so
-/// that the few rows of each slice all load at once.
-pub const STAGE2_SLICES: u32 = 128;
+/// Slices of the partial rows a stage 2 block sums at once, a power of two: enough for
+/// `rows` partial rows, 4 at least (a warp) and 128 at most (1024 threads, each slice's few
+/// rows all loaded at once). A block of 1024 threads over one partial row would spend its
+/// time in the 7 barriers of its slices' tree, not in the loads.
+pub const fn stage2_slices(rows: u32) -> u32 {
+    let slices = rows.next_power_of_two();
+    if slices < 4 {
+        4
+    } else if slices > 128 {
+        128
+    } else {
+        slices
+    }
+}
 
-/// Stage 2's block.
-pub const STAGE2_THREADS: u32 = STAGE2_GROUPS * STAGE2_SLICES;
+/// Stage 2's block over `rows` partial rows: a thread per group and slice.
+pub const fn stage2_threads(rows: u32) -> u32 {
+    STAGE2_GROUPS * stage2_slices(rows)
+}
 
-/// Stage 2's shared memory: a 16-byte slot for dgamma and one for dbeta per thread.
-pub const STAGE2_SMEM: u32 = 2 * 16 * STAGE2_THREADS;
+/// Stage 2's shared memory over `rows` partial rows: a 16-byte slot for dgamma and one for
+/// dbeta per thread.
+pub const fn stage2_smem(rows: u32) -> u32 {
+    2 * 16 * stage2_threads(rows)
+}

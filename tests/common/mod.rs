@@ -178,9 +178,9 @@ pub fn poisoned<T: Element>(device: &Device, shape: &[usize]) -> Tensor<T> {
 }
 
 /// Whether the ops of weights `T` and of f32 weights take the same kernels with the same
-/// blocks for rows of `n` on `device`, forward and backward (always on the CPU,
+/// blocks for `rows` rows of `n` on `device`, forward and backward (always on the CPU,
 /// which has one path): where they do, the two sum in the same order.
-pub fn same_plans<T: Element>(device: &Device, n: usize) -> bool
+pub fn same_plans<T: Element>(device: &Device, rows: usize, n: usize) -> bool
 where
     f32: Weight<T>,
 {
@@ -189,7 +189,7 @@ where
     };
     let aligned = (n * size_of::<T>()).is_multiple_of(16);
     [Pass::Forward, Pass::Backward].into_iter().all(|pass| {
-        plan::<T, T>(n as u32, pass, aligned, limits).ok()
-            == plan::<T, f32>(n as u32, pass, aligned, limits).ok()
+        plan::<T, T>(rows as u32, n as u32, pass, aligned, limits).ok()
+            == plan::<T, f32>(rows as u32, n as u32, pass, aligned, limits).ok()
     })
 }

@@ -3,21 +3,22 @@
 use crate::device;
 use crate::element::Element;
 
-/// Stage 2's tile of 32 columns as 8 groups of 4, and the slices of partial rows a block sums
-/// at once (128: with 8 groups, 1024 threads, so that each slice's few rows load at once).
-use crate::layout::{STAGE2_GROUPS, STAGE2_SLICES};
+/// Stage 2's tile of 32 columns as 8 groups of 4.
+use crate::layout::STAGE2_GROUPS;
 
 /// Stage 2: dgamma_j and dbeta_j are the sums of column j over the `rows` partial rows.
-/// A block takes a tile of 32 columns; thread (slice s, group q) sums columns 4q..4q+4 of
-/// rows s, s + 128, ... (four rows in flight at a time, 16-byte loads where n is a whole
-/// number of 4-column groups), then the 128 slice sums meet in a fixed pairwise tree
-/// (slice s += slice s + h for h = 64, 32, ..., 1). The order of every addition is fixed,
-/// so the owned mode stays bitwise reproducible.
+/// A block takes a tile of 32 columns, its threads `S` slices of 8 groups (S the host's
+/// `layout::stage2_slices(rows)`, a power of two from 4 to 128); thread (slice s, group q)
+/// sums columns 4q..4q+4 of rows s, s + S, ... (four rows in flight at a time, 16-byte
+/// loads where n is a whole number of 4-column groups), then the S slice sums meet in a
+/// fixed pairwise tree (slice s += slice s + h for h = S/2, ..., 1). For a given number of
+/// partial rows the order of every addition is fixed, so the owned mode stays bitwise
+/// reproducible.
 ///
 /// # Safety
 /// `part_*` hold `[rows, n]` f32 (16-byte aligned); `dgamma`, `dbeta` hold `n`; the block
-/// is `STAGE2_GROUPS * STAGE2_SLICES` threads with `2 * 16 * STAGE2_GROUPS * STAGE2_SLICES`
-/// bytes of shared memory.
+/// is `layout::stage2_threads(rows)` threads with `layout::stage2_smem(rows)` bytes of
+/// shared memory.
 #[inline(always)]
 pub(crate) unsafe fn stage2<T: Element>(
     part_dgamma: *const f32,
@@ -27,6 +28,7 @@ pub(crate) unsafe fn stage2<T: Element>(
     dgamma: *mut T,
     dbeta: *mut T,
 ) {
+    let slices = device::block_dim() / STAGE2_GROUPS;
     let (group, slice) = (
         device::thread_idx() % STAGE2_GROUPS,
         device::thread_idx() / STAGE2_GROUPS,
@@ -34,7 +36,7 @@ pub(crate) unsafe fn stage2<T: Element>(
     let vector = n.is_multiple_of(4);
     // This thread's slot of slice sums: dgamma's 16 bytes, then (after all slots) dbeta's.
     let slot = |s: u32| device::shared_addr((s * STAGE2_GROUPS + group) * 16);
-    let dbeta_slots = STAGE2_GROUPS * STAGE2_SLICES * 16;
+    let dbeta_slots = STAGE2_GROUPS * slices * 16;
     let mut tile = device::block_idx();
     while tile * 32 < n {
         let j = tile * 32 + 4 * group;
@@ -58,9 +60,9 @@ pub(crate) unsafe fn stage2<T: Element>(
         };
         let (mut g, mut b) = ([0.0f32; 4], [0.0f32; 4]);
         let mut r = slice;
-        while r + 3 * STAGE2_SLICES < rows {
+        while r + 3 * slices < rows {
             // All eight loads first: the four rows' loads are in flight together.
-            let rows4 = [0, 1, 2, 3].map(|u| r + u * STAGE2_SLICES);
+            let rows4 = [0, 1, 2, 3].map(|u| r + u * slices);
             let (pg, pb) = (
                 rows4.map(|q| load(part_dgamma, q)),
                 rows4.map(|q| load(part_dbeta, q)),
@@ -71,7 +73,7 @@ pub(crate) unsafe fn stage2<T: Element>(
                     b[k] += pb[u][k];
                 }
             }
-            r += 4 * STAGE2_SLICES;
+            r += 4 * slices;
         }
         while r < rows {
             let (pg, pb) = (load(part_dgamma, r), load(part_dbeta, r));
@@ -79,18 +81,18 @@ pub(crate) unsafe fn stage2<T: Element>(
                 g[k] += pg[k];
                 b[k] += pb[k];
             }
-            r += STAGE2_SLICES;
+            r += slices;
         }
         // SAFETY: slot(slice) lies in the block's shared memory (launch guarantee).
         unsafe {
             device::store_shared_16(slot(slice), g.map(f32::to_bits));
             device::store_shared_16(slot(slice) + dbeta_slots, b.map(f32::to_bits));
         }
-        let mut half = STAGE2_SLICES / 2;
+        let mut half = slices / 2;
         while half > 0 {
             device::sync_block();
             if slice < half {
-                // SAFETY: slice + half < SLICES; both slots written before the barrier.
+                // SAFETY: slice + half < slices; both slots written before the barrier.
                 unsafe {
                     for at in [slot(slice), slot(slice) + dbeta_slots] {
                         let (mine, other) = (
