@@ -60,7 +60,7 @@
 use crate::device::{fma, sqrt_rn};
 use crate::element::{Element, Pack, for_each_weight_pack, is_pack_aligned, read, read_cached, write};
 use crate::layout::params::Forward;
-use crate::row::{FWD_HELD, Held, Staged, fits, for_each_chunk, prefetch, values};
+use crate::row::{FWD_HELD, Held, Staged, fits, for_each_chunk, values};
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
 
@@ -178,23 +178,6 @@ impl<W: Copy> Affine<W> {
             gamma_offset: p.gamma_offset,
         }
     }
-
-    /// Asks L2 for the weights' lines, once per team (each rank a line of each at a time,
-    /// [`prefetch`]): y first reads them after a row's loads and two reductions, and where a
-    /// multiprocessor has one row, that read would be a second DRAM round trip after x's.
-    /// Prefetched, it finds them in L2. (Not in the general kernels: at their 64 registers
-    /// the block kernels of 16-bit rows spill for it.)
-    ///
-    /// # Safety
-    /// gamma and beta hold `n` elements.
-    #[inline(always)]
-    unsafe fn prefetch<S: Team>(self, n: u32) {
-        // SAFETY: the caller's guarantee.
-        unsafe {
-            prefetch::<W, S>(self.gamma, n);
-            prefetch::<W, S>(self.beta, n);
-        }
-    }
 }
 
 /// Normalizes rows `S::id(), S::id() + S::count(), ...`, one team per row.
@@ -264,8 +247,6 @@ unsafe fn forward_rows_residual<T: Element, W: Element, S: StatsTeam, const CENT
     p: Forward<T, W>,
 ) {
     let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
-    // SAFETY: the caller sized gamma and beta.
-    unsafe { affine.prefetch::<S>(p.n) };
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let (x_staged, residual_staged) = Staged::<PART_HELD>::halves_after(SCRATCH_BYTES);
     let packs = n / T::PACK as u32;
@@ -793,8 +774,6 @@ unsafe fn pipeline<T: Element, W: Element, S: StatsTeam, const CENTERED: bool, c
     hold: impl Fn(L, u32) -> Held<PIPE_HELD>,
 ) {
     let (y, affine) = (p.y.ptr(), Affine::of(p));
-    // SAFETY: the caller sized gamma and beta.
-    unsafe { affine.prefetch::<S>(p.n) };
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let row_packs = |row: u32| if row < rows { n / T::PACK as u32 } else { 0 };
     let mut row = S::id();
