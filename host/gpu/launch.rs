@@ -285,7 +285,7 @@ impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
 
 /// Where a stage 1's blocks hand their sums over (the kernels' `Partials`): one partial row
 /// per unit (a block, or a cluster) in owned mode; in locked mode, `groups` group rows and
-/// their compensations, with `2 * groups * slices` lock and count words, zeroed (slices: the
+/// their compensations, with `2 * groups * slices` lock and count words, zero (slices: the
 /// blocks of a cluster, 1 without clusters).
 pub(crate) struct Sums<'a, 'b> {
     pub(crate) dgamma: &'b mut CudaViewMut<'a, f32>,
@@ -368,7 +368,7 @@ pub(crate) fn backward_owned<T: Element, W: Weight<T>>(
     b.arg(&rows).arg(&partials).arg(&local);
     // SAFETY: `backward_kernels!(@owned ..)` in kernels-gpu/src/backward/mod.rs takes
     // (BackwardRows, Partials, u32), every buffer (shared memory included) holds what the
-    // kernel indexes (checked above), and the lock words are zeroed (`Sums`).
+    // kernel indexes (checked above), and the lock words are zero (`Sums`).
     unsafe { b.launch(config) }.during("launching backward stage 1 (owned)")?;
     Ok(())
 }

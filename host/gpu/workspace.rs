@@ -59,8 +59,11 @@ impl Workspace {
         Ok((dgamma, dbeta))
     }
 
-    /// The partials as [`Workspace::partials`], and `words` lock and count words, zeroed (a
-    /// memset queued on `stream`, as the locked stage 1 requires).
+    /// The partials as [`Workspace::partials`], and `words` lock and count words, zero as the
+    /// locked stage 1 requires: zeroed by a memset queued on `stream` where they are newly
+    /// allocated; otherwise the last locked stage 1 on this stream left them zero (each
+    /// group's last unit resets its count, every lock is released), so a call queues no
+    /// memset, a launch of its own.
     pub(crate) fn locked<'a>(
         &'a mut self,
         stream: &std::sync::Arc<CudaStream>,
@@ -70,8 +73,11 @@ impl Workspace {
         let during = "allocating the backward's partial sums";
         let dgamma = at_least(&mut self.part_dgamma, stream, len, during)?;
         let dbeta = at_least(&mut self.part_dbeta, stream, len, during)?;
+        let fresh = !matches!(&self.words, Some(kept) if kept.len() >= words);
         let mut words = at_least(&mut self.words, stream, words, "allocating locks")?;
-        stream.memset_zeros(&mut words).during("zeroing the lock words")?;
+        if fresh {
+            stream.memset_zeros(&mut words).during("zeroing the lock words")?;
+        }
         Ok((dgamma, dbeta, words))
     }
 }

@@ -262,16 +262,17 @@ impl PartialRow {
 ///   a fixed order, so the result is bitwise reproducible.
 /// - locked mode (the Triton tutorial's scheme, at the granularity of a block's sums rather
 ///   than of one row): added into group g = `unit` mod G under g's spinlock, an atomic
-///   compare-and-swap on a lock word. A count word says whether the group was written yet
-///   (the first holder stores, later ones add), so the group rows need no clearing, only
-///   the lock and count words. Group g's sums are row g, their Kahan compensations row
+///   compare-and-swap on a lock word. A count word counts the units that have handed over
+///   (the first holder stores, later ones add, the group's last sets it back to 0), so the
+///   group rows need no clearing, and the words, zeroed once when the host allocates them,
+///   are zero again when each launch ends. Group g's sums are row g, their Kahan compensations row
 ///   G + g; stage 2 sums the 2G rows. The host takes G no larger than the blocks (or
 ///   clusters), so every group is written. A cluster's blocks each hand over their own
 ///   slice of the row, so each slice of a group has its own lock and count word.
 #[derive(Clone, Copy)]
 pub(crate) struct Destination {
     /// The launch's buffers and, in locked mode, its `groups * slices` lock words, then as
-    /// many count words, zero before the launch. (Kept as the kernel parameter, not as
+    /// many count words, zero before the launch (and after it). (Kept as the kernel parameter, not as
     /// pointers offset ahead of time: ptxas reads parameters from the constant bank where
     /// they are used, where offset pointers would hold registers across the row loop.)
     p: Partials,
@@ -370,15 +371,17 @@ impl Destination {
                 AtomicU32::from_ptr(words.add((groups * self.slices) as usize + w)),
             )
         };
-        let mut written = false;
+        // Units that handed over into this group before this one (thread 0's).
+        let mut before = 0;
         if device::thread_idx() == 0 && device::thread_idx_y() == 0 {
             // atom.cas: one thread spins; the others wait at the barrier below.
             while lock
                 .compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed)
                 .is_err()
             {}
-            written = count.load(Ordering::Relaxed) != 0;
+            before = count.load(Ordering::Relaxed);
         }
+        let written = before != 0;
         let written = device::sync_block_any(written);
         // The acquire was thread 0's; every thread orders its own reads after it.
         fence(Ordering::Acquire);
@@ -390,7 +393,14 @@ impl Destination {
         fence(Ordering::Release);
         device::sync_block();
         if device::thread_idx() == 0 && device::thread_idx_y() == 0 {
-            count.store(1, Ordering::Relaxed);
+            // The group's units are those u < units with u mod G = g; the last of them to
+            // hand over sets the count back to 0, so that the words are zero again when the
+            // launch ends, as the next launch needs them: the host zeroes them only when it
+            // allocates them, not with a memset (a launch of its own) before every call.
+            let units = device::grid_dim() / self.slices;
+            let group_units = units.saturating_sub(g).div_ceil(groups);
+            let handed = before + 1;
+            count.store(if handed == group_units { 0 } else { handed }, Ordering::Relaxed);
             lock.store(0, Ordering::Release);
         }
     }
