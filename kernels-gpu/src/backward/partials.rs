@@ -265,16 +265,17 @@ impl PartialRow {
 ///   compare-and-swap on a lock word. A count word counts the units that have handed over
 ///   (the first holder stores, later ones add, the group's last sets it back to 0), so the
 ///   group rows need no clearing, and the words, zeroed once when the host allocates them,
-///   are zero again when each launch ends. Group g's sums are row g, their Kahan compensations row
-///   G + g; stage 2 sums the 2G rows. The host takes G no larger than the blocks (or
+///   are zero again when each launch ends. Group g's sums are row g, their Kahan
+///   compensations row G + g; stage 2 sums the 2G rows. The host takes G no larger than the blocks (or
 ///   clusters), so every group is written. A cluster's blocks each hand over their own
 ///   slice of the row, so each slice of a group has its own lock and count word.
 #[derive(Clone, Copy)]
 pub(crate) struct Destination {
     /// The launch's buffers and, in locked mode, its `groups * slices` lock words, then as
-    /// many count words, zero before the launch (and after it). (Kept as the kernel parameter, not as
-    /// pointers offset ahead of time: ptxas reads parameters from the constant bank where
-    /// they are used, where offset pointers would hold registers across the row loop.)
+    /// many count words, zero before the launch (and after it). (Kept as the kernel
+    /// parameter, not as pointers offset ahead of time: ptxas reads parameters from the
+    /// constant bank where they are used, where offset pointers would hold registers across
+    /// the row loop.)
     p: Partials,
     /// This block's first column.
     at: u32,
@@ -381,8 +382,7 @@ impl Destination {
             {}
             before = count.load(Ordering::Relaxed);
         }
-        let written = before != 0;
-        let written = device::sync_block_any(written);
+        let written = device::sync_block_any(before != 0);
         // The acquire was thread 0's; every thread orders its own reads after it.
         fence(Ordering::Acquire);
         let compensation = groups as usize * self.n as usize;
