@@ -461,11 +461,11 @@ unsafe fn normalize_row<
         // Held rows: exactly two passes over registers, plain sums (no divisions in the
         // reductions): mean = sum x / n, then M2 = sum (x - mean)^2.
         // SAFETY: held rows are packed and fit.
-        let mean = S::sum2(unsafe { rank_sum::<T, S, PACKED, HELD>(held, x, n) }, 0.0).0 / n as f32;
+        let mean = S::sum(unsafe { rank_sum::<T, S, PACKED, HELD>(held, x, n) }) / n as f32;
         // SAFETY: as above.
         (
             mean,
-            S::sum2(unsafe { rank_m2::<T, S, PACKED, HELD>(held, x, n, mean) }, 0.0).0,
+            S::sum(unsafe { rank_m2::<T, S, PACKED, HELD>(held, x, n, mean) }),
         )
     } else {
         // Streamed rows: one pass over memory. Each pack's own (mean, M2) is exact in
@@ -512,14 +512,14 @@ unsafe fn forward_row_huge<T: Element, W: Element, S: StatsTeam, const CENTERED:
     };
     let mut sum = 0.0;
     for_each_chunk::<T, S, false, 0>(n, |j, _, _| sum += scaled(j));
-    let mean = S::sum2(sum, 0.0).0 / n as f32;
+    let mean = S::sum(sum) / n as f32;
     let mut m2 = 0.0;
     for_each_chunk::<T, S, false, 0>(n, |j, _, _| {
         let d = scaled(j) - mean;
         m2 = fma(d, d, m2);
     });
     let norm = {
-        let (mean, m2) = uncentered::<CENTERED>(mean, S::sum2(m2, 0.0).0, n);
+        let (mean, m2) = uncentered::<CENTERED>(mean, S::sum(m2), n);
         RowNorm::of_scaled(mean, m2, n, eps)
     };
     for_each_chunk::<T, S, false, 0>(n, |j, len, _| {
@@ -578,7 +578,7 @@ unsafe fn normalize_staged<T: Element, W: Element, S: StatsTeam, const CENTERED:
     let mut sum = unsafe { rank_sum::<T, S, true, PART_HELD>(held, x, n) };
     // SAFETY: the staging holds this row's packs past the held ones, filled by this rank.
     unsafe { staged.for_each::<T, S>(n, |_, v| sum += v[..T::PACK].iter().sum::<f32>()) };
-    let mean = S::sum2(sum, 0.0).0 / n as f32;
+    let mean = S::sum(sum) / n as f32;
     // SAFETY: as for the sum: `held` and x are this row's.
     let mut m2 = unsafe { rank_m2::<T, S, true, PART_HELD>(held, x, n, mean) };
     // SAFETY: as for the sum: the staging is this rank's copy of this row.
@@ -590,7 +590,7 @@ unsafe fn normalize_staged<T: Element, W: Element, S: StatsTeam, const CENTERED:
         })
     };
     let norm = {
-        let (mean, m2) = uncentered::<CENTERED>(mean, S::sum2(m2, 0.0).0, n);
+        let (mean, m2) = uncentered::<CENTERED>(mean, S::sum(m2), n);
         RowNorm::of(mean, m2, n, eps)?
     };
     // SAFETY: y holds the row and gamma, beta its n columns (the caller's guarantee), all
@@ -785,13 +785,9 @@ unsafe fn pipeline<T: Element, W: Element, S: StatsTeam, const CENTERED: bool, c
         // SAFETY: the row is aligned whole packs that fit, held in `held`.
         let sum = unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) };
         loaded = load(next, row_packs(next));
-        let m = S::sum2(sum, 0.0).0 / n as f32;
-        let m2 = S::sum2(
-            // SAFETY: as for the sum: `held` holds this row.
-            unsafe { rank_m2::<T, S, true, PIPE_HELD>(&held, x_row, n, m) },
-            0.0,
-        )
-        .0;
+        let m = S::sum(sum) / n as f32;
+        // SAFETY: as for the sum: `held` holds this row.
+        let m2 = S::sum(unsafe { rank_m2::<T, S, true, PIPE_HELD>(&held, x_row, n, m) });
         // SAFETY: row < rows: the row lies inside y, its statistics inside mean and rstd.
         unsafe {
             let y_row = y.add(row as usize * n as usize);

@@ -98,16 +98,17 @@ fn warp_stats(mut s: Stats) -> Stats {
     s.shfl_idx(0)
 }
 
-/// Sums of two values over a warp; the butterfly leaves the same bits in every lane.
+/// Sums of `V` values over a warp: a butterfly, which leaves the same bits in every lane.
 #[inline(always)]
-fn warp_sum2(mut a: f32, mut b: f32) -> (f32, f32) {
+fn warp_sums<const V: usize>(mut v: [f32; V]) -> [f32; V] {
     let mut mask = 16;
     while mask > 0 {
-        a += shfl_xor(a, mask);
-        b += shfl_xor(b, mask);
+        for x in &mut v {
+            *x += shfl_xor(*x, mask);
+        }
         mask /= 2;
     }
-    (a, b)
+    v
 }
 
 /// The threads sharing one row.
@@ -147,8 +148,12 @@ pub trait Team {
     fn sum2(a: f32, b: f32) -> (f32, f32);
 }
 
-/// A team that can merge row statistics (the forward's streamed rows).
+/// The forward's teams: they also sum one value (half the shuffles of [`Team::sum2`]: a
+/// shuffle is an instruction the compiler cannot drop, even of a constant), and merge row
+/// statistics (the streamed rows).
 pub trait StatsTeam: Team {
+    /// A sum over the team, the same in every rank.
+    fn sum(a: f32) -> f32;
     /// `Stats` merged over the team, the same in every rank.
     fn reduce_stats(s: Stats) -> Stats;
 }
@@ -187,11 +192,16 @@ impl Team for Warp {
     }
     #[inline(always)]
     fn sum2(a: f32, b: f32) -> (f32, f32) {
-        warp_sum2(a, b)
+        let [a, b] = warp_sums([a, b]);
+        (a, b)
     }
 }
 
 impl StatsTeam for Warp {
+    #[inline(always)]
+    fn sum(a: f32) -> f32 {
+        warp_sums([a])[0]
+    }
     #[inline(always)]
     fn reduce_stats(s: Stats) -> Stats {
         warp_stats(s)
@@ -289,13 +299,19 @@ impl<const STACKED: bool> Team for Blocks<STACKED> {
     }
     #[inline(always)]
     fn sum2(a: f32, b: f32) -> (f32, f32) {
-        let (a, b) = warp_sum2(a, b);
+        let [a, b] = warp_sums([a, b]);
         let v = Self::exchange([a, b, 0.0], [0.0; 3]);
-        warp_sum2(v[0], v[1])
+        let [a, b] = warp_sums([v[0], v[1]]);
+        (a, b)
     }
 }
 
 impl<const STACKED: bool> StatsTeam for Blocks<STACKED> {
+    #[inline(always)]
+    fn sum(a: f32) -> f32 {
+        let v = Self::exchange([warp_sums([a])[0], 0.0, 0.0], [0.0; 3]);
+        warp_sums([v[0]])[0]
+    }
     #[inline(always)]
     fn reduce_stats(s: Stats) -> Stats {
         let w = warp_stats(s);

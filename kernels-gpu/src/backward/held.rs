@@ -49,17 +49,22 @@ impl RankPartials {
         }
     }
 
-    /// Sets every chunk to zero.
+    /// Sets to zero the chunks of the held slots of rank `rank` (of `size`) that rows of
+    /// `packs` packs fill (slot c holds pack rank + c * size): those its block hands over.
+    /// A launch of few rows holds a pack a rank, one slot of `BWD_HELD`, and the stores of
+    /// the others would lengthen every rank's one row.
     ///
     /// # Safety
     /// The launch gave the team's area (see [`stage1_held`]).
     #[inline(always)]
-    pub(crate) unsafe fn zero<T: Element>(self) {
+    pub(crate) unsafe fn zero<T: Element>(self, rank: u32, size: u32, packs: u32) {
         for q in 0..Self::chunks::<T>() {
-            // SAFETY: chunk q of this rank lies inside the team's area.
-            unsafe {
-                device::store_shared_16(self.dgamma + q * self.stride, [0; 4]);
-                device::store_shared_16(self.dbeta + q * self.stride, [0; 4]);
+            if rank + q / (T::PACK as u32 / 4) * size < packs {
+                // SAFETY: chunk q of this rank lies inside the team's area.
+                unsafe {
+                    device::store_shared_16(self.dgamma + q * self.stride, [0; 4]);
+                    device::store_shared_16(self.dbeta + q * self.stride, [0; 4]);
+                }
             }
         }
     }
@@ -244,7 +249,7 @@ pub(crate) unsafe fn stage1_held<T: Element, W: Element, S: Team>(
     let team = |t: u32, rank: u32| RankPartials::of::<T>(scratch + t * team_bytes, S::size(), rank);
     let mine = team(S::index_in_block(), S::rank());
     // SAFETY: the launch sized shared memory for every team of the block.
-    unsafe { mine.zero::<T>() };
+    unsafe { mine.zero::<T>(S::rank(), S::size(), r.cols / T::PACK as u32) };
     let mut row = S::id();
     // SAFETY: the launch's rows are held packs (the caller's guarantee); past the last row
     // nothing is loaded.
@@ -265,7 +270,9 @@ pub(crate) unsafe fn stage1_held<T: Element, W: Element, S: Team>(
     }
     device::sync_block();
     // Chunk q of rank k (in every team): the teams' sums in team order, into the columns of
-    // the pack it covers.
+    // the pack it covers, where rank k's slot holds a pack of the rows (p < packs). The
+    // chunks go in slot order, so the first past the rows' packs ends the walk: a launch of
+    // few rows fills one slot of `BWD_HELD`.
     let (packs, per_pack) = (r.cols / T::PACK as u32, T::PACK as u32 / 4);
     let size = S::size();
     // Every thread of the block takes chunks, whichever team it belongs to (block teams
@@ -278,7 +285,11 @@ pub(crate) unsafe fn stage1_held<T: Element, W: Element, S: Team>(
             let mut i = first;
             while i < RankPartials::chunks::<T>() * size {
                 let (rank, q) = (i % size, i / size);
-                let p = rank + q / per_pack * size;
+                let slot_start = q / per_pack * size;
+                if slot_start >= packs {
+                    break;
+                }
+                let p = rank + slot_start;
                 if p < packs {
                     let (mut g, mut b) = ([0.0f32; MAX_PACK], [0.0f32; MAX_PACK]);
                     for t in 0..S::per_block() {
