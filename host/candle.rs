@@ -1134,6 +1134,7 @@ fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
             mean: In::Host(mean),
             rstd: In::Host(rstd),
             dx: Out::Host(&mut dx),
+            dres: None,
             dgamma: Some(Out::Host(dgamma)),
             dbeta: (norm == Norm::Layer).then_some(Out::Host(dbeta)),
         };
@@ -1174,6 +1175,7 @@ fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType>(
             mean: In::Cuda(mean.as_view()),
             rstd: In::Cuda(rstd.as_view()),
             dx: Out::Cuda(dx.as_view_mut()),
+            dres: None,
             dgamma: Some(Out::Cuda(dgamma)),
             dbeta: (norm == Norm::Layer).then_some(Out::Cuda(dbeta)),
         };

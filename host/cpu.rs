@@ -9,7 +9,7 @@ mod convert;
 
 pub use convert::RowConvert;
 
-use crate::element::Element;
+use crate::element::{Element, F32Stream};
 use crate::error::Result;
 use crate::tensor::host_vec;
 
@@ -629,4 +629,171 @@ pub(crate) fn zeroed_with<F: Copy + Default>(n: usize, during: &'static str) -> 
     let mut v = host_vec(n, during)?;
     v.resize(n, F::default());
     Ok(v)
+}
+
+/// The type of the rows a residual forward writes (s) and the backward reads (s, and the
+/// stream's gradient dsum) beside x of `T`: `T` itself, or f32 beside f16 and bf16 (a
+/// residual stream kept in f32, `crate::element::F32Stream`), whose CPU path runs the f32
+/// one on x and dy widened.
+pub(crate) trait Stream<T: Element>: Element {
+    /// [`forward`] with s of this type: s = x + residual in f32, rounded once to this type.
+    #[allow(clippy::too_many_arguments)]
+    fn forward<W: Element>(
+        x: ArrayView2<'_, T>,
+        residual: Option<(ArrayView2<'_, Self>, ArrayViewMut2<'_, Self>)>,
+        gamma: ArrayView1<'_, W>,
+        gamma_offset: f32,
+        beta: ArrayView1<'_, W>,
+        norm: Normalization,
+        y: ArrayViewMut2<'_, T>,
+        mean: ArrayViewMut1<'_, f32>,
+        rstd: ArrayViewMut1<'_, f32>,
+    ) -> Result<()>;
+
+    /// [`backward`] over rows of this type, with dx also written unrounded into `dres` where
+    /// this type is wider than `T` (where it is `T`, dx is the residual's gradient and
+    /// `dres` is None).
+    #[allow(clippy::too_many_arguments)]
+    fn backward<W: Element>(
+        x: ArrayView2<'_, Self>,
+        dy: ArrayView2<'_, T>,
+        dsum: Option<ArrayView2<'_, Self>>,
+        gamma: ArrayView1<'_, W>,
+        gamma_offset: f32,
+        mean: ArrayView1<'_, f32>,
+        rstd: ArrayView1<'_, f32>,
+        dx: ArrayViewMut2<'_, T>,
+        dres: Option<ArrayViewMut2<'_, Self>>,
+        dgamma: ArrayViewMut1<'_, W>,
+        dbeta: ArrayViewMut1<'_, W>,
+        centered: bool,
+    ) -> Result<()>;
+}
+
+impl<T: Element> Stream<T> for T {
+    fn forward<W: Element>(
+        x: ArrayView2<'_, T>,
+        residual: Option<(ArrayView2<'_, T>, ArrayViewMut2<'_, T>)>,
+        gamma: ArrayView1<'_, W>,
+        gamma_offset: f32,
+        beta: ArrayView1<'_, W>,
+        norm: Normalization,
+        y: ArrayViewMut2<'_, T>,
+        mean: ArrayViewMut1<'_, f32>,
+        rstd: ArrayViewMut1<'_, f32>,
+    ) -> Result<()> {
+        forward(x, residual, gamma, gamma_offset, beta, norm, y, mean, rstd)
+    }
+
+    fn backward<W: Element>(
+        x: ArrayView2<'_, T>,
+        dy: ArrayView2<'_, T>,
+        dsum: Option<ArrayView2<'_, T>>,
+        gamma: ArrayView1<'_, W>,
+        gamma_offset: f32,
+        mean: ArrayView1<'_, f32>,
+        rstd: ArrayView1<'_, f32>,
+        dx: ArrayViewMut2<'_, T>,
+        _dres: Option<ArrayViewMut2<'_, T>>,
+        dgamma: ArrayViewMut1<'_, W>,
+        dbeta: ArrayViewMut1<'_, W>,
+        centered: bool,
+    ) -> Result<()> {
+        backward(
+            x,
+            dy,
+            dsum,
+            gamma,
+            gamma_offset,
+            mean,
+            rstd,
+            dx,
+            dgamma,
+            dbeta,
+            centered,
+        )
+    }
+}
+
+/// f32 rows beside x of `T` (f16, bf16): x and dy widened to f32 (exactly), the f32 path
+/// run on them, and y and dx rounded once to `T`, as the kernels round them. The widened
+/// copies are taken before anything is written.
+impl<T: F32Stream> Stream<T> for f32 {
+    fn forward<W: Element>(
+        x: ArrayView2<'_, T>,
+        residual: Option<(ArrayView2<'_, f32>, ArrayViewMut2<'_, f32>)>,
+        gamma: ArrayView1<'_, W>,
+        gamma_offset: f32,
+        beta: ArrayView1<'_, W>,
+        norm: Normalization,
+        mut y: ArrayViewMut2<'_, T>,
+        mean: ArrayViewMut1<'_, f32>,
+        rstd: ArrayViewMut1<'_, f32>,
+    ) -> Result<()> {
+        let during = "allocating the CPU forward's widened rows";
+        let wide_x = widened(x, during)?;
+        let mut wide_y = zeroed_with::<f32>(wide_x.len(), during)?;
+        let dim = x.dim();
+        forward(
+            ArrayView2::from_shape(dim, &wide_x[..]).expect("x's shape"),
+            residual,
+            gamma,
+            gamma_offset,
+            beta,
+            norm,
+            ArrayViewMut2::from_shape(dim, &mut wide_y[..]).expect("x's shape"),
+            mean,
+            rstd,
+        )?;
+        narrow_into(&wide_y, &mut y);
+        Ok(())
+    }
+
+    fn backward<W: Element>(
+        x: ArrayView2<'_, f32>,
+        dy: ArrayView2<'_, T>,
+        dsum: Option<ArrayView2<'_, f32>>,
+        gamma: ArrayView1<'_, W>,
+        gamma_offset: f32,
+        mean: ArrayView1<'_, f32>,
+        rstd: ArrayView1<'_, f32>,
+        mut dx: ArrayViewMut2<'_, T>,
+        dres: Option<ArrayViewMut2<'_, f32>>,
+        dgamma: ArrayViewMut1<'_, W>,
+        dbeta: ArrayViewMut1<'_, W>,
+        centered: bool,
+    ) -> Result<()> {
+        let Some(mut dres) = dres else {
+            unreachable!("checked: a stream wider than x has its gradient's output")
+        };
+        let wide_dy = widened(dy, "allocating the CPU backward's widened rows")?;
+        let dy = ArrayView2::from_shape(dy.dim(), &wide_dy[..]).expect("dy's shape");
+        backward(
+            x,
+            dy,
+            dsum,
+            gamma,
+            gamma_offset,
+            mean,
+            rstd,
+            dres.view_mut(),
+            dgamma,
+            dbeta,
+            centered,
+        )?;
+        dx.zip_mut_with(&dres, |d, &v| *d = T::from_f32(v));
+        Ok(())
+    }
+}
+
+/// `rows` widened to f32, row-major, in memory taken fallibly.
+fn widened<T: Element>(rows: ArrayView2<'_, T>, during: &'static str) -> Result<Vec<f32>> {
+    let mut out = host_vec(rows.len(), during)?;
+    out.extend(rows.iter().map(|v| v.to_f32()));
+    Ok(out)
+}
+
+/// Rounds row-major `wide` once into `out`, of the same shape.
+fn narrow_into<T: Element>(wide: &[f32], out: &mut ArrayViewMut2<'_, T>) {
+    out.iter_mut().zip(wide).for_each(|(o, &v)| *o = T::from_f32(v));
 }

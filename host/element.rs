@@ -4,7 +4,7 @@
 use cudarc::driver::{DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
-use crate::layout::registry::type_pair;
+use crate::layout::registry::{stream_pair, type_pair};
 
 mod sealed {
     pub trait Sealed {}
@@ -17,6 +17,11 @@ mod sealed {
     impl<T: super::Element> SealedWeight<T> for T {}
     impl SealedWeight<half::f16> for f32 {}
     impl SealedWeight<half::bf16> for f32 {}
+
+    /// The types whose residual stream may be kept in f32: f16 and bf16.
+    pub trait SealedF32Stream {}
+    impl SealedF32Stream for half::f16 {}
+    impl SealedF32Stream for half::bf16 {}
 }
 
 /// A storage type of x, y, gamma, beta and the gradients. Implemented for `f32`,
@@ -103,4 +108,25 @@ impl Weight<bf16> for f32 {
         Some(pair) => pair,
         None => panic!("the kernels have bf16 rows with f32 weights"),
     };
+}
+
+/// A type of x whose pre-norm residual stream may be kept in f32 beside it: f16 and bf16
+/// (flash-attention's `residual_in_fp32`). The residual forward then reads the residual and
+/// writes s = x + residual in f32 (x widened, the sum not rounded to x's type), normalizes
+/// s, and writes y in x's type; the backward reads s and the stream's gradient in f32, and
+/// writes dx in x's type and the residual's gradient, the same values unrounded, in f32
+/// (`LayerNorm::forward_residual_f32`, `LayerNorm::backward_residual_f32`).
+pub trait F32Stream: Element + sealed::SealedF32Stream {}
+
+impl F32Stream for f16 {}
+impl F32Stream for bf16 {}
+
+/// The kernels' type pair (an index into `crate::layout::registry::TYPE_PAIRS`) of x of
+/// `T`, weights of `W` and a residual stream (the rows the kernels normalize) of `R`: `T`,
+/// or f32 beside [`F32Stream`] x.
+pub(crate) const fn pair_of<T: Element, W: Element, R: Element>() -> usize {
+    match stream_pair(T::INDEX, W::INDEX, R::INDEX) {
+        Some(pair) => pair,
+        None => panic!("the kernels have every x, weights and stream type the ops accept"),
+    }
 }

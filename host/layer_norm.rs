@@ -17,7 +17,7 @@ use ndarray::{ArrayView1, ArrayView2, ArrayViewMut1, ArrayViewMut2};
 use crate::borrowed::{BorrowedTensor, BorrowedTensorMut};
 use crate::cpu;
 use crate::device::{Device, Kind};
-use crate::element::{Element, Weight};
+use crate::element::{Element, F32Stream, Weight};
 use crate::error::{DriverContext, Error, Result};
 use crate::gpu::launch::{Backward, Forward};
 use crate::gpu::layer_norm as gpu;
@@ -85,6 +85,10 @@ impl<T: Element, X> Context<T, X> {
         &self.x
     }
 }
+
+/// The context of a residual forward whose stream is kept in f32
+/// ([`LayerNorm::forward_residual_f32`]): it holds s, in f32.
+pub type F32StreamContext<T> = Context<T, Tensor<f32>>;
 
 /// dx (the shape of x, of x's type `T`), and dgamma and dbeta (`[n]`, of the weights' type
 /// `W`) for the parameters the LayerNorm has:
@@ -284,7 +288,8 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
     /// As [`LayerNorm::forward`], writing y into `y` (same shape as x, a whole tensor and its
     /// storage's sole handle, even where x is empty).
     pub fn forward_into(&self, x: &Tensor<T>, y: &mut Tensor<T>) -> Result<Context<T>> {
-        self.forward_tensors(x, None, y)
+        let (mean, rstd) = self.forward_tensors::<T>(x, None, y)?;
+        Ok(self.context(x.clone(), mean, rstd))
     }
 
     /// The residual add of a pre-norm block fused with the norm, in one pass over memory:
@@ -314,17 +319,19 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
         y: &mut Tensor<T>,
         sum: &mut Tensor<T>,
     ) -> Result<Context<T>> {
-        self.forward_tensors(x, Some((residual, sum)), y)
+        let (mean, rstd) = self.forward_tensors(x, Some((residual, &mut *sum)), y)?;
+        Ok(self.context(sum.clone(), mean, rstd))
     }
 
-    /// [`LayerNorm::forward_into`] and [`LayerNorm::forward_residual_into`]: the context
-    /// holds x, or s where there is a residual.
-    fn forward_tensors(
+    /// [`LayerNorm::forward_into`] and the residual forwards, with a residual stream of
+    /// `R`: checks the tensors, queues the forward, and returns the statistics for the
+    /// context (which holds x, or s where there is a residual).
+    fn forward_tensors<R: cpu::Stream<T>>(
         &self,
         x: &Tensor<T>,
-        residual: Option<(&Tensor<T>, &mut Tensor<T>)>,
+        residual: Option<(&Tensor<R>, &mut Tensor<R>)>,
         y: &mut Tensor<T>,
-    ) -> Result<Context<T>> {
+    ) -> Result<(Tensor<f32>, Tensor<f32>)> {
         let [rows, n] = self.check_input("x", x)?;
         y.expect_shape("y", x.shape())?;
         self.device().check("y", y)?;
@@ -359,9 +366,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
                 output(dev, rstd_d)?,
             )?;
         }
-        // The rows normalized: s where there is a residual, else x.
-        let normalized = sum.map_or_else(|| x.clone(), |s| s.clone());
-        Ok(self.context(normalized, mean, rstd))
+        Ok((mean, rstd))
     }
 
     /// As [`LayerNorm::forward_into`], writing the statistics into `ctx`'s own mean and
@@ -393,7 +398,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
             let (mean_d, rstd_d) = (mean.data_mut("mean")?, rstd.data_mut("rstd")?);
             let x = input(dev, x)?;
             let y = output(dev, y)?;
-            self.run_forward(rows, n, x, None, y, output(dev, mean_d)?, output(dev, rstd_d)?)?;
+            self.run_forward::<T>(rows, n, x, None, y, output(dev, mean_d)?, output(dev, rstd_d)?)?;
         }
         if let Some((mean, rstd)) = fresh {
             (ctx.mean, ctx.rstd) = (mean, rstd);
@@ -505,12 +510,12 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
     /// The forward of `[rows, n]` (both >= 1) with this op's parameters, on memory already
     /// checked and ordered for the op's stream.
     #[allow(clippy::too_many_arguments)]
-    fn run_forward<'a>(
+    fn run_forward<'a, R: cpu::Stream<T>>(
         &self,
         rows: usize,
         n: usize,
         x: In<'a, T>,
-        residual: Option<(In<'a, T>, Out<'a, T>)>,
+        residual: Option<(In<'a, R>, Out<'a, R>)>,
         y: Out<'a, T>,
         mean: Out<'a, f32>,
         rstd: Out<'a, f32>,
@@ -574,6 +579,19 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
         dsum: Option<&Tensor<T>>,
         grads: &mut Gradients<T, W>,
     ) -> Result<()> {
+        self.backward_tensors(ctx, dy, dsum, grads, None)
+    }
+
+    /// The backward of a context of rows of `R` (x, or s), with `dres` exactly where `R` is
+    /// wider than `T`: checks the tensors and queues the backward.
+    fn backward_tensors<R: cpu::Stream<T>>(
+        &self,
+        ctx: &Context<T, Tensor<R>>,
+        dy: &Tensor<T>,
+        dsum: Option<&Tensor<R>>,
+        grads: &mut Gradients<T, W>,
+        dres: Option<&mut Tensor<R>>,
+    ) -> Result<()> {
         if ctx.op != self.id {
             return Err(Error::ForeignContext);
         }
@@ -593,9 +611,14 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
                 dev.check(what, t)?;
             }
         }
+        if let Some(d) = &dres {
+            d.expect_shape("d_residual", dy.shape())?;
+            dev.check("d_residual", d)?;
+        }
         let dx = grads.dx.data_mut("dx")?;
         let dgamma = grads.dgamma.as_mut().map(|t| t.data_mut("dgamma")).transpose()?;
         let dbeta = grads.dbeta.as_mut().map(|t| t.data_mut("dbeta")).transpose()?;
+        let dres = dres.map(|t| t.data_mut("d_residual")).transpose()?;
         if n == 0 {
             return Ok(());
         }
@@ -614,6 +637,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
                 mean: input(dev, &ctx.mean)?,
                 rstd: input(dev, &ctx.rstd)?,
                 dx: output(dev, dx)?,
+                dres: dres.map(|d| output(dev, d)).transpose()?,
                 dgamma: dgamma.map(|d| output(dev, d)).transpose()?,
                 dbeta: dbeta.map(|d| output(dev, d)).transpose()?,
             },
@@ -683,6 +707,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
                 mean: input(dev, &ctx.mean)?,
                 rstd: input(dev, &ctx.rstd)?,
                 dx: Out::Cuda(grads.dx.view_mut()),
+                dres: None,
                 dgamma: grads.dgamma.as_mut().map(|t| Out::Cuda(t.view_mut())),
                 dbeta: grads.dbeta.as_mut().map(|t| Out::Cuda(t.view_mut())),
             },
@@ -690,7 +715,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
     }
 
     /// `[rows, n]` of an input `[..., n]`, on this op's device.
-    fn check_input(&self, what: &'static str, t: &Tensor<T>) -> Result<[usize; 2]> {
+    fn check_input<E: Element>(&self, what: &'static str, t: &Tensor<E>) -> Result<[usize; 2]> {
         let dims = self.rows_and_n(what, t.shape())?;
         self.device().check(what, t)?;
         Ok(dims)
@@ -735,16 +760,87 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
     }
 }
 
+/// The residual stream kept in f32 beside f16 or bf16 x ([`F32Stream`]), as
+/// flash-attention's `residual_in_fp32` keeps it: the sum the stream carries from block to
+/// block is not rounded to x's type at every layer.
+impl<T: F32Stream, W: Weight<T>> LayerNorm<T, W> {
+    /// As [`LayerNorm::forward_residual`], with the residual and s in f32:
+    ///   s = x + residual   (x widened to f32, the sum in f32, not rounded)
+    ///   y = norm(s)        (in x's type)
+    /// Returns y, s and the context, which holds s.
+    pub fn forward_residual_f32(
+        &self,
+        x: &Tensor<T>,
+        residual: &Tensor<f32>,
+    ) -> Result<(Tensor<T>, Tensor<f32>, F32StreamContext<T>)> {
+        let mut y = self.device().empty(x.shape())?;
+        let mut sum = self.device().empty(x.shape())?;
+        let ctx = self.forward_residual_f32_into(x, residual, &mut y, &mut sum)?;
+        Ok((y, sum, ctx))
+    }
+
+    /// As [`LayerNorm::forward_residual_f32`], writing y and s into `y` and `sum` (x's
+    /// shape, whole tensors, each its storage's sole handle).
+    pub fn forward_residual_f32_into(
+        &self,
+        x: &Tensor<T>,
+        residual: &Tensor<f32>,
+        y: &mut Tensor<T>,
+        sum: &mut Tensor<f32>,
+    ) -> Result<F32StreamContext<T>> {
+        let (mean, rstd) = self.forward_tensors(x, Some((residual, &mut *sum)), y)?;
+        Ok(self.context(sum.clone(), mean, rstd))
+    }
+
+    /// The backward of [`LayerNorm::forward_residual_f32`]: `dy` is y's gradient (x's
+    /// type), and `dsum` the gradient that reaches s from the residual stream (f32), where
+    /// there is one. Returns the gradients, whose dx (x's type) is the gradient of x, and
+    /// the residual's gradient: the same values in f32, unrounded (x's branch takes them in
+    /// x's type, the stream in its own).
+    pub fn backward_residual_f32(
+        &self,
+        ctx: &F32StreamContext<T>,
+        dy: &Tensor<T>,
+        dsum: Option<&Tensor<f32>>,
+    ) -> Result<(Gradients<T, W>, Tensor<f32>)> {
+        let dev = self.device();
+        let n = self.n;
+        let param_grad = |p: &Param<W>| p.given().map(|_| dev.empty(&[n])).transpose();
+        let mut grads = Gradients {
+            dx: dev.empty(dy.shape())?,
+            dgamma: param_grad(&self.gamma)?,
+            dbeta: param_grad(&self.beta)?,
+        };
+        let mut d_residual = dev.empty(dy.shape())?;
+        self.backward_residual_f32_into(ctx, dy, dsum, &mut grads, &mut d_residual)?;
+        Ok((grads, d_residual))
+    }
+
+    /// As [`LayerNorm::backward_residual_f32`], writing into `grads` (as
+    /// [`LayerNorm::backward_into`]) and `d_residual` (dy's shape, a whole tensor, its
+    /// storage's sole handle).
+    pub fn backward_residual_f32_into(
+        &self,
+        ctx: &F32StreamContext<T>,
+        dy: &Tensor<T>,
+        dsum: Option<&Tensor<f32>>,
+        grads: &mut Gradients<T, W>,
+        d_residual: &mut Tensor<f32>,
+    ) -> Result<()> {
+        self.backward_tensors(ctx, dy, dsum, grads, Some(d_residual))
+    }
+}
+
 /// The forward of `[rows, n]` (both >= 1) on memory already checked and ordered for the
 /// stream of `dev`: the op's core, shared by [`LayerNorm`] and the candle ops, which check
 /// their operands each their own way.
-pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
+pub(crate) fn forward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
     dev: &Device,
     norm: Norm,
     eps: f32,
     rows: usize,
     n: usize,
-    o: ForwardOperands<'_, T, W>,
+    o: ForwardOperands<'_, T, W, R>,
 ) -> Result<()> {
     let ForwardOperands {
         x,
@@ -764,7 +860,7 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
                 None => None,
                 Some(_) => unreachable!("checked: every operand lives on the op's device"),
             };
-            cpu::forward(
+            R::forward(
                 rows_of(x, rows, n),
                 residual,
                 ArrayView1::from(gamma),
@@ -793,9 +889,20 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
                 None => None,
                 Some(_) => unreachable!("checked: every operand lives on the op's device"),
             };
+            let stream = &g.stream;
             let packed = match &residual {
-                Some((r, s)) => packed_rows(n, &g.stream, &[&x, r], &[&gamma, &beta], &[&y, s]),
-                None => packed_rows(n, &g.stream, &[&x], &[&gamma, &beta], &[&y]),
+                Some((r, s)) => packed_rows::<T, R>(
+                    n,
+                    &[address(&x, stream), address(&y, stream)],
+                    &[address(r, stream), address(s, stream)],
+                    &[address(&gamma, stream), address(&beta, stream)],
+                ),
+                None => packed_rows::<T, T>(
+                    n,
+                    &[address(&x, stream), address(&y, stream)],
+                    &[],
+                    &[address(&gamma, stream), address(&beta, stream)],
+                ),
             };
             let a = Forward {
                 x,
@@ -821,13 +928,13 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>>(
 /// The backward of `[rows, n]` (n >= 1) on memory already checked and ordered for the
 /// stream of `dev`, with dgamma and dbeta summed as `mode` says. An absent parameter's
 /// gradient is summed into scratch and dropped (the kernels always write both sums).
-pub(crate) fn backward_rows<T: Element, W: Weight<T>>(
+pub(crate) fn backward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
     dev: &Device,
     norm: Norm,
     mode: BackwardMode,
     rows: usize,
     n: usize,
-    o: BackwardOperands<'_, T, W>,
+    o: BackwardOperands<'_, T, W, R>,
 ) -> Result<()> {
     let (mut gamma_sums, mut beta_sums);
     let dgamma = match o.dgamma {
@@ -860,7 +967,7 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>>(
             Out::Host(dgamma),
             Out::Host(dbeta),
             _,
-        ) => cpu::backward(
+        ) => R::backward(
             rows_of(x, rows, n),
             rows_of(dy, rows, n),
             o.dsum.map(|d| match d {
@@ -872,6 +979,10 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>>(
             ArrayView1::from(mean),
             ArrayView1::from(rstd),
             rows_of_mut(dx, rows, n),
+            o.dres.map(|d| match d {
+                Out::Host(d) => rows_of_mut(d, rows, n),
+                Out::Cuda(_) => unreachable!("checked: every operand lives on the op's device"),
+            }),
             ArrayViewMut1::from(dgamma),
             ArrayViewMut1::from(dbeta),
             norm == Norm::Layer,
@@ -891,10 +1002,22 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>>(
                 In::Cuda(d) => d,
                 In::Host(_) => unreachable!("checked: every operand lives on the op's device"),
             });
-            let packed = match &dsum {
-                Some(d) => packed_rows(n, &g.stream, &[&x, &dy, d], &[&gamma], &[&dx]),
-                None => packed_rows(n, &g.stream, &[&x, &dy], &[&gamma], &[&dx]),
-            };
+            let dres = o.dres.map(|d| match d {
+                Out::Cuda(d) => d,
+                Out::Host(_) => unreachable!("checked: every operand lives on the op's device"),
+            });
+            let stream = &g.stream;
+            // An absent dsum or dres counts as address 0, which is aligned.
+            let packed = packed_rows::<T, R>(
+                n,
+                &[address(&dy, stream), address(&dx, stream)],
+                &[
+                    address(&x, stream),
+                    dsum.as_ref().map_or(0, |d| address(d, stream)),
+                    dres.as_ref().map_or(0, |d| address(d, stream)),
+                ],
+                &[address(&gamma, stream)],
+            );
             let a = Backward {
                 x,
                 dy,
@@ -904,6 +1027,7 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>>(
                 mean,
                 rstd,
                 dx,
+                dres,
                 rows: rows as u32,
                 n: n as u32,
                 packed,
@@ -929,11 +1053,12 @@ pub(crate) const PLAIN_WEIGHT: f32 = -0.0;
 /// weight is 1 + gamma_j, formed in f32.
 pub(crate) const ZERO_CENTERED_WEIGHT: f32 = 1.0;
 
-/// The operands of a forward, checked and ordered for the op's stream.
-pub(crate) struct ForwardOperands<'a, T, W> {
+/// The operands of a forward, checked and ordered for the op's stream; a residual stream
+/// of `R` (`T`, or f32 beside f16 and bf16).
+pub(crate) struct ForwardOperands<'a, T, W, R = T> {
     pub(crate) x: In<'a, T>,
     /// The residual, and s = x + residual out, which is then normalized in x's place.
-    pub(crate) residual: Option<(In<'a, T>, Out<'a, T>)>,
+    pub(crate) residual: Option<(In<'a, R>, Out<'a, R>)>,
     pub(crate) gamma: In<'a, W>,
     /// Added to each gamma_j as it is read: [`PLAIN_WEIGHT`] or [`ZERO_CENTERED_WEIGHT`].
     pub(crate) gamma_offset: f32,
@@ -944,19 +1069,22 @@ pub(crate) struct ForwardOperands<'a, T, W> {
 }
 
 /// The operands of a backward, checked and ordered for the op's stream. dgamma and dbeta
-/// are `None` for the parameters the op lacks.
-pub(crate) struct BackwardOperands<'a, T, W> {
+/// are `None` for the parameters the op lacks. Rows of `R`, as [`ForwardOperands`]'.
+pub(crate) struct BackwardOperands<'a, T, W, R = T> {
     /// x, or s after a residual forward.
-    pub(crate) x: In<'a, T>,
+    pub(crate) x: In<'a, R>,
     pub(crate) dy: In<'a, T>,
     /// The gradient reaching s from the residual stream, which dx includes.
-    pub(crate) dsum: Option<In<'a, T>>,
+    pub(crate) dsum: Option<In<'a, R>>,
     pub(crate) gamma: In<'a, W>,
     /// As [`ForwardOperands::gamma_offset`].
     pub(crate) gamma_offset: f32,
     pub(crate) mean: In<'a, f32>,
     pub(crate) rstd: In<'a, f32>,
     pub(crate) dx: Out<'a, T>,
+    /// Where the stream is wider than x (and only there): dx again, unrounded, as the
+    /// residual's gradient.
+    pub(crate) dres: Option<Out<'a, R>>,
     pub(crate) dgamma: Option<Out<'a, W>>,
     pub(crate) dbeta: Option<Out<'a, W>>,
 }
@@ -1049,26 +1177,22 @@ fn rows_of_mut<T: Element>(v: &mut [T], rows: usize, n: usize) -> ArrayViewMut2<
     ArrayViewMut2::from_shape((rows, n), v).expect("checked shape")
 }
 
-/// Whether every row of `n` elements starts on a 16-byte boundary in each of `inputs`,
-/// `outputs` and `weights`: n a whole number of 16-byte packs of `T` (then also of
-/// `W`, which is no narrower), and each start address a multiple of 16 (this crate's whole
-/// tensors always are: device allocations are aligned for any type, 256 bytes or more;
-/// views and memory of the caller's need not be).
-fn packed_rows<T: Element, W: Weight<T>>(
-    n: usize,
-    stream: &cudarc::driver::CudaStream,
-    inputs: &[&CudaView<'_, T>],
-    weights: &[&CudaView<'_, W>],
-    outputs: &[&CudaViewMut<'_, T>],
-) -> bool {
-    // Where the context tracks events, `device_ptr` records a read on `stream`, which the
-    // launch that follows does anyway.
-    fn aligned<E>(v: &dyn DevicePtr<E>, stream: &cudarc::driver::CudaStream) -> bool {
-        let (address, _record) = v.device_ptr(stream);
-        address.is_multiple_of(16)
-    }
-    (n * size_of::<T>()).is_multiple_of(16)
-        && inputs.iter().all(|v| aligned(*v, stream))
-        && weights.iter().all(|v| aligned(*v, stream))
-        && outputs.iter().all(|v| aligned(*v, stream))
+/// Whether the kernels may walk every row of `n` elements in packs of the rows' type `R`
+/// (16 bytes): n a whole number of them, each of `rows` (the tensors of `R`) and of the
+/// `weights` (no narrower than x) starting 16-byte aligned, and each of `xs` (the tensors
+/// of x's type `T`) aligned to `R`'s pack of its columns: 16 bytes, or 8 for f16/bf16
+/// beside rows of f32. This crate's whole tensors always are (device allocations are
+/// aligned for any type, 256 bytes or more); views and memory of the caller's need not be.
+fn packed_rows<T: Element, R: Element>(n: usize, xs: &[u64], rows: &[u64], weights: &[u64]) -> bool {
+    let x_pack = (crate::plan::pack_len::<R>() as usize * size_of::<T>()) as u64;
+    (n * size_of::<R>()).is_multiple_of(16)
+        && xs.iter().all(|a| a.is_multiple_of(x_pack))
+        && rows.iter().chain(weights).all(|a| a.is_multiple_of(16))
+}
+
+/// A device buffer's address. Where the context tracks events, `device_ptr` records a read
+/// on `stream`, which the launch that follows does anyway.
+fn address<E>(v: &impl DevicePtr<E>, stream: &cudarc::driver::CudaStream) -> u64 {
+    let (address, _record) = v.device_ptr(stream);
+    address
 }

@@ -51,9 +51,11 @@ pub use borrowed::{BorrowedTensor, BorrowedTensorMut};
 /// The CUDA driver bindings this crate uses (for [`Device::cuda_stream`]).
 pub use cudarc;
 pub use device::Device;
-pub use element::{Element, Weight};
+pub use element::{Element, F32Stream, Weight};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
-pub use layer_norm::{BackwardMode, BorrowedGradients, Context, Gradients, LayerNorm, MAX_DIM};
+pub use layer_norm::{
+    BackwardMode, BorrowedGradients, Context, F32StreamContext, Gradients, LayerNorm, MAX_DIM,
+};
 pub use rms_norm::RmsNorm;
 pub use tensor::Tensor;

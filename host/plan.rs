@@ -24,13 +24,15 @@
 //!   memory where it fits.
 //! - Backward with a residual's dsum: as above, but for 16-bit rows with 16-bit weights the
 //!   general cluster kernel only (their held cluster kernels take no dsum).
+//! - A residual stream kept in f32 beside f16/bf16 x ([`plan_f32_stream`]): the residual
+//!   forward and the backward as for f32 rows, without clusters or staged rows.
 
 pub use crate::layout::registry::{Arch, DTYPE_BYTES, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
     BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PIPE_HELD, SCRATCH_BYTES,
 };
 
-use crate::element::{Element, Weight};
+use crate::element::{Element, F32Stream, Weight, pair_of};
 use crate::error::{Error, Result};
 
 /// What the planner needs of a device.
@@ -120,12 +122,42 @@ pub fn plan<T: Element, W: Weight<T>>(
     aligned: bool,
     limits: DeviceLimits,
 ) -> Result<Plan> {
-    let planner = Planner::<T> {
+    plan_rows::<T>(TYPE_PAIRS[W::PAIR], rows, n, pass, aligned, limits)
+}
+
+/// As [`plan`], for x of `T` whose residual stream is kept in f32 ([`F32Stream`]): the
+/// residual forward and the backward walk rows of f32 (s), with x, y, dy and dx read and
+/// written four columns at a time beside them, and are planned as f32 rows are, but
+/// without the cluster kernels and without staging rows in shared memory (their kernels
+/// have neither). The plain forward is x's own ([`plan`]).
+pub fn plan_f32_stream<T: F32Stream, W: Weight<T>>(
+    rows: u32,
+    n: u32,
+    pass: Pass,
+    aligned: bool,
+    limits: DeviceLimits,
+) -> Result<Plan> {
+    match pass {
+        Pass::Forward => plan::<T, W>(rows, n, pass, aligned, limits),
+        _ => plan_rows::<f32>(TYPE_PAIRS[pair_of::<T, W, f32>()], rows, n, pass, aligned, limits),
+    }
+}
+
+/// The plan of kernels of `pair` whose rows (x, or a residual forward's s) are of `R`.
+pub(crate) fn plan_rows<R: Element>(
+    pair: TypePair,
+    rows: u32,
+    n: u32,
+    pass: Pass,
+    aligned: bool,
+    limits: DeviceLimits,
+) -> Result<Plan> {
+    let planner = Planner::<R> {
         few_rows: rows <= limits.sm_count,
         n,
         aligned,
         limits,
-        pair: TYPE_PAIRS[W::PAIR],
+        pair,
         ty: std::marker::PhantomData,
     };
     match pass {
@@ -142,7 +174,8 @@ struct Planner<T> {
     n: u32,
     aligned: bool,
     limits: DeviceLimits,
-    /// The kernels' types: x's (`T`) and the weights'.
+    /// The kernels' types: x's, the weights' and the rows' (`T`: x's, or f32 for a residual
+    /// stream kept in f32).
     pair: TypePair,
     ty: std::marker::PhantomData<T>,
 }
@@ -245,7 +278,7 @@ impl<T: Element> Planner<T> {
         let staged = crate::layout::staged_smem(self.n / pack_len::<T>(), plan.threads, copies);
         let holds = warp || self.fits(self.n, ranks, FWD_HELD);
         Plan {
-            smem: if !holds && staged <= self.limits.max_smem {
+            smem: if !holds && staged <= self.limits.max_smem && !self.pair.wide_stream() {
                 staged
             } else {
                 SCRATCH_BYTES
@@ -290,7 +323,7 @@ impl<T: Element> Planner<T> {
     /// fewest blocks whose slices fit: fewer blocks wait at each row's cluster barrier.
     fn cluster(&self, dsum: bool) -> Option<Plan> {
         let n = self.n;
-        if self.limits.arch != Arch::Sm90 || warp_rows(n) {
+        if self.limits.arch != Arch::Sm90 || warp_rows(n) || self.pair.wide_stream() {
             return None;
         }
         let packs = n.div_ceil(pack_len::<T>());

@@ -10,9 +10,9 @@ use ndarray::ArrayView1;
 
 use crate::borrowed::{BorrowedTensor, BorrowedTensorMut};
 use crate::device::Device;
-use crate::element::{Element, Weight};
+use crate::element::{Element, F32Stream, Weight};
 use crate::error::Result;
-use crate::layer_norm::{BackwardMode, BorrowedGradients, Context, Gradients, LayerNorm};
+use crate::layer_norm::{BackwardMode, BorrowedGradients, Context, F32StreamContext, Gradients, LayerNorm};
 use crate::plan::Norm;
 use crate::tensor::Tensor;
 
@@ -200,5 +200,56 @@ impl<T: Element, W: Weight<T>> RmsNorm<T, W> {
         grads: &mut BorrowedGradients<'_, T, W>,
     ) -> Result<()> {
         self.op.backward_residual_borrowed(ctx, dy, dsum, grads)
+    }
+}
+
+/// The residual stream kept in f32 beside f16 or bf16 x, as [`LayerNorm`]'s
+/// `forward_residual_f32` keeps it.
+impl<T: F32Stream, W: Weight<T>> RmsNorm<T, W> {
+    /// As [`LayerNorm::forward_residual_f32`]: s = x + residual in f32 (not rounded),
+    /// y = RMSNorm(s) in x's type; returns y, s and the context (of s).
+    pub fn forward_residual_f32(
+        &self,
+        x: &Tensor<T>,
+        residual: &Tensor<f32>,
+    ) -> Result<(Tensor<T>, Tensor<f32>, F32StreamContext<T>)> {
+        self.op.forward_residual_f32(x, residual)
+    }
+
+    /// As [`RmsNorm::forward_residual_f32`], into `y` and `sum` (x's shape).
+    pub fn forward_residual_f32_into(
+        &self,
+        x: &Tensor<T>,
+        residual: &Tensor<f32>,
+        y: &mut Tensor<T>,
+        sum: &mut Tensor<f32>,
+    ) -> Result<F32StreamContext<T>> {
+        self.op.forward_residual_f32_into(x, residual, y, sum)
+    }
+
+    /// The backward of [`RmsNorm::forward_residual_f32`] (as
+    /// [`LayerNorm::backward_residual_f32`]): the gradients, whose dx is x's, and the
+    /// residual's gradient in f32.
+    pub fn backward_residual_f32(
+        &self,
+        ctx: &F32StreamContext<T>,
+        dy: &Tensor<T>,
+        dsum: Option<&Tensor<f32>>,
+    ) -> Result<(Gradients<T, W>, Tensor<f32>)> {
+        self.op.backward_residual_f32(ctx, dy, dsum)
+    }
+
+    /// As [`RmsNorm::backward_residual_f32`], into `grads` (its `dbeta` must be `None`) and
+    /// `d_residual` (dy's shape).
+    pub fn backward_residual_f32_into(
+        &self,
+        ctx: &F32StreamContext<T>,
+        dy: &Tensor<T>,
+        dsum: Option<&Tensor<f32>>,
+        grads: &mut Gradients<T, W>,
+        d_residual: &mut Tensor<f32>,
+    ) -> Result<()> {
+        self.op
+            .backward_residual_f32_into(ctx, dy, dsum, grads, d_residual)
     }
 }

@@ -17,8 +17,8 @@ mod layout;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use layernorm_cuda::plan::{Arch, DeviceLimits, Pass, Plan, Variant, plan};
-use layernorm_cuda::{Element, Weight, bf16, f16};
+use layernorm_cuda::plan::{Arch, DeviceLimits, Pass, Plan, Variant, plan, plan_f32_stream};
+use layernorm_cuda::{Element, F32Stream, Weight, bf16, f16};
 
 /// (type pair, pass, n) the GPU tests run on whole tensors (aligned where n is whole
 /// packs): every shape of `common::SHAPES` in every type pair (tests/weights.rs runs the
@@ -61,6 +61,12 @@ fn plan_of<T: Element, W: Weight<T>>(rows: u32, n: u32, pass: Pass, limits: Devi
     plan::<T, W>(rows, n, pass, n.is_multiple_of(pack), limits).unwrap()
 }
 
+/// As [`plan_of`], with the residual stream in f32 (rows of f32: aligned where n is whole
+/// packs of f32).
+fn stream_plan_of<T: F32Stream, W: Weight<T>>(rows: u32, n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
+    plan_f32_stream::<T, W>(rows, n, pass, n.is_multiple_of(4), limits).unwrap()
+}
+
 /// Rows enough that every multiprocessor has several: the planner's rules for throughput.
 const MANY: u32 = 4096;
 
@@ -74,6 +80,10 @@ fn reached(limits: DeviceLimits) -> BTreeSet<String> {
                 "bf16" => plan_of::<bf16, bf16>(MANY, n, pass, limits),
                 "f16_f32w" => plan_of::<f16, f32>(MANY, n, pass, limits),
                 "bf16_f32w" => plan_of::<bf16, f32>(MANY, n, pass, limits),
+                "f16_f32s" => stream_plan_of::<f16, f16>(MANY, n, pass, limits),
+                "bf16_f32s" => stream_plan_of::<bf16, bf16>(MANY, n, pass, limits),
+                "f16_f32w_f32s" => stream_plan_of::<f16, f32>(MANY, n, pass, limits),
+                "bf16_f32w_f32s" => stream_plan_of::<bf16, f32>(MANY, n, pass, limits),
                 other => panic!("a type pair this test does not know: {other}"),
             };
             format!("{:?}", p.variant)
@@ -343,4 +353,35 @@ fn layout_arch(arch: Arch) -> layout::registry::Arch {
         Arch::Sm80 => layout::registry::Arch::Sm80,
         Arch::Sm90 => layout::registry::Arch::Sm90,
     }
+}
+
+/// With the residual stream in f32, the residual passes plan rows of f32 without the
+/// cluster kernels and without staging (those kernels have neither), and on sm_80 the held
+/// stage 1 within its 256-thread bound.
+#[test]
+fn f32_stream_plans_have_no_clusters_or_staging() {
+    for limits in [DeviceLimits::A100, DeviceLimits::H100] {
+        for n in [1, 1024, 4096, 8192, 12289, 32768, 65536, 262144] {
+            for pass in [Pass::ForwardResidual, Pass::Backward, Pass::BackwardResidual] {
+                let p = stream_plan_of::<bf16, f32>(MANY, n, pass, limits);
+                assert_eq!(p.variant.cluster(), 1, "n = {n}, {pass:?}: {p:?}");
+                if pass == Pass::ForwardResidual {
+                    assert_eq!(p.smem, 512, "n = {n}: the scratch alone, {p:?}");
+                }
+                if limits.arch == Arch::Sm80
+                    && matches!(p.variant, Variant::BwdHeldWarp | Variant::BwdHeldBlock)
+                {
+                    assert!(p.threads * p.stacked <= 256, "n = {n}: {p:?}");
+                }
+            }
+        }
+    }
+    // f16 N = 4096 in f32 rows: 1024 packs, four a rank on 256 ranks, held.
+    let p = stream_plan_of::<f16, f16>(MANY, 4096, Pass::Backward, DeviceLimits::H100);
+    assert_eq!((p.variant, p.threads), (Variant::BwdHeldBlock, 256));
+    // Plain forwards of these types are x's own.
+    assert_eq!(
+        stream_plan_of::<f16, f16>(MANY, 4096, Pass::Forward, DeviceLimits::H100),
+        plan_of::<f16, f16>(MANY, 4096, Pass::Forward, DeviceLimits::H100)
+    );
 }

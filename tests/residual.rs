@@ -5,7 +5,9 @@
 //!   gradient through s plus dsum (with and without a dsum), dgamma and dbeta as well;
 //! - without a dsum, the residual backward is the plain backward of the same context, to the
 //!   bit (the context holds s);
-//! - the shapes and dtypes it is given are checked, with typed errors.
+//! - the shapes and dtypes it is given are checked, with typed errors;
+//! - with the residual stream kept in f32 beside f16/bf16 x (`forward_residual_f32`): s
+//!   unrounded, y and the gradients against the reference, dx the f32 gradient rounded once.
 
 mod common;
 
@@ -13,7 +15,7 @@ use common::{
     Problem, Rng, SHAPES, gpu_or_skip, random_matrix, rel_err, rel_err_at_least, to_f64, tolerance,
 };
 use layernorm_cuda::{
-    BackwardMode, Device, Element, Error, Gradients, LayerNorm, RmsNorm, Weight, bf16, f16,
+    BackwardMode, Device, Element, Error, F32Stream, Gradients, LayerNorm, RmsNorm, Weight, bf16, f16,
 };
 use layernorm_reference as reference;
 use ndarray::{Array1, Array2, Zip};
@@ -291,6 +293,215 @@ fn bad_residual_arguments_are_refused() {
         assert!(matches!(
             op.backward_residual(&ctx, &x, Some(&short)),
             Err(Error::Shape { what: "dsum", .. })
+        ));
+    }
+}
+
+/// The residual stream kept in f32 beside f16/bf16 x (`forward_residual_f32`,
+/// `backward_residual_f32`): s is x + residual in f32, to the bit (not rounded to x's
+/// type); y, dgamma and dbeta against the reference of the norm of that s; the residual's
+/// gradient (f32) against the reference's dx through s plus dsum, and dx (x's type) that
+/// gradient rounded once, to the bit.
+fn check_f32_stream<T: F32Stream, W: Weight<T>>(
+    device: &Device,
+    norm: Norm,
+    mode: BackwardMode,
+    rows: usize,
+    n: usize,
+    seed: u64,
+) {
+    let c = Case::<T, W>::random(rows, n, seed);
+    let mut rng = Rng::new(seed ^ 0xf32);
+    let (residual, dsum) = (
+        random_matrix::<f32>(&mut rng, rows, n),
+        random_matrix::<f32>(&mut rng, rows, n),
+    );
+    let with_dsum = seed.is_multiple_of(2);
+    let what = format!(
+        "{norm:?} {} f32 stream {mode:?} [{rows}, {n}] dsum {with_dsum}",
+        T::NAME
+    );
+    let (x, dy) = (
+        device.upload(c.p.x.view()).unwrap(),
+        device.upload(c.p.dy.view()).unwrap(),
+    );
+    let (residual_d, dsum_d) = (
+        device.upload(residual.view()).unwrap(),
+        device.upload(dsum.view()).unwrap(),
+    );
+    let dsum_arg = with_dsum.then_some(&dsum_d);
+    macro_rules! forward_backward {
+        ($op:expr) => {{
+            let op = $op.unwrap().with_backward_mode(mode).unwrap();
+            let (y, sum, ctx) = op.forward_residual_f32(&x, &residual_d).unwrap();
+            let (grads, d_residual) = op.backward_residual_f32(&ctx, &dy, dsum_arg).unwrap();
+            (y, sum, grads, d_residual)
+        }};
+    }
+    let (y, sum, grads, d_residual) = match norm {
+        Norm::Layer => forward_backward!(LayerNorm::<T, W>::from_arrays(
+            device,
+            c.p.gamma.view(),
+            c.p.beta.view(),
+            EPS
+        )),
+        Norm::Rms => forward_backward!(RmsNorm::<T, W>::from_array(device, c.p.gamma.view(), EPS)),
+    };
+    let sum = sum.to_array2().unwrap();
+    let mut expected_sum = residual.clone();
+    Zip::from(&mut expected_sum)
+        .and(&c.p.x)
+        .for_each(|s, &x| *s += x.to_f32());
+    assert_eq!(
+        bits(sum.as_slice().unwrap()),
+        bits(expected_sum.as_slice().unwrap()),
+        "{what}: s = x + residual in f32"
+    );
+
+    let s = to_f64(sum.view());
+    let (gamma, beta, dy64) = (
+        to_f64(c.p.gamma.view()),
+        to_f64(c.p.beta.view()),
+        to_f64(c.p.dy.view()),
+    );
+    let eps = EPS as f64;
+    let (y_ref, (mut dx_ref, dgamma_ref, dbeta_ref)) = match norm {
+        Norm::Layer => (
+            reference::forward(s.view(), gamma.view(), beta.view(), eps).0,
+            reference::backward(s.view(), dy64.view(), gamma.view(), eps),
+        ),
+        Norm::Rms => (reference::rms_forward(s.view(), gamma.view(), eps).0, {
+            let (dx, dgamma) = reference::rms_backward(s.view(), dy64.view(), gamma.view(), eps);
+            (dx, dgamma, Array1::zeros(n))
+        }),
+    };
+    if with_dsum {
+        dx_ref += &to_f64(dsum.view());
+    }
+    let tol = tolerance::<T>();
+    let e = rel_err(y.to_array2().unwrap().view(), y_ref.view());
+    assert!(e < tol, "{what}: y rel err {e:e}");
+    let floor = dy64.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let d_residual = d_residual.to_array2().unwrap();
+    let e = rel_err_at_least(d_residual.view(), dx_ref.view(), floor);
+    assert!(e < tolerance::<f32>(), "{what}: d_residual rel err {e:e}");
+    let dx = grads.dx.to_array2().unwrap();
+    let rounded: Vec<T> = d_residual.iter().map(|&v| T::from_f32(v)).collect();
+    assert_eq!(
+        bits(dx.as_slice().unwrap()),
+        bits(&rounded),
+        "{what}: dx = d_residual rounded once"
+    );
+    let dgamma = grads.dgamma.as_ref().unwrap().to_array1().unwrap();
+    let e = rel_err_at_least(dgamma.view(), dgamma_ref.view(), floor);
+    assert!(e < tol, "{what}: dgamma rel err {e:e}");
+    if norm == Norm::Layer {
+        let dbeta = grads.dbeta.as_ref().unwrap().to_array1().unwrap();
+        let e = rel_err_at_least(dbeta.view(), dbeta_ref.view(), floor);
+        assert!(e < tol, "{what}: dbeta rel err {e:e}");
+    } else {
+        assert!(grads.dbeta.is_none(), "{what}: RMSNorm has no dbeta");
+    }
+}
+
+/// Every norm, mode and shape of the f32 stream for x of `T` and weights of `W`.
+fn check_all_f32_stream<T: F32Stream, W: Weight<T>>(device: &Device) {
+    let mut seed = 500;
+    for norm in [Norm::Layer, Norm::Rms] {
+        for mode in MODES {
+            for &(rows, n) in SHAPES {
+                seed += 1;
+                check_f32_stream::<T, W>(device, norm, mode, rows, n, seed);
+            }
+        }
+    }
+}
+
+/// A CPU and a GPU test per type pair with the stream in f32.
+macro_rules! f32_stream_against_reference {
+    ($($pair:ident: $t:ty, $w:ty;)*) => {$(
+        mod $pair {
+            use super::*;
+
+            #[test]
+            fn cpu_f32_stream_matches_the_reference() {
+                check_all_f32_stream::<$t, $w>(&Device::cpu());
+            }
+
+            #[test]
+            fn gpu_f32_stream_matches_the_reference() {
+                let Some(gpu) = gpu_or_skip() else { return };
+                check_all_f32_stream::<$t, $w>(&gpu);
+            }
+        }
+    )*};
+}
+
+mod f32_stream {
+    use super::*;
+
+    f32_stream_against_reference! {
+        f16_f16: f16, f16;
+        bf16_bf16: bf16, bf16;
+        f16_f32: f16, f32;
+        bf16_f32: bf16, f32;
+    }
+}
+
+/// Rows long enough for the f32-stream kernels' block teams to hold s in registers
+/// (bf16 n = 12288) and to stream it (f16 n = 65536; these kernels stage nothing), one of
+/// odd length, with a dsum and without.
+#[test]
+fn gpu_f32_stream_long_rows_match_the_reference() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    for (norm, seed) in [(Norm::Layer, 2000), (Norm::Rms, 2001)] {
+        check_f32_stream::<bf16, bf16>(&gpu, norm, BackwardMode::Deterministic, 2, 12288, seed);
+        check_f32_stream::<bf16, f32>(&gpu, norm, BackwardMode::Deterministic, 1, 12289, seed + 1);
+        check_f32_stream::<f16, f16>(&gpu, norm, BackwardMode::Locked { groups: None }, 2, 65536, seed);
+    }
+}
+
+/// The f32 stream's arguments are checked as the plain residual's are: a residual, dsum or
+/// d_residual of another shape is a typed error.
+#[test]
+fn bad_f32_stream_arguments_are_refused() {
+    let mut devices = vec![Device::cpu()];
+    devices.extend(gpu_or_skip());
+    for device in &devices {
+        let op = LayerNorm::<bf16>::from_arrays(
+            device,
+            Array1::from_elem(8, bf16::ONE).view(),
+            Array1::from_elem(8, bf16::ZERO).view(),
+            EPS,
+        )
+        .unwrap();
+        let x = device
+            .upload(Array2::from_elem((4, 8), bf16::ONE).view())
+            .unwrap();
+        let residual = device
+            .upload(Array2::<f32>::from_elem((4, 8), 0.5).view())
+            .unwrap();
+        let short = device.upload(Array2::<f32>::ones((3, 8)).view()).unwrap();
+        assert!(matches!(
+            op.forward_residual_f32(&x, &short),
+            Err(Error::Shape { what: "residual", .. })
+        ));
+        let (_, s, ctx) = op.forward_residual_f32(&x, &residual).unwrap();
+        assert_eq!(s.to_vec().unwrap(), vec![1.5f32; 32]);
+        assert!(matches!(
+            op.backward_residual_f32(&ctx, &x, Some(&short)),
+            Err(Error::Shape { what: "dsum", .. })
+        ));
+        let mut grads = op
+            .backward_residual(&op.forward(&x).unwrap().1, &x, None)
+            .unwrap();
+        let mut wrong = device.zeros::<f32>(&[4, 9]).unwrap();
+        assert!(matches!(
+            op.backward_residual_f32_into(&ctx, &x, None, &mut grads, &mut wrong),
+            Err(Error::Shape {
+                what: "d_residual",
+                ..
+            })
         ));
     }
 }

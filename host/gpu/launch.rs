@@ -11,7 +11,7 @@ use cudarc::driver::{
 
 use super::Gpu;
 use super::module::Kernel;
-use crate::element::{Element, Weight};
+use crate::element::{Element, Weight, pair_of};
 use crate::error::{DriverContext, Error, Result};
 use crate::plan::{Norm, Variant, pack_len};
 
@@ -82,6 +82,10 @@ struct ByValue<P>(P);
 // that the kernels declare, from the same source, as one by-value parameter.
 unsafe impl<P: KernelParams> DeviceRepr for ByValue<P> {}
 
+/// cudarc's guards for a launch's buffers (None for a buffer it is not given), to be dropped
+/// after the launch is queued.
+type Guards<'a, const N: usize> = [Option<SyncOnDrop<'a>>; N];
+
 /// The address of a buffer a kernel reads, and cudarc's guard for that use, to be dropped
 /// after the launch is queued.
 fn input<'a, T>(gpu: &'a Gpu, buffer: &'a impl DevicePtr<T>) -> (In<T>, SyncOnDrop<'a>) {
@@ -102,14 +106,14 @@ fn require(cond: bool, what: &str) {
     assert!(cond, "layernorm-cuda bug: launch buffer too small ({what})");
 }
 
-/// Forward: the arguments of `<norm>_fwd_<kind>_<types>`, x of type `T` and the weights of
-/// `W`. Inputs are views, which may start at any element (the kernels check each row's
-/// alignment).
-pub(crate) struct Forward<'a, T, W> {
+/// Forward: the arguments of `<norm>_fwd_<kind>_<types>`, x of type `T`, the weights of
+/// `W`, and a residual stream of `R` (`T`, or f32 beside f16 and bf16). Inputs are views,
+/// which may start at any element (the kernels check each row's alignment).
+pub(crate) struct Forward<'a, T, W, R = T> {
     pub(crate) x: CudaView<'a, T>,
     /// The residual add: the residual, and s = x + residual out (`[rows, n]` each), which
     /// the kernel then normalizes.
-    pub(crate) residual: Option<(CudaView<'a, T>, CudaViewMut<'a, T>)>,
+    pub(crate) residual: Option<(CudaView<'a, R>, CudaViewMut<'a, R>)>,
     pub(crate) gamma: CudaView<'a, W>,
     pub(crate) beta: CudaView<'a, W>,
     pub(crate) y: CudaViewMut<'a, T>,
@@ -120,8 +124,9 @@ pub(crate) struct Forward<'a, T, W> {
     pub(crate) eps: f32,
     /// Added to each gamma_j as the kernels read it (`params::Forward::gamma_offset`).
     pub(crate) gamma_offset: f32,
-    /// Every row of x and y, gamma and beta start 16-byte aligned (aligned views and n a
-    /// whole number of packs).
+    /// Every row of x and y, gamma and beta (and of the residual and s) starts aligned to
+    /// a pack of the rows' type (16 bytes; 8 for x and y of f16/bf16 beside a stream of f32),
+    /// and n is a whole number of packs.
     pub(crate) packed: bool,
     /// LayerNorm's kernels or RMSNorm's.
     pub(crate) norm: Norm,
@@ -136,11 +141,11 @@ pub(crate) fn fits_held<T: Element>(team: Team, threads: u32, cols: u32, held: u
 
 /// Queues the forward kernel `f`, which the caller picked for `a` and `launch` (a
 /// pipelined one only where `a.packed` and its rows [`fits_held`] `PIPE_HELD`).
-pub(crate) fn forward<T: Element, W: Weight<T>>(
+pub(crate) fn forward<T: Element, W: Weight<T>, R: Element>(
     gpu: &Gpu,
     f: &Kernel,
     launch: Launch,
-    mut a: Forward<'_, T, W>,
+    mut a: Forward<'_, T, W, R>,
 ) -> Result<()> {
     let (rows, n) = (a.rows as usize, a.n as usize);
     require(a.x.len() >= rows * n && a.y.len() >= rows * n, "x/y");
@@ -188,31 +193,35 @@ pub(crate) fn forward<T: Element, W: Weight<T>>(
     Ok(())
 }
 
-/// Backward stage 1's common arguments (inputs as views, as for [`Forward`]).
-pub(crate) struct Backward<'a, T, W> {
-    pub(crate) x: CudaView<'a, T>,
+/// Backward stage 1's common arguments (inputs as views, as for [`Forward`]): x (or a
+/// residual forward's s), dsum and dres of the rows' type `R`, the rest as [`Forward`]'s.
+pub(crate) struct Backward<'a, T, W, R = T> {
+    pub(crate) x: CudaView<'a, R>,
     pub(crate) dy: CudaView<'a, T>,
     /// The gradient reaching a residual forward's s from elsewhere, which dx includes.
-    pub(crate) dsum: Option<CudaView<'a, T>>,
+    pub(crate) dsum: Option<CudaView<'a, R>>,
     pub(crate) gamma: CudaView<'a, W>,
     /// As [`Forward::gamma_offset`].
     pub(crate) gamma_offset: f32,
     pub(crate) mean: CudaView<'a, f32>,
     pub(crate) rstd: CudaView<'a, f32>,
     pub(crate) dx: CudaViewMut<'a, T>,
+    /// With a residual stream wider than x (f32 beside f16/bf16): dx again, unrounded, as
+    /// the residual's gradient. The kernels of one type have no code for it: None there.
+    pub(crate) dres: Option<CudaViewMut<'a, R>>,
     pub(crate) rows: u32,
     pub(crate) n: u32,
-    /// Every row of x, dy and dx, and gamma, start 16-byte aligned (aligned views and n a
-    /// whole number of packs).
+    /// Every row of x, dy and dx (dsum and dres too), and gamma, starts aligned to a pack
+    /// of the rows' type, as [`Forward::packed`] says, and n is a whole number of packs.
     pub(crate) packed: bool,
     /// LayerNorm's kernels or RMSNorm's.
     pub(crate) norm: Norm,
 }
 
-impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
+impl<T: Element, W: Weight<T>, R: Element> Backward<'_, T, W, R> {
     /// Every stage 1's first parameter, and cudarc's guards for its buffers (to be dropped
     /// after the launch is queued).
-    fn params<'s>(&'s mut self, gpu: &'s Gpu) -> (ByValue<BackwardRows<T, W>>, [Option<SyncOnDrop<'s>>; 7]) {
+    fn params<'s>(&'s mut self, gpu: &'s Gpu) -> (ByValue<BackwardRows<T, W, R>>, Guards<'s, 8>) {
         let ((x, gx), (dy, gdy), (gamma, ggamma)) =
             (input(gpu, &self.x), input(gpu, &self.dy), input(gpu, &self.gamma));
         let (dsum, gdsum) = match &self.dsum {
@@ -224,6 +233,13 @@ impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
         };
         let ((mean, gmean), (rstd, grstd)) = (input(gpu, &self.mean), input(gpu, &self.rstd));
         let (dx, gdx) = output(gpu, &mut self.dx);
+        let (dres, gdres) = match &mut self.dres {
+            Some(d) => {
+                let (d, g) = output(gpu, d);
+                (d, Some(g))
+            }
+            None => (Out::none(), None),
+        };
         let (rows, n, gamma_offset) = (self.rows, self.n, self.gamma_offset);
         let p = ByValue(BackwardRows {
             x,
@@ -233,6 +249,7 @@ impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
             mean,
             rstd,
             dx,
+            dres,
             rows,
             n,
             gamma_offset,
@@ -247,6 +264,7 @@ impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
                 Some(gmean),
                 Some(grstd),
                 Some(gdx),
+                gdres,
             ],
         )
     }
@@ -280,6 +298,16 @@ impl<T: Element, W: Weight<T>> Backward<'_, T, W> {
         require(self.dx.len() >= rows * n && self.gamma.len() >= n, "dx/gamma");
         require(self.mean.len() >= rows && self.rstd.len() >= rows, "mean/rstd");
         require(self.dsum.as_ref().is_none_or(|d| d.len() >= rows * n), "dsum");
+        require(self.dres.as_ref().is_none_or(|d| d.len() >= rows * n), "dres");
+        require(
+            self.dres.is_some() == (size_of::<R>() > size_of::<T>()),
+            "dres exactly where the stream is wider than x",
+        );
+    }
+
+    /// Its norm's kernels of its types.
+    fn kernels<'g>(&self, gpu: &'g Gpu) -> Result<super::module::TypeKernels<'g>> {
+        gpu.kernels.of_pair(self.norm, pair_of::<T, W, R>())
     }
 }
 
@@ -314,7 +342,7 @@ impl Sums<'_, '_> {
     }
 
     /// The kernels' parameter, and the guards that order the buffers' use on the stream.
-    fn params<'g>(&'g mut self, gpu: &'g Gpu) -> (ByValue<Partials>, [Option<SyncOnDrop<'g>>; 3]) {
+    fn params<'g>(&'g mut self, gpu: &'g Gpu) -> (ByValue<Partials>, Guards<'g, 3>) {
         let ((dgamma, g1), (dbeta, g2)) = (output(gpu, &mut *self.dgamma), output(gpu, &mut *self.dbeta));
         let (words, groups, g3) = match &mut self.locks {
             Some((words, groups)) => {
@@ -336,11 +364,11 @@ impl Sums<'_, '_> {
 
 /// Stage 1, the general kernel: one unit per block. With `local`, each team of a block sums
 /// in its own rows of shared memory after the scratch (warp teams must).
-pub(crate) fn backward_owned<T: Element, W: Weight<T>>(
+pub(crate) fn backward_owned<T: Element, W: Weight<T>, R: Element>(
     gpu: &Gpu,
     team: Team,
     launch: Launch,
-    mut a: Backward<'_, T, W>,
+    mut a: Backward<'_, T, W, R>,
     mut sums: Sums<'_, '_>,
     local: bool,
 ) -> Result<()> {
@@ -354,7 +382,7 @@ pub(crate) fn backward_owned<T: Element, W: Weight<T>>(
         "owned smem",
     );
     require(local || team == Team::Block, "warp teams sum in shared memory");
-    let k = gpu.kernels.of_norm::<T, W>(a.norm)?;
+    let k = a.kernels(gpu)?;
     let f = k.any(if team == Team::Warp {
         Variant::BwdOwnedWarp
     } else {
@@ -376,24 +404,24 @@ pub(crate) fn backward_owned<T: Element, W: Weight<T>>(
 /// Stage 1, rows all held (`a.packed`, and the rows fit `BWD_HELD` packs a rank): one unit
 /// per block, each rank summing its columns' partials in its own shared memory
 /// ([`held_smem`]).
-pub(crate) fn backward_held<T: Element, W: Weight<T>>(
+pub(crate) fn backward_held<T: Element, W: Weight<T>, R: Element>(
     gpu: &Gpu,
     team: Team,
     launch: Launch,
-    a: Backward<'_, T, W>,
+    a: Backward<'_, T, W, R>,
     sums: Sums<'_, '_>,
 ) -> Result<()> {
     a.check();
     require(
-        a.packed && fits_held::<T>(team, launch.threads, a.n, BWD_HELD),
+        a.packed && fits_held::<R>(team, launch.threads, a.n, BWD_HELD),
         "held rows",
     );
     sums.check(launch.blocks, 1, a.n, false);
     require(
-        launch.smem as usize >= held_smem::<T>(launch.threads * launch.stacked),
+        launch.smem as usize >= held_smem::<R>(launch.threads * launch.stacked),
         "held smem",
     );
-    let k = gpu.kernels.of_norm::<T, W>(a.norm)?;
+    let k = a.kernels(gpu)?;
     let f = k.any(if team == Team::Warp {
         Variant::BwdHeldWarp
     } else {
@@ -416,15 +444,16 @@ pub(crate) use crate::layout::owned_local_smem;
 /// each block of a cluster summing one slice of the row in shared memory: held in
 /// registers (`held`, rows all aligned packs; sizes `HELD_CLUSTER_SIZES`) or not (size
 /// [`CLUSTER_SIZE`]).
-pub(crate) fn backward_cluster<T: Element, W: Weight<T>>(
+pub(crate) fn backward_cluster<T: Element, W: Weight<T>, R: Element>(
     gpu: &Gpu,
     held: bool,
     size: u32,
     launch: Launch,
-    a: Backward<'_, T, W>,
+    a: Backward<'_, T, W, R>,
     sums: Sums<'_, '_>,
 ) -> Result<()> {
     a.check();
+    require(size_of::<R>() == size_of::<T>(), "cluster rows of x's own type");
     let takes_dsum = |v: Variant| v.takes_dsum(size_of::<T>(), size_of::<W>());
     let variant = if held {
         Variant::cluster_held(size)
@@ -437,7 +466,7 @@ pub(crate) fn backward_cluster<T: Element, W: Weight<T>>(
     );
     require(launch.blocks.is_multiple_of(size), "whole clusters");
     sums.check(launch.blocks / size, size, a.n, false);
-    let k = gpu.kernels.of_norm::<T, W>(a.norm)?;
+    let k = a.kernels(gpu)?;
     let (kernel, smem) = if held {
         let slice = cluster_slice::<T>(a.n, size);
         let slice_fits = a.packed && fits_held::<T>(Team::Block, launch.threads, slice, BWD_HELD);

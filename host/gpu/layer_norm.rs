@@ -12,9 +12,9 @@ use cudarc::driver::CudaViewMut;
 use super::Gpu;
 use super::launch::{self, Backward, Forward, Launch, Sums, Team};
 use super::module::Kernel;
-use crate::element::{Element, Weight};
+use crate::element::{Element, Weight, pair_of};
 use crate::error::Result;
-use crate::plan::{Pass, Plan, Variant, plan};
+use crate::plan::{Pass, Plan, TYPE_PAIRS, Variant, plan_rows};
 
 /// The team of a planned kernel.
 fn team_of(plan: &Plan) -> Team {
@@ -59,15 +59,23 @@ fn balanced(launch: Launch, rows: u32, team: Team) -> Launch {
     }
 }
 
-/// Queues the forward of `[rows, n]` (rows, n >= 1).
-pub(crate) fn forward<T: Element, W: Weight<T>>(gpu: &Gpu, a: Forward<'_, T, W>) -> Result<()> {
-    let pass = if a.residual.is_some() {
-        Pass::ForwardResidual
+/// Queues the forward of `[rows, n]` (rows, n >= 1), with a residual stream of `R` where
+/// there is a residual (planned as rows of `R`: `crate::plan::plan_f32_stream`).
+pub(crate) fn forward<T: Element, W: Weight<T>, R: Element>(
+    gpu: &Gpu,
+    a: Forward<'_, T, W, R>,
+) -> Result<()> {
+    let (pass, pair) = if a.residual.is_some() {
+        (Pass::ForwardResidual, pair_of::<T, W, R>())
     } else {
-        Pass::Forward
+        (Pass::Forward, W::PAIR)
     };
-    let plan = plan::<T, W>(a.rows, a.n, pass, a.packed, gpu.kernels.limits)?;
-    let kernel = gpu.kernels.of_norm::<T, W>(a.norm)?.any(plan.variant);
+    let plan = if pass == Pass::Forward {
+        plan_rows::<T>(TYPE_PAIRS[pair], a.rows, a.n, pass, a.packed, gpu.kernels.limits)?
+    } else {
+        plan_rows::<R>(TYPE_PAIRS[pair], a.rows, a.n, pass, a.packed, gpu.kernels.limits)?
+    };
+    let kernel = gpu.kernels.of_pair(a.norm, pair)?.any(plan.variant);
     let launch = resident(gpu, kernel, a.rows, &plan)?;
     launch::forward(gpu, kernel, launch, a)
 }
@@ -95,11 +103,12 @@ pub(crate) enum Reduction {
     Locked { groups: u32 },
 }
 
-/// Queues the backward of `[rows, n]` (rows, n >= 1): stage 1 then stage 2.
-pub(crate) fn backward<T: Element, W: Weight<T>>(
+/// Queues the backward of `[rows, n]` (rows, n >= 1) of rows of `R` (x, or a residual
+/// forward's s): stage 1 then stage 2.
+pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
     gpu: &Gpu,
     mode: Reduction,
-    stage1: Backward<'_, T, W>,
+    stage1: Backward<'_, T, W, R>,
     mut dgamma: CudaViewMut<'_, W>,
     mut dbeta: CudaViewMut<'_, W>,
 ) -> Result<()> {
@@ -111,9 +120,10 @@ pub(crate) fn backward<T: Element, W: Weight<T>>(
     } else {
         Pass::Backward
     };
-    let plan = plan::<T, W>(rows, n, pass, stage1.packed, gpu.kernels.limits)?;
+    let pair = pair_of::<T, W, R>();
+    let plan = plan_rows::<R>(TYPE_PAIRS[pair], rows, n, pass, stage1.packed, gpu.kernels.limits)?;
     let team = team_of(&plan);
-    let kernels = gpu.kernels.of_norm::<T, W>(stage1.norm)?;
+    let kernels = gpu.kernels.of_pair(stage1.norm, pair)?;
     let kernel = kernels.any(plan.variant);
     // The launch, its units (blocks, or clusters of `slices` blocks: one partial row each in
     // owned mode) and whether its blocks keep their sums in a row of global memory.

@@ -149,14 +149,20 @@ impl KernelTable {
     /// `norm`'s kernels of x of type `T` with weights of type `W`, loading their module
     /// (JIT-compiling its PTX) the first time they are asked for.
     pub(crate) fn of_norm<T: Element, W: Weight<T>>(&self, norm: Norm) -> Result<TypeKernels<'_>> {
-        let slot = &self.modules[norm.index()][W::PAIR];
+        self.of_pair(norm, W::PAIR)
+    }
+
+    /// As [`KernelTable::of_norm`], for the kernels of type pair `pair` (an index into
+    /// `TYPE_PAIRS`): those of a residual stream kept in f32 among them.
+    pub(crate) fn of_pair(&self, norm: Norm, pair: usize) -> Result<TypeKernels<'_>> {
+        let slot = &self.modules[norm.index()][pair];
         if let Some(module) = slot.get() {
             return Ok(TypeKernels { module });
         }
         let _loading = self.loading.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.get().is_none() {
             // Not set by another thread while this one waited: set only here, under the lock.
-            let module = self.load(norm, TYPE_PAIRS[W::PAIR])?;
+            let module = self.load(norm, TYPE_PAIRS[pair])?;
             let _ = slot.set(module);
         }
         let module = slot.get().expect("set above, under the lock");

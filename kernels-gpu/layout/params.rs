@@ -80,10 +80,10 @@ pub unsafe trait KernelParams: Copy {}
 /// 0 for both where there is none).
 #[derive(Clone, Copy)]
 #[repr(C)]
-pub struct Forward<T, W> {
+pub struct Forward<T, W, R = T> {
     pub x: In<T>,
-    pub residual: In<T>,
-    pub sum: Out<T>,
+    pub residual: In<R>,
+    pub sum: Out<R>,
     pub gamma: In<W>,
     pub beta: In<W>,
     pub y: Out<T>,
@@ -101,14 +101,18 @@ pub struct Forward<T, W> {
 /// elsewhere (`[rows, n]` of `T`), which dx then includes.
 #[derive(Clone, Copy)]
 #[repr(C)]
-pub struct BackwardRows<T, W> {
-    pub x: In<T>,
+pub struct BackwardRows<T, W, X = T> {
+    pub x: In<X>,
     pub dy: In<T>,
-    pub dsum: In<T>,
+    pub dsum: In<X>,
     pub gamma: In<W>,
     pub mean: In<f32>,
     pub rstd: In<f32>,
     pub dx: Out<T>,
+    /// With a residual stream of another type than x (f32 beside f16 or bf16), where the
+    /// address is not 0: dx again, in the stream's type (the gradient of the residual,
+    /// which rounding to x's type would cut); address 0 otherwise.
+    pub dres: Out<X>,
     pub rows: u32,
     pub n: u32,
     pub gamma_offset: f32,
@@ -144,9 +148,9 @@ pub struct Reduce<T> {
 }
 
 // SAFETY: `#[repr(C)]`, of 64-bit addresses and 32-bit numbers only (all four impls).
-unsafe impl<T: Copy, W: Copy> KernelParams for Forward<T, W> {}
+unsafe impl<T: Copy, W: Copy, R: Copy> KernelParams for Forward<T, W, R> {}
 // SAFETY: as above.
-unsafe impl<T: Copy, W: Copy> KernelParams for BackwardRows<T, W> {}
+unsafe impl<T: Copy, W: Copy, X: Copy> KernelParams for BackwardRows<T, W, X> {}
 // SAFETY: as above.
 unsafe impl<T: Copy> KernelParams for Reduce<T> {}
 // SAFETY: as above.

@@ -24,6 +24,8 @@
 //! - f32 weights beside f16/bf16 rows cost the kernels that hold rows in registers the
 //!   weights' extra words: the general block forward needs 80 (768), and the held cluster
 //!   kernels 168 (384).
+//! - A residual stream in f32 beside f16/bf16 x: the held stage 1 on sm_80 spilled 12 bytes
+//!   at 168 (384) in LayerNorm and has 255 (256).
 //!
 //! Fewer registers, more blocks resident; `.ci/run`'s ptxas check fails on any spill.
 
@@ -34,53 +36,101 @@ pub const DTYPES: [&str; 3] = ["f32", "f16", "bf16"];
 pub const DTYPE_BYTES: [usize; 3] = [4, 2, 2];
 
 /// The types of one kernel: `x` of x, y, dy and dx, `weights` of gamma, beta and their
-/// gradients (indices into [`DTYPES`]), and `name`, the last part of its name:
+/// gradients, `stream` of a residual forward's residual and s and of the backward's rows
+/// (s) and dsum: x's own, or f32 beside f16 and bf16 x (a residual stream kept in f32);
+/// indices into [`DTYPES`]. `name` is the last part of the kernel's name:
 /// `<norm>_<stem>_<name>`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TypePair {
     pub name: &'static str,
     pub x: usize,
     pub weights: usize,
+    pub stream: usize,
+}
+
+impl TypePair {
+    /// Whether the residual stream is of another type than x (f32 beside f16 or bf16).
+    pub const fn wide_stream(self) -> bool {
+        self.stream != self.x
+    }
 }
 
 /// Every type pair a kernel comes in, in the order the host keeps them: weights of x's own
 /// type, then f32 weights beside f16 and bf16 rows (mixed-precision training keeps its
-/// parameters and their gradients in f32). Stage 2 writes only the weights' gradients and
-/// comes in the first three alone.
-pub const TYPE_PAIRS: [TypePair; 5] = [
+/// parameters and their gradients in f32), then each 16-bit pair with its residual stream
+/// in f32. Stage 2 writes only the weights' gradients and comes in the first three alone;
+/// a stream in f32 has only the kernels that read or write the stream (the residual
+/// forward and the non-cluster stage 1; see [`Variant::has_pair`]).
+pub const TYPE_PAIRS: [TypePair; 9] = [
     TypePair {
         name: "f32",
         x: 0,
         weights: 0,
+        stream: 0,
     },
     TypePair {
         name: "f16",
         x: 1,
         weights: 1,
+        stream: 1,
     },
     TypePair {
         name: "bf16",
         x: 2,
         weights: 2,
+        stream: 2,
     },
     TypePair {
         name: "f16_f32w",
         x: 1,
         weights: 0,
+        stream: 1,
     },
     TypePair {
         name: "bf16_f32w",
         x: 2,
         weights: 0,
+        stream: 2,
+    },
+    TypePair {
+        name: "f16_f32s",
+        x: 1,
+        weights: 1,
+        stream: 0,
+    },
+    TypePair {
+        name: "bf16_f32s",
+        x: 2,
+        weights: 2,
+        stream: 0,
+    },
+    TypePair {
+        name: "f16_f32w_f32s",
+        x: 1,
+        weights: 0,
+        stream: 0,
+    },
+    TypePair {
+        name: "bf16_f32w_f32s",
+        x: 2,
+        weights: 0,
+        stream: 0,
     },
 ];
 
 /// The pair of x of storage type `x` with weights of type `weights` (indices into
 /// [`DTYPES`]), where the kernels have it.
 pub const fn type_pair(x: usize, weights: usize) -> Option<usize> {
+    stream_pair(x, weights, x)
+}
+
+/// The pair of x of type `x`, weights of type `weights` and a residual stream of type
+/// `stream` (indices into [`DTYPES`]), where the kernels have it.
+pub const fn stream_pair(x: usize, weights: usize, stream: usize) -> Option<usize> {
     let mut p = 0;
     while p < TYPE_PAIRS.len() {
-        if TYPE_PAIRS[p].x == x && TYPE_PAIRS[p].weights == weights {
+        let pair = TYPE_PAIRS[p];
+        if pair.x == x && pair.weights == weights && pair.stream == stream {
             return Some(p);
         }
         p += 1;
@@ -181,22 +231,28 @@ pub fn kernels(arch: Arch) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
 /// The kernels that `norm`'s ops on `pair` launch on `arch`, one per variant of the module,
 /// as (norm, variant, type pair) of the kernel's name: `norm`'s own kernel of `pair` where
 /// there is one, else the one that serves it (stage 2: LayerNorm's, of the weights' own
-/// type). What one lazily loaded module of the host holds.
+/// type; for a residual stream in f32, the plain forward of x's pair). A pair with its
+/// stream in f32 has no cluster kernels: its module lacks them, as the sm_80 module does.
+/// What one lazily loaded module of the host holds.
 pub fn kernels_of(arch: Arch, norm: Norm, pair: TypePair) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
     Variant::ALL
         .into_iter()
-        .filter(move |&v| v.in_module(arch))
+        .filter(move |&v| v.in_module(arch) && !(pair.wide_stream() && v.sm90_only()))
         .map(move |v| {
             let owner = if norm.has(v) { norm } else { Norm::Layer };
             let served = if v.has_pair(pair) {
-                pair
+                Some(pair)
+            } else if matches!(v, Variant::BwdReduce) {
+                type_pair(pair.weights, pair.weights).map(|p| TYPE_PAIRS[p])
             } else {
-                match type_pair(pair.weights, pair.weights) {
-                    Some(p) => TYPE_PAIRS[p],
-                    None => panic!("every weight type has kernels of its own pair"),
-                }
+                type_pair(pair.x, pair.weights).map(|p| TYPE_PAIRS[p])
             };
-            (owner, v, served)
+            match served {
+                Some(served) => (owner, v, served),
+                None => panic!(
+                    "every weight type has kernels of its own pair, every x and weights pair its forwards"
+                ),
+            }
         })
 }
 
@@ -343,6 +399,7 @@ impl Variant {
             ) => 512,
             (Variant::BwdOwnedWarp, _) => 512,
             (Variant::BwdOwnedBlock, _) => 512,
+            (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm80) if pair.wide_stream() => 256,
             (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm80) => 384,
             (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm90) => 512,
             (Variant::BwdCluster8, _) if f32 => 384,
@@ -375,8 +432,23 @@ impl Variant {
     }
 
     /// Whether the kernel comes in type pair `pair`: stage 2, which reads f32 partials and
-    /// writes the weights' gradients, only in pairs of one type.
+    /// writes the weights' gradients, only in pairs of one type; with a residual stream in
+    /// f32, only the kernels that read or write it: the residual forward, and stage 1 but
+    /// its cluster kernels.
     pub const fn has_pair(self, pair: TypePair) -> bool {
+        if pair.wide_stream() {
+            return matches!(
+                self,
+                Variant::FwdResidualWarp
+                    | Variant::FwdResidualBlock
+                    | Variant::FwdResidualPipelinedWarp
+                    | Variant::FwdResidualPipelinedBlock
+                    | Variant::BwdOwnedWarp
+                    | Variant::BwdOwnedBlock
+                    | Variant::BwdHeldWarp
+                    | Variant::BwdHeldBlock
+            );
+        }
         !matches!(self, Variant::BwdReduce) || pair.x == pair.weights
     }
 

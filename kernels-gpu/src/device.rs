@@ -299,6 +299,50 @@ pub unsafe fn load_16_cached(p: *const u32) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// Loads 8 bytes from global memory as [`load_16`] loads 16: half a pack of f16/bf16, four
+/// columns, where a row of them is walked four columns at a time beside an f32 row.
+///
+/// # Safety
+/// `p` must be 8-byte aligned and readable for 8 bytes.
+#[inline(always)]
+pub unsafe fn load_8(p: *const u32) -> [u32; 2] {
+    let (a, b): (u32, u32);
+    // SAFETY: the caller guarantees `p` is aligned and readable for 8 bytes.
+    unsafe {
+        asm!("ld.global.cg.v2.u32 {{{a}, {b}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, p = in(reg64) p, options(readonly, nostack));
+    }
+    [a, b]
+}
+
+/// As [`load_8`], through L1 (`ld.global.ca`), as [`load_16_cached`] reads the weights.
+///
+/// # Safety
+/// As for [`load_8`].
+#[inline(always)]
+pub unsafe fn load_8_cached(p: *const u32) -> [u32; 2] {
+    let (a, b): (u32, u32);
+    // SAFETY: the caller guarantees `p` is aligned and readable for 8 bytes.
+    unsafe {
+        asm!("ld.global.ca.v2.u32 {{{a}, {b}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, p = in(reg64) p, options(readonly, nostack));
+    }
+    [a, b]
+}
+
+/// Stores 8 bytes to global memory.
+///
+/// # Safety
+/// `p` must be 8-byte aligned and writable for 8 bytes.
+#[inline(always)]
+pub unsafe fn store_8(p: *mut u32, v: [u32; 2]) {
+    // SAFETY: the caller guarantees `p` is aligned and writable for 8 bytes.
+    unsafe {
+        asm!("st.global.v2.u32 [{p}], {{{a}, {b}}};",
+             p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], options(nostack));
+    }
+}
+
 /// Stores 16 bytes to global memory.
 ///
 /// # Safety

@@ -106,6 +106,41 @@ half_element!(
     device::f32x2_to_bf16x2
 );
 
+/// The raw words of a pack of row type `G`'s columns of `T` at `p`: 16 bytes (`G` = `T`,
+/// or no narrower), or 8 (four f16/bf16 columns beside an f32 row's pack), the rest of the
+/// words zero.
+///
+/// # Safety
+/// The `G::PACK` values at `p` are readable and aligned to their size, 16 or 8 bytes.
+#[inline(always)]
+pub unsafe fn load_pack<G: Element, T>(p: *const T) -> [u32; 4] {
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        if G::PACK * size_of::<T>() == 16 {
+            device::load_16(p as *const u32)
+        } else {
+            let [a, b] = device::load_8(p as *const u32);
+            [a, b, 0, 0]
+        }
+    }
+}
+
+/// Stores the first `G::PACK` values of `words` at `p`, as [`load_pack`] loads them.
+///
+/// # Safety
+/// As for [`load_pack`], writable.
+#[inline(always)]
+pub unsafe fn store_pack<G: Element, T>(p: *mut T, words: [u32; 4]) {
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        if G::PACK * size_of::<T>() == 16 {
+            device::store_16(p as *mut u32, words)
+        } else {
+            device::store_8(p as *mut u32, [words[0], words[1]])
+        }
+    }
+}
+
 /// Reads `len` elements from `row[start..]`: one 16-byte load when `len == T::PACK` (the
 /// address must then be 16-byte aligned), else the single element `row[start]`. Data read
 /// once goes around L1 so that gamma and beta stay there.
@@ -114,11 +149,23 @@ half_element!(
 /// The elements must be in bounds, and a whole pack aligned.
 #[inline(always)]
 pub unsafe fn read<T: Element>(row: *const T, start: u32, len: usize) -> Pack {
-    // SAFETY: the caller guarantees bounds and, for a pack, alignment.
+    // SAFETY: the caller's guarantee.
+    unsafe { read_as::<T, T>(row, start, len) }
+}
+
+/// As [`read`], for values of `T` walked in chunks of row type `G`: a vector load of
+/// `G::PACK` values (16 bytes, or 8 for f16/bf16 beside f32 rows: a residual stream kept
+/// in f32) when `len == G::PACK`, else the single element `row[start]`.
+///
+/// # Safety
+/// The elements must be in bounds, and a vector aligned to its size.
+#[inline(always)]
+pub unsafe fn read_as<G: Element, T: Element>(row: *const T, start: u32, len: usize) -> Pack {
+    // SAFETY: the caller guarantees bounds and, for a vector, alignment.
     unsafe {
         let p = row.add(start as usize);
-        if len == T::PACK {
-            T::unpack(device::load_16(p as *const u32))
+        if len == G::PACK {
+            T::unpack(load_pack::<G, T>(p))
         } else {
             let mut v = [0.0; MAX_PACK];
             v[0] = p.read().to_f32();
@@ -128,13 +175,15 @@ pub unsafe fn read<T: Element>(row: *const T, start: u32, len: usize) -> Pack {
 }
 
 /// As [`read`], for the weights every row uses (gamma, beta), which stay in L1: `len` of
-/// them from `v[start..]`, one, or a whole pack of the row's type, which for f32 weights
-/// beside f16 or bf16 rows is two packs of weights (the row's 8 columns are 32 bytes of f32).
+/// them from `v[start..]`, one, or a whole pack of the row's type `G`, which for f32
+/// weights beside f16 or bf16 rows is two packs of weights (the row's 8 columns are 32
+/// bytes of f32), and for f16/bf16 weights beside f32 rows half of one (8 bytes).
 ///
 /// # Safety
-/// The elements must be in bounds, and `v + start` 16-byte aligned where `len` > 1.
+/// The elements must be in bounds, and `v + start` aligned to the pack's bytes where
+/// `len` > 1 (16, or 8 for four 16-bit weights).
 #[inline(always)]
-pub unsafe fn read_cached<W: Element>(v: *const W, start: u32, len: usize) -> Pack {
+pub unsafe fn read_cached<G: Element, W: Element>(v: *const W, start: u32, len: usize) -> Pack {
     let mut out = [0.0; MAX_PACK];
     // SAFETY: the caller guarantees bounds and, for packs, alignment; pack q of the weights
     // starts q * 16 bytes past the first.
@@ -142,6 +191,9 @@ pub unsafe fn read_cached<W: Element>(v: *const W, start: u32, len: usize) -> Pa
         let p = v.add(start as usize);
         if len == 1 {
             out[0] = p.read().to_f32();
+        } else if G::PACK * size_of::<W>() == 8 {
+            let [a, b] = device::load_8_cached(p as *const u32);
+            out = W::unpack([a, b, 0, 0]);
         } else {
             for q in 0..MAX_PACK / W::PACK {
                 if q * W::PACK < len {
@@ -157,7 +209,7 @@ pub unsafe fn read_cached<W: Element>(v: *const W, start: u32, len: usize) -> Pa
 }
 
 /// Calls `f(at, step, weights)` for each pack of weights over the `len` columns `start..`
-/// (one column, or a whole pack of the row's type): `weights` holds columns `start + at ..
+/// (one column, or a whole pack of row type `G`): `weights` holds columns `start + at ..
 /// start + at + step`, read as [`read_cached`] reads them. For f32 weights beside 8-column
 /// packs of f16 or bf16 that is two calls of four, so that each half's weights are dead
 /// before the next half's are loaded: the kernels that hold rows in registers have no room
@@ -166,7 +218,7 @@ pub unsafe fn read_cached<W: Element>(v: *const W, start: u32, len: usize) -> Pa
 /// # Safety
 /// As for [`read_cached`].
 #[inline(always)]
-pub unsafe fn for_each_weight_pack<W: Element>(
+pub unsafe fn for_each_weight_pack<G: Element, W: Element>(
     v: *const W,
     start: u32,
     len: usize,
@@ -174,14 +226,16 @@ pub unsafe fn for_each_weight_pack<W: Element>(
 ) {
     if len <= W::PACK {
         // SAFETY: the caller's guarantee.
-        return f(0, len, &unsafe { read_cached(v, start, len) });
+        return f(0, len, &unsafe { read_cached::<G, W>(v, start, len) });
     }
     let step = W::PACK;
     for q in 0..MAX_PACK / W::PACK {
         let at = q * step;
         if at < len {
             // SAFETY: the caller's guarantee; `at` is a whole pack of weights into the chunk.
-            f(at, step, &unsafe { read_cached(v, start + at as u32, step) });
+            f(at, step, &unsafe {
+                read_cached::<G, W>(v, start + at as u32, step)
+            });
         }
     }
 }
@@ -192,11 +246,21 @@ pub unsafe fn for_each_weight_pack<W: Element>(
 /// The elements must be in bounds, and a whole pack aligned.
 #[inline(always)]
 pub unsafe fn write<T: Element>(row: *mut T, start: u32, len: usize, v: &Pack) {
-    // SAFETY: the caller guarantees bounds and, for a pack, alignment.
+    // SAFETY: the caller's guarantee.
+    unsafe { write_as::<T, T>(row, start, len, v) }
+}
+
+/// As [`write`], in chunks of row type `G`, as [`read_as`] reads them.
+///
+/// # Safety
+/// The elements must be in bounds, and a vector aligned to its size.
+#[inline(always)]
+pub unsafe fn write_as<G: Element, T: Element>(row: *mut T, start: u32, len: usize, v: &Pack) {
+    // SAFETY: the caller guarantees bounds and, for a vector, alignment.
     unsafe {
         let p = row.add(start as usize);
-        if len == T::PACK {
-            device::store_16(p as *mut u32, T::pack(v))
+        if len == G::PACK {
+            store_pack::<G, T>(p, T::pack(v))
         } else {
             p.write(T::from_f32(v[0]))
         }
@@ -207,4 +271,12 @@ pub unsafe fn write<T: Element>(row: *mut T, start: u32, len: usize, v: &Pack) {
 #[inline(always)]
 pub fn is_pack_aligned<T>(p: *const T) -> bool {
     (p as usize).is_multiple_of(16)
+}
+
+/// True where `p`'s values of `T` can be read in packs of row type `G`'s columns
+/// ([`load_pack`]): 16-byte aligned for a pack of `T`'s own, 8 for four f16/bf16 columns
+/// beside an f32 row.
+#[inline(always)]
+pub fn is_pack_aligned_as<G: Element, T>(p: *const T) -> bool {
+    (p as usize).is_multiple_of(G::PACK * size_of::<T>())
 }

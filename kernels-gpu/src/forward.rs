@@ -58,7 +58,10 @@
 //! measurements.
 
 use crate::device::{fma, sqrt_rn};
-use crate::element::{Element, Pack, for_each_weight_pack, is_pack_aligned, read, read_cached, write};
+use crate::element::{
+    Element, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, read, read_cached, write,
+    write_as,
+};
 use crate::layout::params::Forward;
 use crate::row::{FWD_HELD, Held, Staged, fits, for_each_chunk, values};
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
@@ -171,7 +174,7 @@ struct Affine<W> {
 
 impl<W: Copy> Affine<W> {
     #[inline(always)]
-    fn of<T: Copy>(p: Forward<T, W>) -> Self {
+    fn of<T: Copy, R: Copy>(p: Forward<T, W, R>) -> Self {
         Affine {
             gamma: p.gamma.ptr(),
             beta: p.beta.ptr(),
@@ -202,19 +205,19 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
         // SAFETY: as above; `packed` was checked for every pointer the packed path reads.
         let norm = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
-                forward_row::<T, W, S, CENTERED, true, FWD_HELD>(x_row, affine, y_row, n, eps)
+                forward_row::<T, T, W, S, CENTERED, true, FWD_HELD>(x_row, affine, y_row, n, eps)
             } else if packed && S::HOLDS_PART_OF_LONG_ROWS && staged.holds::<T, S>(n) {
                 forward_row_staged::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps, staged)
             } else if packed {
-                forward_row::<T, W, S, CENTERED, true, 0>(x_row, affine, y_row, n, eps)
+                forward_row::<T, T, W, S, CENTERED, true, 0>(x_row, affine, y_row, n, eps)
             } else {
-                forward_row::<T, W, S, CENTERED, false, 0>(x_row, affine, y_row, n, eps)
+                forward_row::<T, T, W, S, CENTERED, false, 0>(x_row, affine, y_row, n, eps)
             }
         };
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
         unsafe {
-            let norm =
-                norm.unwrap_or_else(|| forward_row_huge::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps));
+            let norm = norm
+                .unwrap_or_else(|| forward_row_huge::<T, T, W, S, CENTERED>(x_row, affine, y_row, n, eps));
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         row += S::count();
@@ -243,12 +246,16 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
 /// As for [`forward_rows`]; `p.residual` and `p.sum` hold `rows * n` elements; a block
 /// team's shared memory past the scratch is its own.
 #[inline(always)]
-unsafe fn forward_rows_residual<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
-    p: Forward<T, W>,
+unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+    p: Forward<Y, W, T>,
 ) {
     let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let (x_staged, residual_staged) = Staged::<PART_HELD>::halves_after(SCRATCH_BYTES);
+    // Rows staged in shared memory only where x and s are of one type: the staging's slots
+    // are packs of x's own.
+    const { assert!(size_of::<T>() >= size_of::<Y>()) };
+    let same_type = size_of::<T>() == size_of::<Y>();
     let packs = n / T::PACK as u32;
     let mut row = S::id();
     while row < rows {
@@ -259,8 +266,8 @@ unsafe fn forward_rows_residual<T: Element, W: Element, S: StatsTeam, const CENT
             p.residual.ptr().wrapping_add(offset),
             p.sum.ptr().wrapping_add(offset),
         );
-        let packed = is_pack_aligned(x_row)
-            && is_pack_aligned(y_row)
+        let packed = is_pack_aligned_as::<T, _>(x_row)
+            && is_pack_aligned_as::<T, _>(y_row)
             && is_pack_aligned(affine.gamma)
             && is_pack_aligned(affine.beta)
             && is_pack_aligned(residual_row)
@@ -272,33 +279,33 @@ unsafe fn forward_rows_residual<T: Element, W: Element, S: StatsTeam, const CENT
         // the packed paths read or write, and `fits` or `holds` for the held and staged.
         let norm = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
-                let held = store_sum::<T, S, FWD_HELD>(
-                    Held::load::<T, S>(x_row, packs),
+                let held = store_sum::<T, Y, S, FWD_HELD>(
+                    Held::load_as::<T, Y, S>(x_row, packs),
                     Held::load::<T, S>(residual_row, packs),
                     sum_row,
                     packs,
                 );
-                add_residual_elements::<T, S>(x_row, residual_row, sum_row, packs * T::PACK as u32, n);
-                normalize_row::<T, W, S, CENTERED, true, FWD_HELD>(&held, s_row, affine, y_row, n, eps)
-            } else if packed && S::HOLDS_PART_OF_LONG_ROWS && x_staged.holds::<T, S>(n) {
+                add_residual_elements::<T, Y, S>(x_row, residual_row, sum_row, packs * T::PACK as u32, n);
+                normalize_row::<T, Y, W, S, CENTERED, true, FWD_HELD>(&held, s_row, affine, y_row, n, eps)
+            } else if packed && same_type && S::HOLDS_PART_OF_LONG_ROWS && x_staged.holds::<T, S>(n) {
                 // Every load of the row in flight at once: the held packs' and both copies.
                 let (xs, rs) = (
-                    Held::<PART_HELD>::load::<T, S>(x_row, packs),
+                    Held::<PART_HELD>::load_as::<T, Y, S>(x_row, packs),
                     Held::<PART_HELD>::load::<T, S>(residual_row, packs),
                 );
-                x_staged.fill_async::<T, S>(x_row, n);
+                x_staged.fill_async::<Y, S>(x_row, n);
                 residual_staged.fill_async::<T, S>(residual_row, n);
-                let held = store_sum::<T, S, PART_HELD>(xs, rs, sum_row, packs);
+                let held = store_sum::<T, Y, S, PART_HELD>(xs, rs, sum_row, packs);
                 crate::device::cp_async_wait_all();
                 x_staged.sum_into::<T, S>(residual_staged, sum_row, n);
-                add_residual_elements::<T, S>(x_row, residual_row, sum_row, packs * T::PACK as u32, n);
-                normalize_staged::<T, W, S, CENTERED>(&held, s_row, affine, y_row, n, eps, x_staged)
+                add_residual_elements::<T, Y, S>(x_row, residual_row, sum_row, packs * T::PACK as u32, n);
+                normalize_staged::<T, Y, W, S, CENTERED>(&held, s_row, affine, y_row, n, eps, x_staged)
             } else if packed {
-                add_residual::<T, S, true>(x_row, residual_row, sum_row, n);
-                forward_row::<T, W, S, CENTERED, true, 0>(s_row, affine, y_row, n, eps)
+                add_residual::<T, Y, S, true>(x_row, residual_row, sum_row, n);
+                forward_row::<T, Y, W, S, CENTERED, true, 0>(s_row, affine, y_row, n, eps)
             } else {
-                add_residual::<T, S, false>(x_row, residual_row, sum_row, n);
-                forward_row::<T, W, S, CENTERED, false, 0>(s_row, affine, y_row, n, eps)
+                add_residual::<T, Y, S, false>(x_row, residual_row, sum_row, n);
+                forward_row::<T, Y, W, S, CENTERED, false, 0>(s_row, affine, y_row, n, eps)
             }
         };
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
@@ -309,7 +316,7 @@ unsafe fn forward_rows_residual<T: Element, W: Element, S: StatsTeam, const CENT
                 if packed {
                     S::sync();
                 }
-                forward_row_huge::<T, W, S, CENTERED>(s_row, affine, y_row, n, eps)
+                forward_row_huge::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, eps)
             });
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
@@ -326,13 +333,13 @@ unsafe fn forward_rows_residual<T: Element, W: Element, S: StatsTeam, const CENT
 /// `sum` is 16-byte aligned and holds `packs` whole packs, the ones `xs` and `rs` hold
 /// this rank's of.
 #[inline(always)]
-unsafe fn store_sum<T: Element, S: Team, const K: usize>(
+unsafe fn store_sum<T: Element, Y: Element, S: Team, const K: usize>(
     xs: Held<K>,
     rs: Held<K>,
     sum: *mut T,
     packs: u32,
 ) -> Held<K> {
-    let s = xs.sum::<T>(&rs);
+    let s = xs.sum::<Y, T>(&rs);
     // SAFETY: the caller's guarantee.
     unsafe { s.store::<T, S>(sum, packs) };
     s
@@ -354,8 +361,8 @@ const SUM_BATCH: usize = 2;
 /// # Safety
 /// x, residual and sum hold the `n`-element row; with `PACKED`, all three 16-byte aligned.
 #[inline(always)]
-unsafe fn add_residual<T: Element, S: StatsTeam, const PACKED: bool>(
-    x: *const T,
+unsafe fn add_residual<T: Element, Y: Element, S: StatsTeam, const PACKED: bool>(
+    x: *const Y,
     residual: *const T,
     sum: *mut T,
     n: u32,
@@ -367,17 +374,17 @@ unsafe fn add_residual<T: Element, S: StatsTeam, const PACKED: bool>(
         // SAFETY: the packs from `first` on are whole and aligned (PACKED).
         let (xs, rs) = unsafe {
             (
-                Held::<SUM_BATCH>::load::<T, S>(x.add(at), left),
+                Held::<SUM_BATCH>::load_as::<T, Y, S>(x.add(at), left),
                 Held::<SUM_BATCH>::load::<T, S>(residual.add(at), left),
             )
         };
         // SAFETY: as above: `left` whole packs from `at` on (held slot c is pack
         // rank + c * size past `first`, as for_each_chunk walks them).
-        unsafe { store_sum::<T, S, SUM_BATCH>(xs, rs, sum.add(at), left) };
+        unsafe { store_sum::<T, Y, S, SUM_BATCH>(xs, rs, sum.add(at), left) };
         first += SUM_BATCH as u32 * S::size();
     }
     // SAFETY: the caller's guarantee.
-    unsafe { add_residual_elements::<T, S>(x, residual, sum, packs * T::PACK as u32, n) };
+    unsafe { add_residual_elements::<T, Y, S>(x, residual, sum, packs * T::PACK as u32, n) };
 }
 
 /// The residual add of elements `from..n` of a row, one at a time, element `from + i` by
@@ -387,8 +394,8 @@ unsafe fn add_residual<T: Element, S: StatsTeam, const PACKED: bool>(
 /// # Safety
 /// x, residual and sum hold the `n`-element row.
 #[inline(always)]
-unsafe fn add_residual_elements<T: Element, S: Team>(
-    x: *const T,
+unsafe fn add_residual_elements<T: Element, Y: Element, S: Team>(
+    x: *const Y,
     residual: *const T,
     sum: *mut T,
     from: u32,
@@ -416,6 +423,7 @@ unsafe fn add_residual_elements<T: Element, S: Team>(
 #[inline(always)]
 unsafe fn forward_row<
     T: Element,
+    Y: Element,
     W: Element,
     S: StatsTeam,
     const CENTERED: bool,
@@ -424,14 +432,14 @@ unsafe fn forward_row<
 >(
     x: *const T,
     affine: Affine<W>,
-    y: *mut T,
+    y: *mut Y,
     n: u32,
     eps: f32,
 ) -> Option<RowNorm> {
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let held = unsafe { Held::<HELD>::load::<T, S>(x, if PACKED { n / T::PACK as u32 } else { 0 }) };
     // SAFETY: `held` holds the row's first packs; the rest as for this function.
-    unsafe { normalize_row::<T, W, S, CENTERED, PACKED, HELD>(&held, x, affine, y, n, eps) }
+    unsafe { normalize_row::<T, Y, W, S, CENTERED, PACKED, HELD>(&held, x, affine, y, n, eps) }
 }
 
 /// [`forward_row`] past its loads: the statistics and y of the row at `x`, whose first
@@ -443,6 +451,7 @@ unsafe fn forward_row<
 #[inline(always)]
 unsafe fn normalize_row<
     T: Element,
+    Y: Element,
     W: Element,
     S: StatsTeam,
     const CENTERED: bool,
@@ -452,7 +461,7 @@ unsafe fn normalize_row<
     held: &Held<HELD>,
     x: *const T,
     affine: Affine<W>,
-    y: *mut T,
+    y: *mut Y,
     n: u32,
     eps: f32,
 ) -> Option<RowNorm> {
@@ -484,7 +493,7 @@ unsafe fn normalize_row<
         RowNorm::of(mean, m2, n, eps)?
     };
     // SAFETY: as for this function.
-    unsafe { write_y::<T, W, S, PACKED, HELD>(held, x, affine, y, n, norm) };
+    unsafe { write_y::<T, Y, W, S, PACKED, HELD>(held, x, affine, y, n, norm) };
     Some(norm)
 }
 
@@ -497,10 +506,10 @@ unsafe fn normalize_row<
 /// # Safety
 /// As [`forward_row`] requires, without alignment.
 #[inline(always)]
-unsafe fn forward_row_huge<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+unsafe fn forward_row_huge<T: Element, Y: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     x: *const T,
     affine: Affine<W>,
-    y: *mut T,
+    y: *mut Y,
     n: u32,
     eps: f32,
 ) -> RowNorm {
@@ -524,7 +533,7 @@ unsafe fn forward_row_huge<T: Element, W: Element, S: StatsTeam, const CENTERED:
     };
     for_each_chunk::<T, S, false, 0>(n, |j, len, _| {
         // SAFETY: as above; the caller's guarantee for y, gamma and beta.
-        unsafe { write_y_chunk(affine, y, j, len, read(x, j, len), norm) }
+        unsafe { write_y_chunk::<T, _, _>(affine, y, j, len, read(x, j, len), norm) }
     });
     norm
 }
@@ -555,7 +564,7 @@ unsafe fn forward_row_staged<T: Element, W: Element, S: StatsTeam, const CENTERE
         held
     };
     // SAFETY: as above; this rank filled the staging with this row.
-    unsafe { normalize_staged::<T, W, S, CENTERED>(&held, x, affine, y, n, eps, staged) }
+    unsafe { normalize_staged::<T, T, W, S, CENTERED>(&held, x, affine, y, n, eps, staged) }
 }
 
 /// [`forward_row_staged`] past its loads: the statistics and y of the row at `x`, whose
@@ -565,11 +574,11 @@ unsafe fn forward_row_staged<T: Element, W: Element, S: StatsTeam, const CENTERE
 /// As for [`forward_row_staged`]; this rank filled `held` and `staged` with the row at `x`,
 /// whose tail elements it reads there (the row this rank wrote, or one no thread writes).
 #[inline(always)]
-unsafe fn normalize_staged<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     held: &Held<PART_HELD>,
     x: *const T,
     affine: Affine<W>,
-    y: *mut T,
+    y: *mut Y,
     n: u32,
     eps: f32,
     staged: Staged<PART_HELD>,
@@ -596,8 +605,8 @@ unsafe fn normalize_staged<T: Element, W: Element, S: StatsTeam, const CENTERED:
     // SAFETY: y holds the row and gamma, beta its n columns (the caller's guarantee), all
     // 16-byte aligned; `held` and the staging hold this row's x.
     unsafe {
-        write_y::<T, W, S, true, PART_HELD>(held, x, affine, y, n, norm);
-        staged.for_each::<T, S>(n, |j, v| write_y_chunk(affine, y, j, T::PACK, v, norm));
+        write_y::<T, Y, W, S, true, PART_HELD>(held, x, affine, y, n, norm);
+        staged.for_each::<T, S>(n, |j, v| write_y_chunk::<T, _, _>(affine, y, j, T::PACK, v, norm));
     }
     Some(norm)
 }
@@ -650,28 +659,30 @@ unsafe fn rank_m2<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usiz
 /// # Safety
 /// As [`forward_row`] requires; `held` holds the row's first packs.
 #[inline(always)]
-unsafe fn write_y<T: Element, W: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
+unsafe fn write_y<T: Element, Y: Element, W: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
     held: &Held<HELD>,
     x: *const T,
     affine: Affine<W>,
-    y: *mut T,
+    y: *mut Y,
     n: u32,
     norm: RowNorm,
 ) {
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-        unsafe { write_y_chunk(affine, y, j, len, values(held, x, j, len, slot), norm) }
+        unsafe { write_y_chunk::<T, _, _>(affine, y, j, len, values(held, x, j, len, slot), norm) }
     });
 }
 
-/// y of chunk (`j`, `len`) of a row from its x values `xv`.
+/// y of chunk (`j`, `len`) of a row of type `T` from its x values `xv`, y of type `Y` (T's,
+/// or f16/bf16 beside a residual stream in f32).
 ///
 /// # Safety
-/// The chunk lies inside the row; a whole pack is 16-byte aligned in y, gamma and beta.
+/// The chunk lies inside the row; a whole pack of `T`'s columns is aligned to its size in
+/// y, gamma and beta.
 #[inline(always)]
-unsafe fn write_y_chunk<T: Element, W: Element>(
+unsafe fn write_y_chunk<T: Element, Y: Element, W: Element>(
     affine: Affine<W>,
-    y: *mut T,
+    y: *mut Y,
     j: u32,
     len: usize,
     xv: Pack,
@@ -680,15 +691,15 @@ unsafe fn write_y_chunk<T: Element, W: Element>(
     let mut out = xv;
     // SAFETY: the caller's guarantee.
     unsafe {
-        for_each_weight_pack(affine.gamma, j, len, |at, step, g| {
-            let b = read_cached(affine.beta, j + at as u32, step);
+        for_each_weight_pack::<T, W>(affine.gamma, j, len, |at, step, g| {
+            let b = read_cached::<T, W>(affine.beta, j + at as u32, step);
             for k in 0..step {
                 out[at + k] = norm.xhat(xv[at + k]) * (g[k] + affine.gamma_offset) + b[k];
             }
         })
     };
     // SAFETY: as above.
-    unsafe { write(y, j, len, &out) };
+    unsafe { write_as::<T, Y>(y, j, len, &out) };
 }
 
 /// Packs per rank the pipelined forward holds for each of its two rows in flight.
@@ -712,7 +723,7 @@ unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CEN
     let n = p.n as usize;
     // SAFETY: the caller's guarantee; `load` reads rows below `rows` only (`pipeline`'s).
     unsafe {
-        pipeline::<T, W, S, CENTERED, false, _>(
+        pipeline::<T, T, W, S, CENTERED, false, _>(
             p,
             x,
             |row, packs| Held::load::<T, S>(x.wrapping_add(row as usize * n), packs),
@@ -730,8 +741,14 @@ unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CEN
 /// As for [`forward_rows_pipelined`], with a residual: x, the residual, s, y, gamma and
 /// beta 16-byte aligned.
 #[inline(always)]
-unsafe fn forward_rows_residual_pipelined<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
-    p: Forward<T, W>,
+unsafe fn forward_rows_residual_pipelined<
+    T: Element,
+    Y: Element,
+    W: Element,
+    S: StatsTeam,
+    const CENTERED: bool,
+>(
+    p: Forward<Y, W, T>,
 ) {
     let (x, residual, sum) = (p.x.ptr(), p.residual.ptr(), p.sum.ptr());
     let n = p.n as usize;
@@ -739,18 +756,18 @@ unsafe fn forward_rows_residual_pipelined<T: Element, W: Element, S: StatsTeam, 
     // SAFETY: the caller's guarantee; `load` reads rows below `rows` only, and `hold`
     // stores the row it is given, one below `rows`, into s (`pipeline`'s).
     unsafe {
-        pipeline::<T, W, S, CENTERED, true, _>(
+        pipeline::<T, Y, W, S, CENTERED, true, _>(
             p,
             sum.cast_const(),
             |row, packs| {
                 (
-                    Held::load::<T, S>(x.wrapping_add(at(row)), packs),
+                    Held::load_as::<T, Y, S>(x.wrapping_add(at(row)), packs),
                     Held::load::<T, S>(residual.wrapping_add(at(row)), packs),
                 )
             },
             |(xs, rs), row| {
                 let packs = (n / T::PACK) as u32;
-                store_sum::<T, S, PIPE_HELD>(xs, rs, sum.wrapping_add(at(row)), packs)
+                store_sum::<T, Y, S, PIPE_HELD>(xs, rs, sum.wrapping_add(at(row)), packs)
             },
         )
     }
@@ -767,8 +784,16 @@ unsafe fn forward_rows_residual_pipelined<T: Element, W: Element, S: StatsTeam, 
 /// `rows` (and `load` for any row with `packs` 0), and the values `hold` gives are this
 /// rank's packs of the row at `rows_at`.
 #[inline(always)]
-unsafe fn pipeline<T: Element, W: Element, S: StatsTeam, const CENTERED: bool, const WRITES_ROWS: bool, L>(
-    p: Forward<T, W>,
+unsafe fn pipeline<
+    T: Element,
+    Y: Element,
+    W: Element,
+    S: StatsTeam,
+    const CENTERED: bool,
+    const WRITES_ROWS: bool,
+    L,
+>(
+    p: Forward<Y, W, T>,
     rows_at: *const T,
     load: impl Fn(u32, u32) -> L,
     hold: impl Fn(L, u32) -> Held<PIPE_HELD>,
@@ -794,7 +819,7 @@ unsafe fn pipeline<T: Element, W: Element, S: StatsTeam, const CENTERED: bool, c
             let (m, m2) = uncentered::<CENTERED>(m, m2, n);
             let norm = match RowNorm::of(m, m2, n, eps) {
                 Some(norm) => {
-                    write_y::<T, W, S, true, PIPE_HELD>(&held, x_row, affine, y_row, n, norm);
+                    write_y::<T, Y, W, S, true, PIPE_HELD>(&held, x_row, affine, y_row, n, norm);
                     norm
                 }
                 None => {
@@ -804,13 +829,44 @@ unsafe fn pipeline<T: Element, W: Element, S: StatsTeam, const CENTERED: bool, c
                     if WRITES_ROWS {
                         S::sync();
                     }
-                    forward_row_huge::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps)
+                    forward_row_huge::<T, Y, W, S, CENTERED>(x_row, affine, y_row, n, eps)
                 }
             };
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         row = next;
     }
+}
+
+/// Exports the residual forward kernels of one norm for x and y of type `$y`, gamma and
+/// beta of `$w`, and the residual and s of `$r` (x's own type, or f32 for a residual stream
+/// kept in f32): `<norm>_fwd_residual_<kind>_<types>`.
+macro_rules! residual_kernels {
+    ($prefix:literal, $centered:literal, $types:literal, $y:ty, $w:ty, $r:ty) => {
+        residual_kernels!(@one $prefix, $centered, $types, $y, $w, $r, residual_warp, forward_rows_residual, Warp,
+            "Forward of x + residual, one warp per row (short rows).");
+        residual_kernels!(@one $prefix, $centered, $types, $y, $w, $r, residual_block, forward_rows_residual, Block,
+            "Forward of x + residual, one block per row (long rows).");
+        residual_kernels!(@one $prefix, $centered, $types, $y, $w, $r, residual_pipelined_warp,
+            forward_rows_residual_pipelined, Warp,
+            "Forward of x + residual, one warp per row, two rows in flight (rows of aligned packs, 4 a rank).");
+        residual_kernels!(@one $prefix, $centered, $types, $y, $w, $r, residual_pipelined_block,
+            forward_rows_residual_pipelined, Block,
+            "Forward of x + residual, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
+    };
+    (@one $prefix:literal, $centered:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $rows:ident,
+     $team:ty, $doc:literal) => {
+        #[doc = $doc]
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes, on rows the kernel
+        /// takes (`$rows`'s safety section).
+        #[unsafe(export_name = concat!($prefix, "_fwd_", stringify!($kind), "_", $types))]
+        pub unsafe extern "ptx-kernel" fn $kind(p: Forward<$y, $w, $r>) {
+            // SAFETY: the host launches this kernel only as `$rows` requires.
+            unsafe { $rows::<$r, $y, $w, $team, $centered>(p) }
+        }
+    };
 }
 
 /// Exports the forward kernels of one type pair (x of type `$t`, gamma and beta of `$w`),
@@ -836,16 +892,7 @@ macro_rules! forward_kernels {
                 "Forward, one warp per row (short rows).");
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, block, forward_rows, Block,
                 "Forward, one block per row (long rows).");
-            forward_kernels!(@one $prefix, $centered, $types, $t, $w, residual_warp, forward_rows_residual, Warp,
-                "Forward of x + residual, one warp per row (short rows).");
-            forward_kernels!(@one $prefix, $centered, $types, $t, $w, residual_block, forward_rows_residual, Block,
-                "Forward of x + residual, one block per row (long rows).");
-            forward_kernels!(@one $prefix, $centered, $types, $t, $w, residual_pipelined_warp,
-                forward_rows_residual_pipelined, Warp,
-                "Forward of x + residual, one warp per row, two rows in flight (rows of aligned packs, 4 a rank).");
-            forward_kernels!(@one $prefix, $centered, $types, $t, $w, residual_pipelined_block,
-                forward_rows_residual_pipelined, Block,
-                "Forward of x + residual, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
+            residual_kernels!($prefix, $centered, $types, $t, $w, $t);
         }
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $rows:ident,
@@ -868,3 +915,26 @@ forward_kernels!(f16_f16, "f16", crate::element::F16, crate::element::F16);
 forward_kernels!(bf16_bf16, "bf16", crate::element::Bf16, crate::element::Bf16);
 forward_kernels!(f16_f32, "f16_f32w", crate::element::F16, f32);
 forward_kernels!(bf16_f32, "bf16_f32w", crate::element::Bf16, f32);
+
+/// Exports the residual forward kernels of 16-bit x whose residual stream is kept in f32,
+/// for both norms.
+macro_rules! f32_stream_kernels {
+    ($module:ident, $types:literal, $y:ty, $w:ty) => {
+        mod $module {
+            use super::*;
+            mod layer {
+                use super::*;
+                residual_kernels!("layer_norm", true, $types, $y, $w, f32);
+            }
+            mod rms {
+                use super::*;
+                residual_kernels!("rms_norm", false, $types, $y, $w, f32);
+            }
+        }
+    };
+}
+
+f32_stream_kernels!(f16_f32s, "f16_f32s", crate::element::F16, crate::element::F16);
+f32_stream_kernels!(bf16_f32s, "bf16_f32s", crate::element::Bf16, crate::element::Bf16);
+f32_stream_kernels!(f16_f32w_f32s, "f16_f32w_f32s", crate::element::F16, f32);
+f32_stream_kernels!(bf16_f32w_f32s, "bf16_f32w_f32s", crate::element::Bf16, f32);

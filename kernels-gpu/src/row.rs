@@ -2,7 +2,7 @@
 //! registers so that a second pass over the row costs no memory traffic at all.
 
 use crate::device;
-use crate::element::{Element, Pack, read};
+use crate::element::{Element, Pack, load_pack, read_as};
 use crate::team::Team;
 
 /// The most packs per rank a [`Held`] may hold (`for_each_chunk` is written out for 8).
@@ -27,12 +27,23 @@ impl<const K: usize> Held<K> {
     /// `row` is 16-byte aligned and holds `packs` whole packs.
     #[inline(always)]
     pub unsafe fn load<T: Element, S: Team>(row: *const T, packs: u32) -> Self {
+        // SAFETY: the caller's guarantee.
+        unsafe { Self::load_as::<T, T, S>(row, packs) }
+    }
+
+    /// As [`Held::load`], for values of `T` in packs of row type `G`'s columns (`G::PACK`
+    /// of them: f16 or bf16 beside an f32 row, 8 bytes a pack; `G` = `T`, 16).
+    ///
+    /// # Safety
+    /// `row` is aligned to a pack's bytes and holds `packs` whole packs.
+    #[inline(always)]
+    pub unsafe fn load_as<G: Element, T: Element, S: Team>(row: *const T, packs: u32) -> Self {
         let mut words = [[0u32; 4]; K];
         for (c, w) in words.iter_mut().enumerate() {
             let p = S::rank() + c as u32 * S::size();
             if p < packs {
                 // SAFETY: p < packs, and the caller guarantees alignment and bounds.
-                *w = unsafe { device::load_16(row.add(p as usize * T::PACK) as *const u32) };
+                *w = unsafe { load_pack::<G, T>(row.add(p as usize * G::PACK)) };
             }
         }
         Held { words }
@@ -46,11 +57,14 @@ impl<const K: usize> Held<K> {
 
     /// The residual add of two rows' held packs, slot by slot:
     ///   s_j = x_j + residual_j   (in f32, rounded once to `T`)
+    /// x's packs of type `Y`, the residual's of the rows' type `T`: `Y`, or f32 beside f16
+    /// or bf16 x (a residual stream kept in f32), whose packs of `T`'s columns x's were
+    /// loaded in ([`Held::load_as`]).
     #[inline(always)]
-    pub fn sum<T: Element>(&self, residual: &Held<K>) -> Self {
+    pub fn sum<Y: Element, T: Element>(&self, residual: &Held<K>) -> Self {
         let mut words = [[0u32; 4]; K];
         each_slot::<K>(|c| {
-            let (mut s, r) = (self.pack::<T>(c), residual.pack::<T>(c));
+            let (mut s, r) = (self.pack::<Y>(c), residual.pack::<T>(c));
             for k in 0..T::PACK {
                 s[k] += r[k];
             }
@@ -101,9 +115,26 @@ fn each_slot<const K: usize>(mut f: impl FnMut(usize)) {
 /// The values of chunk (`start`, `len`): from slot `c` of `held`, or read from `row`.
 ///
 /// # Safety
-/// As for [`read`] when the chunk is not held.
+/// As for [`crate::element::read`] when the chunk is not held.
 #[inline(always)]
 pub unsafe fn values<T: Element, const K: usize>(
+    held: &Held<K>,
+    row: *const T,
+    start: u32,
+    len: usize,
+    slot: Option<usize>,
+) -> Pack {
+    // SAFETY: the caller's guarantee.
+    unsafe { values_as::<T, T, K>(held, row, start, len, slot) }
+}
+
+/// As [`values`], for values of `T` walked in chunks of row type `G` (dy of f16/bf16
+/// beside rows of f32: [`Held::load_as`], [`read_as`]).
+///
+/// # Safety
+/// As for [`read_as`] when the chunk is not held.
+#[inline(always)]
+pub unsafe fn values_as<G: Element, T: Element, const K: usize>(
     held: &Held<K>,
     row: *const T,
     start: u32,
@@ -113,7 +144,7 @@ pub unsafe fn values<T: Element, const K: usize>(
     match slot {
         Some(c) => held.pack::<T>(c),
         // SAFETY: the caller guarantees bounds and alignment.
-        None => unsafe { read(row, start, len) },
+        None => unsafe { read_as::<G, T>(row, start, len) },
     }
 }
 

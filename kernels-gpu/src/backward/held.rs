@@ -4,7 +4,7 @@
 use super::partials::Destination;
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device::{self, fma};
-use crate::element::{Element, MAX_PACK, Pack, read, write};
+use crate::element::{Element, MAX_PACK, Pack, read, write, write_as};
 use crate::row::{BWD_HELD, Held, for_each_chunk, prefetch};
 use crate::team::Team;
 
@@ -131,21 +131,24 @@ pub(crate) struct HeldRow {
 /// Every row pointer 16-byte aligned, `r.n` and `r.cols` whole numbers of packs, `r.cols`
 /// packs that [`fits`].
 #[inline(always)]
-pub(crate) unsafe fn load_held_row<T: Element, W, S: Team>(r: &Rows<T, W>, row: u32) -> HeldRow {
+pub(crate) unsafe fn load_held_row<X: Element, T: Element, W, S: Team>(
+    r: &Rows<X, T, W>,
+    row: u32,
+) -> HeldRow {
     let offset = row as usize * r.n as usize;
     let inside = row < r.rows;
-    let packs = if inside { r.cols / T::PACK as u32 } else { 0 };
+    let packs = if inside { r.cols / X::PACK as u32 } else { 0 };
     // SAFETY: with row < rows the row lies inside x and dy, aligned whole packs that fit
     // (the caller's guarantee), and inside mean and rstd; past the last row nothing is read.
     unsafe {
         if let Some(dsum) = r.dsum_row(offset)
             && inside
         {
-            prefetch::<T, S>(dsum, r.cols);
+            prefetch::<X, S>(dsum, r.cols);
         }
         HeldRow {
-            xs: Held::load::<T, S>(r.x.wrapping_add(offset), packs),
-            dys: Held::load::<T, S>(r.dy.wrapping_add(offset), packs),
+            xs: Held::load::<X, S>(r.x.wrapping_add(offset), packs),
+            dys: Held::load_as::<X, T, S>(r.dy.wrapping_add(offset), packs),
             mean: if inside { *r.mean.add(row as usize) } else { 0.0 },
             rstd: if inside { *r.rstd.add(row as usize) } else { 0.0 },
         }
@@ -168,8 +171,8 @@ pub(crate) unsafe fn load_held_row<T: Element, W, S: Team>(r: &Rows<T, W>, row: 
 /// rank; the [`HeldRow`] is
 /// row `row`'s; `acc` as [`RankPartials::zero`] requires.
 #[inline(always)]
-pub(crate) unsafe fn backward_row_held<T: Element, W: Element, S: Team>(
-    r: &Rows<T, W>,
+pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Team>(
+    r: &Rows<X, T, W>,
     row: u32,
     HeldRow { xs, dys, mean, rstd }: HeldRow,
     next: u32,
@@ -183,46 +186,49 @@ pub(crate) unsafe fn backward_row_held<T: Element, W: Element, S: Team>(
     let held = |j: u32, slot: Option<usize>| {
         let c = slot.unwrap_or(0);
         // SAFETY: j is a pack of the row, aligned (the caller's guarantee).
-        let g = unsafe { r.gamma(j, T::PACK) };
-        (c, xs.pack::<T>(c), dys.pack::<T>(c), g)
+        let g = unsafe { r.gamma(j, X::PACK) };
+        (c, xs.pack::<X>(c), dys.pack::<T>(c), g)
     };
 
     let centering = Centering::new(mean, rstd);
 
     // Pass 1.
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
-    for_each_chunk::<T, S, true, BWD_HELD>(r.cols, |j, _, slot| {
+    for_each_chunk::<X, S, true, BWD_HELD>(r.cols, |j, _, slot| {
         let (_, xv, dyv, g) = held(j, slot);
-        for k in 0..T::PACK {
+        for k in 0..X::PACK {
             (s1, s2) = add_row_sums(s1, s2, centering.xhat(xv[k]), g[k] * dyv[k]);
         }
     });
     // SAFETY: as this function requires of every row.
-    let upcoming = unsafe { load_held_row::<T, W, S>(r, next) };
+    let upcoming = unsafe { load_held_row::<X, T, W, S>(r, next) };
     let (s1, s2) = S::sum2(s1, s2);
     let coefficients = DxCoefficients::new(s1, r.s2(s2), r.n);
 
     // Pass 2.
-    let dsum = r.dsum_row(offset);
-    for_each_chunk::<T, S, true, BWD_HELD>(r.cols, |j, _, slot| {
+    let (dsum, dres) = (r.dsum_row(offset), r.dres_row(offset));
+    for_each_chunk::<X, S, true, BWD_HELD>(r.cols, |j, _, slot| {
         let (c, xv, dyv, g) = held(j, slot);
         let (mut xhat, mut out) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
-        for k in 0..T::PACK {
+        for k in 0..X::PACK {
             xhat[k] = centering.xhat(xv[k]);
             out[k] = centering.dx(g[k] * dyv[k], xhat[k], coefficients);
         }
         if let Some(dsum) = dsum {
             // From L2, where `load_held_row` prefetched it.
             // SAFETY: dsum's rows are aligned whole packs as dx's are (the caller's guarantee).
-            let ds = unsafe { read(dsum, j, T::PACK) };
-            for k in 0..T::PACK {
+            let ds = unsafe { read(dsum, j, X::PACK) };
+            for k in 0..X::PACK {
                 out[k] += ds[k];
             }
         }
         // SAFETY: as above; the rank's partials are its own.
         unsafe {
-            write(dx, j, T::PACK, &out);
-            acc.add::<T>(c, &xhat, &dyv);
+            write_as::<X, T>(dx, j, X::PACK, &out);
+            if let Some(dres) = dres {
+                write(dres, j, X::PACK, &out);
+            }
+            acc.add::<X>(c, &xhat, &dyv);
         }
     });
     upcoming
@@ -240,24 +246,24 @@ pub(crate) unsafe fn backward_row_held<T: Element, W: Element, S: Team>(
 /// 8 * BWD_HELD * PACK * size` bytes of shared memory (`size` ranks per team), the first
 /// `scratch` for the team's reductions.
 #[inline(always)]
-pub(crate) unsafe fn stage1_held<T: Element, W: Element, S: Team>(
-    r: Rows<T, W>,
+pub(crate) unsafe fn stage1_held<X: Element, T: Element, W: Element, S: Team>(
+    r: Rows<X, T, W>,
     out: Destination,
     scratch: u32,
 ) {
-    let team_bytes = RankPartials::team_bytes::<T>(S::size());
-    let team = |t: u32, rank: u32| RankPartials::of::<T>(scratch + t * team_bytes, S::size(), rank);
+    let team_bytes = RankPartials::team_bytes::<X>(S::size());
+    let team = |t: u32, rank: u32| RankPartials::of::<X>(scratch + t * team_bytes, S::size(), rank);
     let mine = team(S::index_in_block(), S::rank());
     // SAFETY: the launch sized shared memory for every team of the block.
-    unsafe { mine.zero::<T>(S::rank(), S::size(), r.cols / T::PACK as u32) };
+    unsafe { mine.zero::<X>(S::rank(), S::size(), r.cols / X::PACK as u32) };
     let mut row = S::id();
     // SAFETY: the launch's rows are held packs (the caller's guarantee); past the last row
     // nothing is loaded.
-    let mut held = unsafe { load_held_row::<T, W, S>(&r, row) };
+    let mut held = unsafe { load_held_row::<X, T, W, S>(&r, row) };
     while row < r.rows {
         let next = row + S::count();
         // SAFETY: as above, and row < rows.
-        held = unsafe { backward_row_held::<T, W, S>(&r, row, held, next, mine) };
+        held = unsafe { backward_row_held::<X, T, W, S>(&r, row, held, next, mine) };
         row = next;
     }
     // Each stacked team passes its own barrier before the block's. The block barrier alone
@@ -273,7 +279,7 @@ pub(crate) unsafe fn stage1_held<T: Element, W: Element, S: Team>(
     // the pack it covers, where rank k's slot holds a pack of the rows (p < packs). The
     // chunks go in slot order, so the first past the rows' packs ends the walk: a launch of
     // few rows fills one slot of `BWD_HELD`.
-    let (packs, per_pack) = (r.cols / T::PACK as u32, T::PACK as u32 / 4);
+    let (packs, per_pack) = (r.cols / X::PACK as u32, X::PACK as u32 / 4);
     let size = S::size();
     // Every thread of the block takes chunks, whichever team it belongs to (block teams
     // stack along y).
@@ -283,7 +289,7 @@ pub(crate) unsafe fn stage1_held<T: Element, W: Element, S: Team>(
     unsafe {
         out.hand_over(|dst| {
             let mut i = first;
-            while i < RankPartials::chunks::<T>() * size {
+            while i < RankPartials::chunks::<X>() * size {
                 let (rank, q) = (i % size, i / size);
                 let slot_start = q / per_pack * size;
                 if slot_start >= packs {
@@ -302,7 +308,7 @@ pub(crate) unsafe fn stage1_held<T: Element, W: Element, S: Team>(
                     }
                     // Columns inside the block's `cols` (p < packs); n and the slice start
                     // are whole numbers of packs, so the column is 16-byte aligned.
-                    dst.merge(p * T::PACK as u32 + 4 * (q % per_pack), 4, &g, &b);
+                    dst.merge(p * X::PACK as u32 + 4 * (q % per_pack), 4, &g, &b);
                 }
                 i += threads;
             }

@@ -93,8 +93,8 @@ use streamed::stage1_owned;
 /// from the row pointers: all `n` of them, or (clusters) a slice, with `x`, `dy`, `gamma`
 /// and `dx` then pointing at the slice's first column.
 #[derive(Clone, Copy)]
-pub(crate) struct Rows<T, W> {
-    pub(crate) x: *const T,
+pub(crate) struct Rows<X, T, W> {
+    pub(crate) x: *const X,
     pub(crate) dy: *const T,
     pub(crate) gamma: *const W,
     /// Added to each gamma_j as it is read (see [`Rows::gamma`]).
@@ -104,7 +104,10 @@ pub(crate) struct Rows<T, W> {
     pub(crate) dx: *mut T,
     /// The gradient reaching a residual forward's s from the residual stream, which dx
     /// includes; null where there is none (see [`Rows::dsum_row`]).
-    pub(crate) dsum: *const T,
+    pub(crate) dsum: *const X,
+    /// dx again in the stream's type, where the stream is wider than x and the launch gave
+    /// one (see [`Rows::dres_row`]).
+    pub(crate) dres: *mut X,
     pub(crate) rows: u32,
     /// Row length: the stride between rows, and the n of c1 and c2.
     pub(crate) n: u32,
@@ -114,7 +117,7 @@ pub(crate) struct Rows<T, W> {
     pub(crate) centered: bool,
 }
 
-impl<T, W> Rows<T, W> {
+impl<X, T, W> Rows<X, T, W> {
     /// The s2 that dx's c2 = s2 / n takes: the row's sum_j wdy_j, or 0 for rows that are not
     /// `centered` (RMSNorm), whose dx has no c2 term (then fma(wdy, 1/2, -0) is wdy / 2
     /// exactly). A plain value chosen here, not a branch inside [`DxCoefficients::new`]:
@@ -124,7 +127,7 @@ impl<T, W> Rows<T, W> {
         if self.centered { sum_wdy } else { 0.0 }
     }
 
-    /// The weights of `len` columns from `j` (one, or a pack of the row's type), each with
+    /// The weights of `len` columns from `j` (one, or a pack of the rows' type `X`), each with
     /// the launch's offset added: gamma_j + 1 for zero-centred weights, and for others
     /// gamma_j + (-0), which is gamma_j to the bit (the forward's `Affine` says why).
     ///
@@ -133,10 +136,11 @@ impl<T, W> Rows<T, W> {
     #[inline(always)]
     pub(crate) unsafe fn gamma(&self, j: u32, len: usize) -> Pack
     where
+        X: Element,
         W: Element,
     {
         // SAFETY: the caller's guarantee.
-        let mut g = unsafe { read_cached(self.gamma, j, len) };
+        let mut g = unsafe { read_cached::<X, W>(self.gamma, j, len) };
         for g in &mut g[..len] {
             *g += self.gamma_offset;
         }
@@ -145,8 +149,16 @@ impl<T, W> Rows<T, W> {
 
     /// The dsum of the row starting `offset` elements in (None without one).
     #[inline(always)]
-    pub(crate) fn dsum_row(&self, offset: usize) -> Option<*const T> {
+    pub(crate) fn dsum_row(&self, offset: usize) -> Option<*const X> {
         (!self.dsum.is_null()).then(|| self.dsum.wrapping_add(offset))
+    }
+
+    /// Where dx also goes, in the stream's type, for the row starting `offset` elements in:
+    /// only where the stream is wider than x (a constant, so kernels of one type have no code
+    /// for it) and the launch gave the buffer.
+    #[inline(always)]
+    pub(crate) fn dres_row(&self, offset: usize) -> Option<*mut X> {
+        (size_of::<X>() != size_of::<T>() && !self.dres.is_null()).then(|| self.dres.wrapping_add(offset))
     }
 
     /// These rows' `cols` columns from column `at` (a cluster block's slice), dsum's too
@@ -161,6 +173,7 @@ impl<T, W> Rows<T, W> {
             gamma: self.gamma.wrapping_add(at),
             dx: self.dx.wrapping_add(at),
             dsum: self.dsum_row(at).unwrap_or(self.dsum),
+            dres: self.dres.wrapping_add(at),
             cols,
             ..self
         }
@@ -184,7 +197,7 @@ impl<T, W> Rows<T, W> {
 
     /// A launch's rows, all `n` columns of each.
     #[inline(always)]
-    pub(crate) fn of(p: BackwardRows<T, W>, centered: bool) -> Self {
+    pub(crate) fn of(p: BackwardRows<T, W, X>, centered: bool) -> Self {
         let (x, dy, gamma, dx) = (p.x.ptr(), p.dy.ptr(), p.gamma.ptr(), p.dx.ptr());
         let (mean, rstd) = (p.mean.ptr(), p.rstd.ptr());
         Rows {
@@ -196,6 +209,7 @@ impl<T, W> Rows<T, W> {
             rstd,
             dx,
             dsum: p.dsum.ptr(),
+            dres: p.dres.ptr(),
             rows: p.rows,
             n: p.n,
             cols: p.n,
@@ -272,23 +286,23 @@ impl DxCoefficients {
 /// constant the compiler folds): owned and held, each for warp- and block-per-row, each for
 /// both modes (the launch's `Partials` say which).
 macro_rules! backward_kernels {
-    ($module:ident, $types:literal, $t:ty, $w:ty) => {
+    ($module:ident, $types:literal, $t:ty, $w:ty, $x:ty) => {
         mod $module {
             use super::*;
-            backward_kernels!(@norm layer, "layer_norm", true, $types, $t, $w);
-            backward_kernels!(@norm rms, "rms_norm", false, $types, $t, $w);
+            backward_kernels!(@norm layer, "layer_norm", true, $types, $t, $w, $x);
+            backward_kernels!(@norm rms, "rms_norm", false, $types, $t, $w, $x);
         }
     };
-    (@norm $norm:ident, $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty) => {
+    (@norm $norm:ident, $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty) => {
         mod $norm {
             use super::*;
-            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, owned_warp, Warp);
-            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, owned_block, Block);
-            backward_kernels!(@held $prefix, $centered, $types, $t, $w, held_warp, Warp);
-            backward_kernels!(@held $prefix, $centered, $types, $t, $w, held_block, StackedBlock);
+            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_warp, Warp);
+            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_block, Block);
+            backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_warp, Warp);
+            backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_block, StackedBlock);
         }
     };
-    (@owned $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $team:ty) => {
+    (@owned $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty) => {
         /// Stage 1 over rows of any length and alignment; block b hands its sums over to
         /// `out` (its partial row, or its group under the lock); `local` != 0 sums in
         /// shared memory first (required for warp teams).
@@ -296,14 +310,14 @@ macro_rules! backward_kernels {
         /// # Safety
         /// Launched by the host with buffers of the documented sizes.
         #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
-        pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, out: Partials, local: u32) {
+        pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w, $x>, out: Partials, local: u32) {
             let out = Destination::of(out, p.n, 0, device::block_idx(), 1, 0);
             let r = Rows::of(p, $centered);
             // SAFETY: the host sizes every buffer as `stage1_owned` requires.
-            unsafe { stage1_owned::<$t, $w, $team>(r, out, local != 0) }
+            unsafe { stage1_owned::<$x, $t, $w, $team>(r, out, local != 0) }
         }
     };
-    (@held $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $team:ty) => {
+    (@held $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty) => {
         /// Stage 1, rows all whole aligned packs held in registers: the block's teams
         /// (warps, or block teams stacked along y) all add into its shared memory, and block
         /// b hands the sums over to `out` (its partial row, or its group under the lock).
@@ -311,11 +325,11 @@ macro_rules! backward_kernels {
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows that hold.
         #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
-        pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, out: Partials) {
+        pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w, $x>, out: Partials) {
             let out = Destination::of(out, p.n, 0, device::block_idx(), 1, 0);
             let r = Rows::of(p, $centered);
             // SAFETY: the host launches this kernel only as `stage1_held` requires.
-            unsafe { stage1_held::<$t, $w, $team>(r, out, SCRATCH_BYTES) }
+            unsafe { stage1_held::<$x, $t, $w, $team>(r, out, SCRATCH_BYTES) }
         }
     };
 }
@@ -346,11 +360,45 @@ macro_rules! reduce_kernel {
     };
 }
 
-backward_kernels!(f32_f32, "f32", f32, f32);
-backward_kernels!(f16_f16, "f16", crate::element::F16, crate::element::F16);
-backward_kernels!(bf16_bf16, "bf16", crate::element::Bf16, crate::element::Bf16);
-backward_kernels!(f16_f32, "f16_f32w", crate::element::F16, f32);
-backward_kernels!(bf16_f32, "bf16_f32w", crate::element::Bf16, f32);
+backward_kernels!(f32_f32, "f32", f32, f32, f32);
+backward_kernels!(
+    f16_f16,
+    "f16",
+    crate::element::F16,
+    crate::element::F16,
+    crate::element::F16
+);
+backward_kernels!(
+    bf16_bf16,
+    "bf16",
+    crate::element::Bf16,
+    crate::element::Bf16,
+    crate::element::Bf16
+);
+backward_kernels!(f16_f32, "f16_f32w", crate::element::F16, f32, crate::element::F16);
+backward_kernels!(
+    bf16_f32,
+    "bf16_f32w",
+    crate::element::Bf16,
+    f32,
+    crate::element::Bf16
+);
+backward_kernels!(
+    f16_f32s,
+    "f16_f32s",
+    crate::element::F16,
+    crate::element::F16,
+    f32
+);
+backward_kernels!(
+    bf16_f32s,
+    "bf16_f32s",
+    crate::element::Bf16,
+    crate::element::Bf16,
+    f32
+);
+backward_kernels!(f16_f32w_f32s, "f16_f32w_f32s", crate::element::F16, f32, f32);
+backward_kernels!(bf16_f32w_f32s, "bf16_f32w_f32s", crate::element::Bf16, f32, f32);
 reduce_kernel!(f32, layer_norm_bwd_reduce_f32);
 reduce_kernel!(crate::element::F16, layer_norm_bwd_reduce_f16);
 reduce_kernel!(crate::element::Bf16, layer_norm_bwd_reduce_bf16);

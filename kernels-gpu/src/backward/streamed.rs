@@ -6,8 +6,8 @@
 use super::partials::{Destination, PartialRow, padded, padded_len};
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device;
-use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, read, write};
-use crate::row::{BWD_HELD, Held, fits, for_each_chunk, prefetch, values};
+use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, is_pack_aligned_as, read, write, write_as};
+use crate::row::{BWD_HELD, Held, fits, for_each_chunk, prefetch, values, values_as};
 use crate::team::{SCRATCH_BYTES, Team};
 
 /// dx for one row, and its partials into `part`, a row this team alone writes; `HELD` packs
@@ -17,8 +17,15 @@ use crate::team::{SCRATCH_BYTES, Team};
 /// `row` < `r.rows`; with `PACKED` every row pointer (dsum's too, where given) and gamma
 /// are 16-byte aligned; with `HELD` > 0 the row [`fits`].
 #[inline(always)]
-pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED: bool, const HELD: usize>(
-    r: &Rows<T, W>,
+pub(crate) unsafe fn backward_row<
+    X: Element,
+    T: Element,
+    W: Element,
+    S: Team,
+    const PACKED: bool,
+    const HELD: usize,
+>(
+    r: &Rows<X, T, W>,
     row: u32,
     part: PartialRow,
 ) {
@@ -34,12 +41,12 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
         )
     };
     let (n, cols) = (r.n, r.cols);
-    let packs = if PACKED { cols / T::PACK as u32 } else { 0 };
+    let packs = if PACKED { cols / X::PACK as u32 } else { 0 };
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let (xs, dys) = unsafe {
         (
-            Held::<HELD>::load::<T, S>(x, packs),
-            Held::<HELD>::load::<T, S>(dy, packs),
+            Held::<HELD>::load::<X, S>(x, packs),
+            Held::<HELD>::load_as::<X, T, S>(dy, packs),
         )
     };
     // The team's next row streams into L2 while this one is worked on (teams that gain
@@ -49,7 +56,7 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
         let at = next as usize * n as usize;
         // SAFETY: next < rows, so its `cols` columns lie inside x and dy.
         unsafe {
-            prefetch::<T, S>(r.x.add(at), cols);
+            prefetch::<X, S>(r.x.add(at), cols);
             prefetch::<T, S>(r.dy.add(at), cols);
         }
     }
@@ -60,7 +67,7 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
         let (xv, dyv, g) = unsafe {
             (
                 values(&xs, x, j, len, slot),
-                values(&dys, dy, j, len, slot),
+                values_as::<X, T, HELD>(&dys, dy, j, len, slot),
                 r.gamma(j, len),
             )
         };
@@ -75,7 +82,7 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
     // Pass 1: the row sums (the same arithmetic as the held path's, so that dx is the same
     // bits whichever path computed it).
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
-    for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
+    for_each_chunk::<X, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, wdy, _) = terms(j, len, slot);
         for k in 0..len {
             (s1, s2) = add_row_sums(s1, s2, xhat[k], wdy[k]);
@@ -84,9 +91,9 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
     let (s1, s2) = S::sum2(s1, s2);
     let coefficients = DxCoefficients::new(s1, r.s2(s2), n);
 
-    // Pass 2: dx (with dsum, where given).
-    let dsum = r.dsum_row(offset);
-    for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
+    // Pass 2: dx (with dsum, where given), and the residual's copy of it where asked.
+    let (dsum, dres) = (r.dsum_row(offset), r.dres_row(offset));
+    for_each_chunk::<X, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, wdy, _) = terms(j, len, slot);
         let mut out = [0.0; MAX_PACK];
         for k in 0..len {
@@ -99,14 +106,19 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
                 out[k] += ds[k];
             }
         }
-        // SAFETY: as above.
-        unsafe { write(dx, j, len, &out) };
+        // SAFETY: as above; dres holds the row as dsum does.
+        unsafe {
+            write_as::<X, T>(dx, j, len, &out);
+            if let Some(dres) = dres {
+                write(dres, j, len, &out);
+            }
+        }
     });
 
     // Pass 3: the partials (dy * xhat, dy) into the team's row. A pass of its own keeps
     // fewer values live than adding them during pass 2 (no register spills at 64 per
     // thread), and held rows cost no memory.
-    for_each_chunk::<T, S, PACKED, HELD>(cols, |j, len, slot| {
+    for_each_chunk::<X, S, PACKED, HELD>(cols, |j, len, slot| {
         let (xhat, _, dyv) = terms(j, len, slot);
         let mut dgamma = [0.0; MAX_PACK];
         for k in 0..len {
@@ -123,25 +135,26 @@ pub(crate) unsafe fn backward_row<T: Element, W: Element, S: Team, const PACKED:
 /// # Safety
 /// `row` < `r.rows`.
 #[inline(always)]
-pub(crate) unsafe fn backward_row_any<T: Element, W: Element, S: Team>(
-    r: &Rows<T, W>,
+pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Team>(
+    r: &Rows<X, T, W>,
     row: u32,
     part: PartialRow,
 ) {
     let offset = row as usize * r.n as usize;
     let packed = is_pack_aligned(r.x.wrapping_add(offset))
-        && is_pack_aligned(r.dy.wrapping_add(offset))
-        && is_pack_aligned(r.dx.wrapping_add(offset))
+        && is_pack_aligned_as::<X, _>(r.dy.wrapping_add(offset))
+        && is_pack_aligned_as::<X, _>(r.dx.wrapping_add(offset))
         && r.dsum_row(offset).is_none_or(is_pack_aligned)
+        && r.dres_row(offset).is_none_or(|d| is_pack_aligned(d.cast_const()))
         && is_pack_aligned(r.gamma);
     // SAFETY: row < rows; `packed` was checked for every pointer the packed paths read.
     unsafe {
-        if packed && fits::<T, S, BWD_HELD>(r.cols) {
-            backward_row::<T, W, S, true, BWD_HELD>(r, row, part)
+        if packed && fits::<X, S, BWD_HELD>(r.cols) {
+            backward_row::<X, T, W, S, true, BWD_HELD>(r, row, part)
         } else if packed {
-            backward_row::<T, W, S, true, 0>(r, row, part)
+            backward_row::<X, T, W, S, true, 0>(r, row, part)
         } else {
-            backward_row::<T, W, S, false, 0>(r, row, part)
+            backward_row::<X, T, W, S, false, 0>(r, row, part)
         }
     }
 }
@@ -155,8 +168,8 @@ pub(crate) unsafe fn backward_row_any<T: Element, W: Element, S: Team>(
 /// `r.cols` columns; the launch gave each block `scratch + per_block * 8 *
 /// (padded_len(cols) + 1)` bytes of shared memory.
 #[inline(always)]
-pub(crate) unsafe fn owned_in_shared<T: Element, W: Element, S: Team>(
-    r: &Rows<T, W>,
+pub(crate) unsafe fn owned_in_shared<X: Element, T: Element, W: Element, S: Team>(
+    r: &Rows<X, T, W>,
     scratch: u32,
     out: Destination,
 ) {
@@ -172,7 +185,7 @@ pub(crate) unsafe fn owned_in_shared<T: Element, W: Element, S: Team>(
     let mut row = S::id();
     while row < r.rows {
         // SAFETY: row < rows; the shared row is this team's alone.
-        unsafe { backward_row_any::<T, W, S>(r, row, mine) };
+        unsafe { backward_row_any::<X, T, W, S>(r, row, mine) };
         // The next row may map a column to another rank (packed vs unpacked rows); the
         // barrier orders this row's partial writes before the next row's reads.
         S::sync();
@@ -213,14 +226,14 @@ pub(crate) unsafe fn owned_in_shared<T: Element, W: Element, S: Team>(
 /// `SCRATCH_BYTES + teams_per_block * 8 * (padded_len(n) + 1)` bytes of shared memory.
 /// Warp teams require `local`.
 #[inline(always)]
-pub(crate) unsafe fn stage1_owned<T: Element, W: Element, S: Team>(
-    r: Rows<T, W>,
+pub(crate) unsafe fn stage1_owned<X: Element, T: Element, W: Element, S: Team>(
+    r: Rows<X, T, W>,
     out: Destination,
     local: bool,
 ) {
     if local {
         // SAFETY: the launch sized shared memory for every team of the block.
-        unsafe { owned_in_shared::<T, W, S>(&r, SCRATCH_BYTES, out) };
+        unsafe { owned_in_shared::<X, T, W, S>(&r, SCRATCH_BYTES, out) };
         return;
     }
     // Only block teams come here (one team per block), so the block's row is this team's.
@@ -241,7 +254,7 @@ pub(crate) unsafe fn stage1_owned<T: Element, W: Element, S: Team>(
         // SAFETY: as above; the first row overwrites, later rows add.
         let part = unsafe { out.own_row(row != block) };
         // SAFETY: row < rows.
-        unsafe { backward_row_any::<T, W, S>(&r, row, part) };
+        unsafe { backward_row_any::<X, T, W, S>(&r, row, part) };
         S::sync();
         row += S::count();
     }

@@ -24,8 +24,8 @@ use crate::team::Team;
 /// the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * (padded_len(W) + 1)` bytes of
 /// shared memory (W = `slice_width(n, PACK, C)`), in clusters of `C` blocks.
 #[inline(always)]
-unsafe fn stage1_cluster<T: Element, W: Element, const C: u32>(r: Rows<T, W>, out: Partials) {
-    let width = slice_width(r.n, T::PACK as u32, C);
+unsafe fn stage1_cluster<X: Element, T: Element, W: Element, const C: u32>(r: Rows<X, T, W>, out: Partials) {
+    let width = slice_width(r.n, X::PACK as u32, C);
     let start = (Cluster::<C>::block_rank() * width).min(r.n);
     let cols = width.min(r.n - start);
     // The slice's first column. A cluster's last slices may be empty (start == n); their
@@ -36,7 +36,7 @@ unsafe fn stage1_cluster<T: Element, W: Element, const C: u32>(r: Rows<T, W>, ou
     Cluster::<C>::begin();
     // SAFETY: the cluster's unit exists (cluster id < clusters) and only this block hands
     // over its slice's columns of it; the launch sized shared memory for one slice.
-    unsafe { owned_in_shared::<T, W, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out) };
+    unsafe { owned_in_shared::<X, T, W, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out) };
     Cluster::<C>::end();
 }
 
@@ -52,8 +52,11 @@ unsafe fn stage1_cluster<T: Element, W: Element, const C: u32>(r: Rows<T, W>, ou
 /// [`Destination`] says, with units of C slices; the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * BWD_HELD *
 /// PACK * blockDim` bytes of shared memory, in clusters of `C` blocks.
 #[inline(always)]
-unsafe fn stage1_cluster_held<T: Element, W: Element, const C: u32>(r: Rows<T, W>, out: Partials) {
-    let width = slice_width(r.n, T::PACK as u32, C);
+unsafe fn stage1_cluster_held<X: Element, T: Element, W: Element, const C: u32>(
+    r: Rows<X, T, W>,
+    out: Partials,
+) {
+    let width = slice_width(r.n, X::PACK as u32, C);
     let start = (Cluster::<C>::block_rank() * width).min(r.n);
     // The slice's first column. A cluster's last slices may be empty (start == n); their
     // pointers are then never read.
@@ -65,7 +68,7 @@ unsafe fn stage1_cluster_held<T: Element, W: Element, const C: u32>(r: Rows<T, W
     Cluster::<C>::begin();
     // SAFETY: the cluster's unit exists (cluster id < clusters), only this block hands over
     // its slice's columns of it, and the launch sized shared memory for its ranks.
-    unsafe { stage1_held::<T, W, Cluster<C>>(slice, out, CLUSTER_SCRATCH_BYTES) };
+    unsafe { stage1_held::<X, T, W, Cluster<C>>(slice, out, CLUSTER_SCRATCH_BYTES) };
     Cluster::<C>::end();
 }
 
@@ -120,7 +123,7 @@ macro_rules! cluster_kernels {
         #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
         pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, out: Partials) {
             // SAFETY: the host launches this kernel only as `$stage` requires.
-            unsafe { $stage::<$t, $w, { $c }>(Rows::of(p, $centered), out) }
+            unsafe { $stage::<$t, $t, $w, { $c }>(Rows::of(p, $centered), out) }
         }
     };
 }
