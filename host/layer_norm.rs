@@ -421,7 +421,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
         x: &BorrowedTensor<'x, T>,
         y: &mut BorrowedTensorMut<'_, T>,
     ) -> Result<Context<T, BorrowedTensor<'x, T>>> {
-        let (mean, rstd) = self.run_borrowed(x, None, y)?;
+        let (mean, rstd) = self.run_borrowed::<T>(x, None, y)?;
         Ok(self.context(x.clone(), mean, rstd))
     }
 
@@ -446,10 +446,10 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
 
     /// The borrowed forwards: checks the borrows (a residual and its sum where given) and
     /// queues the kernel; returns the statistics.
-    fn run_borrowed(
+    fn run_borrowed<R: cpu::Stream<T>>(
         &self,
         x: &BorrowedTensor<'_, T>,
-        residual: Option<(&BorrowedTensor<'_, T>, &mut BorrowedTensorMut<'_, T>)>,
+        residual: Option<(&BorrowedTensor<'_, R>, &mut BorrowedTensorMut<'_, R>)>,
         y: &mut BorrowedTensorMut<'_, T>,
     ) -> Result<(Tensor<f32>, Tensor<f32>)> {
         let dev = self.device();
@@ -669,6 +669,19 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
         dsum: Option<&BorrowedTensor<'_, T>>,
         grads: &mut BorrowedGradients<'_, T, W>,
     ) -> Result<()> {
+        self.backward_borrowed_rows(ctx, dy, dsum, grads, None)
+    }
+
+    /// The borrowed backwards, of a context of rows of `R`, with `dres` exactly where `R` is
+    /// wider than `T`: checks the borrows and queues the backward.
+    fn backward_borrowed_rows<R: cpu::Stream<T>>(
+        &self,
+        ctx: &Context<T, BorrowedTensor<'_, R>>,
+        dy: &BorrowedTensor<'_, T>,
+        dsum: Option<&BorrowedTensor<'_, R>>,
+        grads: &mut BorrowedGradients<'_, T, W>,
+        mut dres: Option<&mut BorrowedTensorMut<'_, R>>,
+    ) -> Result<()> {
         if ctx.op != self.id {
             return Err(Error::ForeignContext);
         }
@@ -689,6 +702,10 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
                 dev.check_context(what, t.context())?;
             }
         }
+        if let Some(d) = &dres {
+            expect_same_shape("d_residual", d.shape(), dy.shape())?;
+            dev.check_context("d_residual", d.context())?;
+        }
         if n == 0 {
             return Ok(());
         }
@@ -707,7 +724,7 @@ impl<T: Element, W: Weight<T>> LayerNorm<T, W> {
                 mean: input(dev, &ctx.mean)?,
                 rstd: input(dev, &ctx.rstd)?,
                 dx: Out::Cuda(grads.dx.view_mut()),
-                dres: None,
+                dres: dres.as_mut().map(|d| Out::Cuda(d.view_mut())),
                 dgamma: grads.dgamma.as_mut().map(|t| Out::Cuda(t.view_mut())),
                 dbeta: grads.dbeta.as_mut().map(|t| Out::Cuda(t.view_mut())),
             },
@@ -828,6 +845,35 @@ impl<T: F32Stream, W: Weight<T>> LayerNorm<T, W> {
         d_residual: &mut Tensor<f32>,
     ) -> Result<()> {
         self.backward_tensors(ctx, dy, dsum, grads, Some(d_residual))
+    }
+
+    /// [`LayerNorm::forward_residual_f32_into`] on memory that stays the caller's, as
+    /// [`LayerNorm::forward_residual_borrowed`]: x and y of x's type, the residual and
+    /// `sum` of f32; the context keeps `sum` for
+    /// [`LayerNorm::backward_residual_f32_borrowed`].
+    pub fn forward_residual_f32_borrowed<'s>(
+        &self,
+        x: &BorrowedTensor<'_, T>,
+        residual: &BorrowedTensor<'_, f32>,
+        y: &mut BorrowedTensorMut<'_, T>,
+        mut sum: BorrowedTensorMut<'s, f32>,
+    ) -> Result<Context<T, BorrowedTensor<'s, f32>>> {
+        let (mean, rstd) = self.run_borrowed(x, Some((residual, &mut sum)), y)?;
+        Ok(self.context(sum.into_shared(), mean, rstd))
+    }
+
+    /// The backward of [`LayerNorm::forward_residual_f32_borrowed`] (as
+    /// [`LayerNorm::backward_residual_f32_into`]) on memory that stays the caller's: dsum
+    /// and `d_residual` of f32, dy and the gradients as [`LayerNorm::backward_borrowed`]'s.
+    pub fn backward_residual_f32_borrowed(
+        &self,
+        ctx: &Context<T, BorrowedTensor<'_, f32>>,
+        dy: &BorrowedTensor<'_, T>,
+        dsum: Option<&BorrowedTensor<'_, f32>>,
+        grads: &mut BorrowedGradients<'_, T, W>,
+        d_residual: &mut BorrowedTensorMut<'_, f32>,
+    ) -> Result<()> {
+        self.backward_borrowed_rows(ctx, dy, dsum, grads, Some(d_residual))
     }
 }
 

@@ -252,4 +252,30 @@ impl<T: F32Stream, W: Weight<T>> RmsNorm<T, W> {
         self.op
             .backward_residual_f32_into(ctx, dy, dsum, grads, d_residual)
     }
+
+    /// As [`LayerNorm::forward_residual_f32_borrowed`]: on memory the caller keeps owning;
+    /// the context keeps `sum` (f32).
+    pub fn forward_residual_f32_borrowed<'s>(
+        &self,
+        x: &BorrowedTensor<'_, T>,
+        residual: &BorrowedTensor<'_, f32>,
+        y: &mut BorrowedTensorMut<'_, T>,
+        sum: BorrowedTensorMut<'s, f32>,
+    ) -> Result<Context<T, BorrowedTensor<'s, f32>>> {
+        self.op.forward_residual_f32_borrowed(x, residual, y, sum)
+    }
+
+    /// As [`LayerNorm::backward_residual_f32_borrowed`]: the backward of
+    /// [`RmsNorm::forward_residual_f32_borrowed`] on memory the caller keeps owning.
+    pub fn backward_residual_f32_borrowed(
+        &self,
+        ctx: &Context<T, BorrowedTensor<'_, f32>>,
+        dy: &BorrowedTensor<'_, T>,
+        dsum: Option<&BorrowedTensor<'_, f32>>,
+        grads: &mut BorrowedGradients<'_, T, W>,
+        d_residual: &mut BorrowedTensorMut<'_, f32>,
+    ) -> Result<()> {
+        self.op
+            .backward_residual_f32_borrowed(ctx, dy, dsum, grads, d_residual)
+    }
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use common::{Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec};
 use layernorm_cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use layernorm_cuda::{
-    BorrowedGradients, BorrowedTensor, BorrowedTensorMut, Device, Error, LayerNorm, RmsNorm, Tensor,
+    BorrowedGradients, BorrowedTensor, BorrowedTensorMut, Device, Error, LayerNorm, RmsNorm, Tensor, bf16,
 };
 use ndarray::{Array1, Array2};
 
@@ -395,4 +395,118 @@ fn cpu_tensors_have_no_cuda_memory() {
     let t = cpu.full(&[4], 1.0f32).unwrap();
     assert!(matches!(t.cuda_view(), Err(Error::NotCuda { .. })));
     assert!(matches!(t.into_cuda_slice(), Err(Error::NotCuda { .. })));
+}
+
+/// The residual stream kept in f32 beside bf16 x, on borrowed memory: y, s, dx, the
+/// residual's gradient and dgamma are the tensor path's bits, LayerNorm's and RMSNorm's.
+#[test]
+fn gpu_borrowed_f32_stream_matches_the_tensor_path_bitwise() {
+    let Some(ours) = gpu_or_skip() else { return };
+    let stream = callers_stream(true);
+    let device = Device::from_cuda_stream(stream.clone()).unwrap();
+    for (i, n) in NS.into_iter().enumerate() {
+        let mut rng = Rng::new(6400 + i as u64);
+        let (rows, shape) = (6, [2, 3, n]);
+        let x: Vec<bf16> = mixed_matrix(&mut rng, rows, n).into_iter().collect();
+        let dy: Vec<bf16> = random_matrix(&mut rng, rows, n).into_iter().collect();
+        let residual: Vec<f32> = random_matrix(&mut rng, rows, n).into_iter().collect();
+        let dsum: Vec<f32> = random_matrix(&mut rng, rows, n).into_iter().collect();
+        let gamma: Array1<bf16> = random_vec(&mut rng, n, 1.0, 0.5);
+        for rms in [false, true] {
+            let what = format!("n = {n}, rms {rms}");
+            let layer =
+                |d: &Device| LayerNorm::<bf16>::without_bias(d.upload(gamma.view()).unwrap(), 1e-5).unwrap();
+            let rms_op = |d: &Device| RmsNorm::<bf16>::from_array(d, gamma.view(), 1e-5).unwrap();
+            // The tensor path on this crate's own device.
+            let up_h = |v: &[bf16]| {
+                ours.upload(ndarray::ArrayView1::from(v))
+                    .unwrap()
+                    .view(0, &shape)
+                    .unwrap()
+            };
+            let up_f = |v: &[f32]| {
+                ours.upload(ndarray::ArrayView1::from(v))
+                    .unwrap()
+                    .view(0, &shape)
+                    .unwrap()
+            };
+            let (x_t, dy_t, r_t, ds_t) = (up_h(&x), up_h(&dy), up_f(&residual), up_f(&dsum));
+            let ((y_e, s_e), (g_e, dr_e)) = if rms {
+                let op = rms_op(&ours);
+                let (y, s, ctx) = op.forward_residual_f32(&x_t, &r_t).unwrap();
+                (
+                    (y, s),
+                    op.backward_residual_f32(&ctx, &dy_t, Some(&ds_t)).unwrap(),
+                )
+            } else {
+                let op = layer(&ours);
+                let (y, s, ctx) = op.forward_residual_f32(&x_t, &r_t).unwrap();
+                (
+                    (y, s),
+                    op.backward_residual_f32(&ctx, &dy_t, Some(&ds_t)).unwrap(),
+                )
+            };
+            // The same through borrows of the caller's slices.
+            let len = x.len();
+            let (xd, dyd) = (stream.clone_htod(&x).unwrap(), stream.clone_htod(&dy).unwrap());
+            let (rd, dsd) = (
+                stream.clone_htod(&residual).unwrap(),
+                stream.clone_htod(&dsum).unwrap(),
+            );
+            let (mut y, mut dx, mut dgamma) = (
+                stream.alloc_zeros::<bf16>(len).unwrap(),
+                stream.alloc_zeros::<bf16>(len).unwrap(),
+                stream.alloc_zeros::<bf16>(n).unwrap(),
+            );
+            let (mut s, mut dres) = (
+                stream.alloc_zeros::<f32>(len).unwrap(),
+                stream.alloc_zeros::<f32>(len).unwrap(),
+            );
+            {
+                let xb = BorrowedTensor::new(xd.as_view(), &shape).unwrap();
+                let dyb = BorrowedTensor::new(dyd.as_view(), &shape).unwrap();
+                let rb = BorrowedTensor::new(rd.as_view(), &shape).unwrap();
+                let dsb = BorrowedTensor::new(dsd.as_view(), &shape).unwrap();
+                let mut yb = BorrowedTensorMut::new(y.as_view_mut(), &shape).unwrap();
+                let sb = BorrowedTensorMut::new(s.as_view_mut(), &shape).unwrap();
+                let mut drb = BorrowedTensorMut::new(dres.as_view_mut(), &shape).unwrap();
+                let mut grads = BorrowedGradients {
+                    dx: BorrowedTensorMut::new(dx.as_view_mut(), &shape).unwrap(),
+                    dgamma: Some(BorrowedTensorMut::new(dgamma.as_view_mut(), &[n]).unwrap()),
+                    dbeta: None,
+                };
+                if rms {
+                    let op = rms_op(&device);
+                    let ctx = op.forward_residual_f32_borrowed(&xb, &rb, &mut yb, sb).unwrap();
+                    op.backward_residual_f32_borrowed(&ctx, &dyb, Some(&dsb), &mut grads, &mut drb)
+                        .unwrap();
+                } else {
+                    let op = layer(&device);
+                    let ctx = op.forward_residual_f32_borrowed(&xb, &rb, &mut yb, sb).unwrap();
+                    op.backward_residual_f32_borrowed(&ctx, &dyb, Some(&dsb), &mut grads, &mut drb)
+                        .unwrap();
+                }
+            }
+            let half_bits = |v: Vec<bf16>| v.iter().map(|e| e.to_bits() as u32).collect::<Vec<_>>();
+            let h = |t: &Tensor<bf16>| half_bits(t.to_vec().unwrap());
+            let f = |t: &Tensor<f32>| bits(&t.to_vec().unwrap());
+            assert_eq!(half_bits(stream.clone_dtoh(&y).unwrap()), h(&y_e), "{what}: y");
+            assert_eq!(bits(&stream.clone_dtoh(&s).unwrap()), f(&s_e), "{what}: s");
+            assert_eq!(
+                half_bits(stream.clone_dtoh(&dx).unwrap()),
+                h(&g_e.dx),
+                "{what}: dx"
+            );
+            assert_eq!(
+                bits(&stream.clone_dtoh(&dres).unwrap()),
+                f(&dr_e),
+                "{what}: d_residual"
+            );
+            assert_eq!(
+                half_bits(stream.clone_dtoh(&dgamma).unwrap()),
+                h(g_e.dgamma.as_ref().unwrap()),
+                "{what}: dgamma"
+            );
+        }
+    }
 }
