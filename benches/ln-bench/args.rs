@@ -51,6 +51,13 @@ pub struct Args {
     #[arg(long)]
     pub residual: bool,
 
+    /// With --residual: the residual stream (the residual, s, dsum and the residual's
+    /// gradient) kept in f32 beside f16 and bf16 x (`forward_residual_f32`,
+    /// `backward_residual_f32`; f32 x is the plain residual add). GB/s count each tensor at
+    /// its own width, the backward's second output (the residual's gradient in f32) too.
+    #[arg(long, requires = "residual")]
+    pub f32_stream: bool,
+
     /// Passes to measure.
     #[arg(long, value_delimiter = ',', default_values = ["fwd", "bwd"])]
     pub mode: Vec<Mode>,

@@ -40,7 +40,7 @@ impl Reference {
     /// beta: its y is taken with beta = 0, and its dbeta is never compared. With the
     /// residual add the rows normalized are the inputs' s (as the op must round it), and dx
     /// includes dsum.
-    pub fn compute<T: Element>(inputs: &Inputs<T>, eps: f64, norm: Norm) -> Reference {
+    pub fn compute<T: Element, R: Element>(inputs: &Inputs<T, R>, eps: f64, norm: Norm) -> Reference {
         let (rows, n) = inputs.x.dim();
         let sample: Vec<usize> = if rows <= SAMPLE_ROWS {
             (0..rows).collect()
@@ -62,7 +62,7 @@ impl Reference {
             };
             for r in block {
                 let dy = f64s(inputs.dy.row(r));
-                let x = f64s(inputs.normalized().row(r));
+                let x = inputs.normalized_row(r);
                 let row = match norm {
                     Norm::Layer => Row::new(&x, eps),
                     Norm::Rms => Row::rms(&x, eps),
@@ -106,8 +106,8 @@ impl Reference {
     }
 
     /// The forward's y (`[rows, n]`, row-major, copied from the device), and with the
-    /// residual add its s.
-    pub fn check_forward<T: Element>(&self, y: &[T], sum: Option<&[T]>) -> Check {
+    /// residual add its s (of the stream's type `R`).
+    pub fn check_forward<T: Element, R: Element>(&self, y: &[T], sum: Option<&[R]>) -> Check {
         let sum = match (sum, &self.sum) {
             (Some(out), Some(reference)) => self.sampled("s", out, reference),
             _ => Check::from_sums("s", 0.0, 0.0),
@@ -189,7 +189,7 @@ impl Check {
         }
     }
 
-    fn worst<const K: usize>(checks: [Check; K]) -> Check {
+    pub fn worst<const K: usize>(checks: [Check; K]) -> Check {
         checks
             .into_iter()
             .max_by(|a, b| a.error.total_cmp(&b.error))

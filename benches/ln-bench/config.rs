@@ -98,13 +98,19 @@ impl Mode {
     /// backward reads x and dy and writes dx; with the `residual` add, forward reads x and
     /// the residual and writes s and y, backward reads s, dy and dsum and writes dx (gamma,
     /// beta, dgamma, dbeta and the row statistics are small beside these and not counted).
-    pub fn bytes(self, dtype: Dtype, rows: usize, n: usize, residual: bool) -> f64 {
-        let tensors = match (self, residual) {
-            (_, true) => 4.0,
-            (Mode::Fwd, false) => 2.0,
-            (Mode::Bwd, false) => 3.0,
+    /// With the stream in f32 (`f32_stream`), the residual, s and dsum count 4 bytes an
+    /// element, and the backward also writes the residual's gradient (f32).
+    pub fn bytes(self, dtype: Dtype, rows: usize, n: usize, residual: bool, f32_stream: bool) -> f64 {
+        let x = dtype.bytes() as f64;
+        let stream = if f32_stream { 4.0 } else { x };
+        let per_element = match (self, residual) {
+            (Mode::Fwd, true) => 2.0 * x + 2.0 * stream,
+            (Mode::Bwd, true) if f32_stream => 2.0 * x + 3.0 * stream,
+            (Mode::Bwd, true) => 2.0 * x + 2.0 * stream,
+            (Mode::Fwd, false) => 2.0 * x,
+            (Mode::Bwd, false) => 3.0 * x,
         };
-        tensors * rows as f64 * n as f64 * dtype.bytes() as f64
+        per_element * rows as f64 * n as f64
     }
 }
 

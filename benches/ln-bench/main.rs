@@ -80,6 +80,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     let plan = Plan {
         norm: args.norm,
         residual: args.residual,
+        f32_stream: args.f32_stream,
         weights: args.weights,
         rows: match (&args.rows, preset) {
             (Some(rows), _) => rows.clone(),
@@ -117,6 +118,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     let run = Run {
         norm: plan.norm,
         residual: plan.residual,
+        f32_stream: plan.f32_stream,
         weights: plan.weights,
         device: device.name(),
         date: humantime::format_rfc3339_seconds(SystemTime::now()).to_string(),

@@ -21,6 +21,8 @@ pub struct Run {
     pub norm: Norm,
     /// The residual add fused with the norm (`--residual`).
     pub residual: bool,
+    /// Its stream kept in f32 (`--f32-stream`).
+    pub f32_stream: bool,
     pub weights: Weights,
     /// "cuda:0 (NVIDIA H200)" or "cpu".
     pub device: String,
@@ -55,10 +57,10 @@ impl Run {
             Weights::Same => "weights of the data's type",
             Weights::F32 => "f32 weights",
         };
-        let residual = if self.residual {
-            " with the residual add (s = x + residual)"
-        } else {
-            ""
+        let residual = match (self.residual, self.f32_stream) {
+            (true, true) => " with the residual add (s = x + residual), the stream in f32",
+            (true, false) => " with the residual add (s = x + residual)",
+            _ => "",
         };
         println!("ln-bench: {norm}{residual} bandwidth, {weights}, {}", self.date);
         print!("device: {}", self.device);
@@ -86,10 +88,12 @@ impl Run {
             );
         }
         let rows: Vec<String> = plan.rows.iter().map(usize::to_string).collect();
-        let counted = if self.residual {
-            "fwd 4*M*N*bytes (x, residual, s, y), bwd 4*M*N*bytes (s, dy, dsum, dx)"
-        } else {
-            "fwd 2*M*N*bytes, bwd 3*M*N*bytes"
+        let counted = match (self.residual, self.f32_stream) {
+            (true, true) => {
+                "fwd M*N*(2*bytes + 2*4) (x, y; residual, s in f32), bwd M*N*(2*bytes + 3*4) (dy, dx; s, dsum, d_residual in f32)"
+            }
+            (true, false) => "fwd 4*M*N*bytes (x, residual, s, y), bwd 4*M*N*bytes (s, dy, dsum, dx)",
+            _ => "fwd 2*M*N*bytes, bwd 3*M*N*bytes",
         };
         println!(
             "M = {}; median of {} repetitions after {} warm-up{}; inputs seeded {}; GB/s count \
@@ -182,7 +186,7 @@ impl Run {
         }
         format!(
             "{} ({dtype}, M={rows}), GB/s:\n{}{}",
-            title(self.norm, self.residual, mode),
+            title(self.norm, self.residual, self.f32_stream, mode),
             aligned(&header, &lines),
             check_line(results, mode, dtype, Some(rows))
         )
@@ -232,7 +236,7 @@ impl Run {
         };
         format!(
             "{} ({dtype}), median microseconds{floor}:\n{}{}",
-            title(self.norm, self.residual, mode),
+            title(self.norm, self.residual, self.f32_stream, mode),
             aligned(&header, &lines),
             check_line(results, mode, dtype, None)
         )
@@ -242,7 +246,7 @@ impl Run {
     pub fn speed(&self, m: &Measurement) -> Option<(f64, f64)> {
         match &m.outcome {
             Outcome::Timed(time) => {
-                let gbps = time.gbps(m.mode.bytes(m.dtype, m.rows, m.n, self.residual));
+                let gbps = time.gbps(m.mode.bytes(m.dtype, m.rows, m.n, self.residual, self.f32_stream));
                 Some((gbps, 100.0 * gbps / self.copy.gbps))
             }
             Outcome::Failed(_) => None,
@@ -318,13 +322,18 @@ impl Run {
     }
 }
 
-/// "layer-norm-forward", "rms-norm-residual-backward", ...: the peers' table names.
-fn title(norm: Norm, residual: bool, mode: Mode) -> String {
+/// "layer-norm-forward", "rms-norm-residual-backward", ...: the peers' table names (the
+/// f32 stream's, "-residual-f32-", none of theirs).
+fn title(norm: Norm, residual: bool, f32_stream: bool, mode: Mode) -> String {
     let pass = match mode {
         Mode::Fwd => "forward",
         Mode::Bwd => "backward",
     };
-    let residual = if residual { "-residual" } else { "" };
+    let residual = match (residual, f32_stream) {
+        (true, true) => "-residual-f32",
+        (true, false) => "-residual",
+        _ => "",
+    };
     format!("{}{residual}-{pass}", norm.name())
 }
 
