@@ -18,7 +18,7 @@ use layernorm_cuda::{
     BackwardMode, Device, Element, Error, F32Stream, Gradients, LayerNorm, RmsNorm, Weight, bf16, f16,
 };
 use layernorm_reference as reference;
-use ndarray::{Array1, Array2, Zip};
+use ndarray::{Array1, Array2, ArrayView2, Zip};
 
 const EPS: f32 = 1e-5;
 const MODES: [BackwardMode; 2] = [BackwardMode::Deterministic, BackwardMode::Locked { groups: None }];
@@ -121,48 +121,16 @@ fn check<T: Element, W: Weight<T>>(
         "{what}: s = x + residual"
     );
 
-    let s = to_f64(r.sum.view());
-    let (gamma, beta, dy) = (
-        to_f64(c.p.gamma.view()),
-        to_f64(c.p.beta.view()),
-        to_f64(c.p.dy.view()),
+    let expected = Expected::of(
+        norm,
+        to_f64(r.sum.view()),
+        &c.p,
+        with_dsum.then(|| to_f64(c.dsum.view())),
     );
-    let eps = EPS as f64;
-    let (y_ref, (mut dx_ref, dgamma_ref, dbeta_ref)) = match norm {
-        Norm::Layer => (
-            reference::forward(s.view(), gamma.view(), beta.view(), eps).0,
-            reference::backward(s.view(), dy.view(), gamma.view(), eps),
-        ),
-        Norm::Rms => {
-            let (dx, dgamma) = reference::rms_backward(s.view(), dy.view(), gamma.view(), eps);
-            let no_beta = Array1::zeros(n);
-            (
-                reference::rms_forward(s.view(), gamma.view(), eps).0,
-                (dx, dgamma, no_beta),
-            )
-        }
-    };
-    if with_dsum {
-        dx_ref += &to_f64(c.dsum.view());
-    }
     let tol = tolerance::<T>();
-    let e = rel_err(r.y.view(), y_ref.view());
-    assert!(e < tol, "{what}: y rel err {e:e}");
     let dx = r.grads.dx.to_array2().unwrap();
-    // dx of a row can be far smaller than dy (n = 1 gives 0): measured against dy's size.
-    let floor = dy.iter().map(|v| v * v).sum::<f64>().sqrt();
-    let e = rel_err_at_least(dx.view(), dx_ref.view(), floor);
-    assert!(e < tol, "{what}: dx rel err {e:e}");
-    let dgamma = r.grads.dgamma.as_ref().unwrap().to_array1().unwrap();
-    let e = rel_err_at_least(dgamma.view(), dgamma_ref.view(), floor);
-    assert!(e < tol, "{what}: dgamma rel err {e:e}");
-    if norm == Norm::Layer {
-        let dbeta = r.grads.dbeta.as_ref().unwrap().to_array1().unwrap();
-        let e = rel_err_at_least(dbeta.view(), dbeta_ref.view(), floor);
-        assert!(e < tol, "{what}: dbeta rel err {e:e}");
-    } else {
-        assert!(r.grads.dbeta.is_none(), "{what}: RMSNorm has no dbeta");
-    }
+    expected.assert_y_and_params(&what, r.y.view(), &r.grads, tol);
+    expected.assert_dx(&what, "dx", dx.view(), tol);
 
     if !with_dsum {
         let plain_dx = r.plain.dx.to_vec().unwrap();
@@ -174,41 +142,127 @@ fn check<T: Element, W: Weight<T>>(
     }
 }
 
-/// Every norm, mode and shape for x of `T` and weights of `W`.
-fn check_all<T: Element, W: Weight<T>>(device: &Device) {
-    let mut seed = 0;
+/// The float64 reference of the norm of s (`[rows, n]`, as the op formed it) with the
+/// problem's weights and dy, dsum added to dx where given.
+struct Expected {
+    norm: Norm,
+    y: Array2<f64>,
+    dx: Array2<f64>,
+    dgamma: Array1<f64>,
+    dbeta: Array1<f64>,
+    /// ||dy||: dx of a row can be far smaller than dy (n = 1 gives 0), so gradients are
+    /// measured against dy's size.
+    floor: f64,
+}
+
+impl Expected {
+    fn of<T: Element, W: Element>(
+        norm: Norm,
+        s: Array2<f64>,
+        p: &Problem<T, W>,
+        dsum: Option<Array2<f64>>,
+    ) -> Self {
+        let (gamma, beta, dy) = (to_f64(p.gamma.view()), to_f64(p.beta.view()), to_f64(p.dy.view()));
+        let eps = EPS as f64;
+        let (y, (mut dx, dgamma, dbeta)) = match norm {
+            Norm::Layer => (
+                reference::forward(s.view(), gamma.view(), beta.view(), eps).0,
+                reference::backward(s.view(), dy.view(), gamma.view(), eps),
+            ),
+            Norm::Rms => {
+                let (dx, dgamma) = reference::rms_backward(s.view(), dy.view(), gamma.view(), eps);
+                let no_beta = Array1::zeros(s.ncols());
+                (
+                    reference::rms_forward(s.view(), gamma.view(), eps).0,
+                    (dx, dgamma, no_beta),
+                )
+            }
+        };
+        if let Some(dsum) = dsum {
+            dx += &dsum;
+        }
+        let floor = dy.iter().map(|v| v * v).sum::<f64>().sqrt();
+        Expected {
+            norm,
+            y,
+            dx,
+            dgamma,
+            dbeta,
+            floor,
+        }
+    }
+
+    /// y, dgamma and dbeta (none for RMSNorm) within `tol`.
+    fn assert_y_and_params<T: Element, W: Element>(
+        &self,
+        what: &str,
+        y: ArrayView2<'_, T>,
+        grads: &Gradients<T, W>,
+        tol: f64,
+    ) {
+        let e = rel_err(y, self.y.view());
+        assert!(e < tol, "{what}: y rel err {e:e}");
+        let dgamma = grads.dgamma.as_ref().unwrap().to_array1().unwrap();
+        let e = rel_err_at_least(dgamma.view(), self.dgamma.view(), self.floor);
+        assert!(e < tol, "{what}: dgamma rel err {e:e}");
+        if self.norm == Norm::Layer {
+            let dbeta = grads.dbeta.as_ref().unwrap().to_array1().unwrap();
+            let e = rel_err_at_least(dbeta.view(), self.dbeta.view(), self.floor);
+            assert!(e < tol, "{what}: dbeta rel err {e:e}");
+        } else {
+            assert!(grads.dbeta.is_none(), "{what}: RMSNorm has no dbeta");
+        }
+    }
+
+    /// A gradient of s (`name`: dx, or the residual's in f32) within `tol`.
+    fn assert_dx<E: Element>(&self, what: &str, name: &str, dx: ArrayView2<'_, E>, tol: f64) {
+        let e = rel_err_at_least(dx, self.dx.view(), self.floor);
+        assert!(e < tol, "{what}: {name} rel err {e:e}");
+    }
+}
+
+/// `check(norm, mode, rows, n, seed)` for every norm, mode and shape, seeds from `first`.
+fn each_case(first: u64, mut check: impl FnMut(Norm, BackwardMode, usize, usize, u64)) {
+    let mut seed = first;
     for norm in [Norm::Layer, Norm::Rms] {
         for mode in MODES {
             for &(rows, n) in SHAPES {
                 seed += 1;
-                check::<T, W>(device, norm, mode, rows, n, seed);
+                check(norm, mode, rows, n, seed);
             }
         }
     }
 }
 
-/// A CPU and a GPU test per type pair: one pair's GPU test is what a racecheck run
-/// finishes within a device call.
+/// Every norm, mode and shape for x of `T` and weights of `W`.
+fn check_all<T: Element, W: Weight<T>>(device: &Device) {
+    each_case(0, |norm, mode, rows, n, seed| {
+        check::<T, W>(device, norm, mode, rows, n, seed)
+    });
+}
+
+/// A CPU and a GPU test per type pair, each running `$check` (every case) on its device:
+/// one pair's GPU test is what a racecheck run finishes within a device call.
 macro_rules! against_reference {
-    ($($pair:ident: $t:ty, $w:ty;)*) => {$(
+    ($check:ident; $($pair:ident: $t:ty, $w:ty;)*) => {$(
         mod $pair {
             use super::*;
 
             #[test]
             fn cpu_residual_matches_the_reference() {
-                check_all::<$t, $w>(&Device::cpu());
+                $check::<$t, $w>(&Device::cpu());
             }
 
             #[test]
             fn gpu_residual_matches_the_reference() {
                 let Some(gpu) = gpu_or_skip() else { return };
-                check_all::<$t, $w>(&gpu);
+                $check::<$t, $w>(&gpu);
             }
         }
     )*};
 }
 
-against_reference! {
+against_reference! { check_all;
     f32_f32: f32, f32;
     f16_f16: f16, f16;
     bf16_bf16: bf16, bf16;
@@ -358,33 +412,11 @@ fn check_f32_stream<T: F32Stream, W: Weight<T>>(
         "{what}: s = x + residual in f32"
     );
 
-    let s = to_f64(sum.view());
-    let (gamma, beta, dy64) = (
-        to_f64(c.p.gamma.view()),
-        to_f64(c.p.beta.view()),
-        to_f64(c.p.dy.view()),
-    );
-    let eps = EPS as f64;
-    let (y_ref, (mut dx_ref, dgamma_ref, dbeta_ref)) = match norm {
-        Norm::Layer => (
-            reference::forward(s.view(), gamma.view(), beta.view(), eps).0,
-            reference::backward(s.view(), dy64.view(), gamma.view(), eps),
-        ),
-        Norm::Rms => (reference::rms_forward(s.view(), gamma.view(), eps).0, {
-            let (dx, dgamma) = reference::rms_backward(s.view(), dy64.view(), gamma.view(), eps);
-            (dx, dgamma, Array1::zeros(n))
-        }),
-    };
-    if with_dsum {
-        dx_ref += &to_f64(dsum.view());
-    }
-    let tol = tolerance::<T>();
-    let e = rel_err(y.to_array2().unwrap().view(), y_ref.view());
-    assert!(e < tol, "{what}: y rel err {e:e}");
-    let floor = dy64.iter().map(|v| v * v).sum::<f64>().sqrt();
+    let dsum = with_dsum.then(|| to_f64(dsum.view()));
+    let expected = Expected::of(norm, to_f64(sum.view()), &c.p, dsum);
+    expected.assert_y_and_params(&what, y.to_array2().unwrap().view(), &grads, tolerance::<T>());
     let d_residual = d_residual.to_array2().unwrap();
-    let e = rel_err_at_least(d_residual.view(), dx_ref.view(), floor);
-    assert!(e < tolerance::<f32>(), "{what}: d_residual rel err {e:e}");
+    expected.assert_dx(&what, "d_residual", d_residual.view(), tolerance::<f32>());
     let dx = grads.dx.to_array2().unwrap();
     let rounded: Vec<T> = d_residual.iter().map(|&v| T::from_f32(v)).collect();
     assert_eq!(
@@ -392,55 +424,20 @@ fn check_f32_stream<T: F32Stream, W: Weight<T>>(
         bits(&rounded),
         "{what}: dx = d_residual rounded once"
     );
-    let dgamma = grads.dgamma.as_ref().unwrap().to_array1().unwrap();
-    let e = rel_err_at_least(dgamma.view(), dgamma_ref.view(), floor);
-    assert!(e < tol, "{what}: dgamma rel err {e:e}");
-    if norm == Norm::Layer {
-        let dbeta = grads.dbeta.as_ref().unwrap().to_array1().unwrap();
-        let e = rel_err_at_least(dbeta.view(), dbeta_ref.view(), floor);
-        assert!(e < tol, "{what}: dbeta rel err {e:e}");
-    } else {
-        assert!(grads.dbeta.is_none(), "{what}: RMSNorm has no dbeta");
-    }
 }
 
 /// Every norm, mode and shape of the f32 stream for x of `T` and weights of `W`.
 fn check_all_f32_stream<T: F32Stream, W: Weight<T>>(device: &Device) {
-    let mut seed = 500;
-    for norm in [Norm::Layer, Norm::Rms] {
-        for mode in MODES {
-            for &(rows, n) in SHAPES {
-                seed += 1;
-                check_f32_stream::<T, W>(device, norm, mode, rows, n, seed);
-            }
-        }
-    }
+    each_case(500, |norm, mode, rows, n, seed| {
+        check_f32_stream::<T, W>(device, norm, mode, rows, n, seed)
+    });
 }
 
-/// A CPU and a GPU test per type pair with the stream in f32.
-macro_rules! f32_stream_against_reference {
-    ($($pair:ident: $t:ty, $w:ty;)*) => {$(
-        mod $pair {
-            use super::*;
-
-            #[test]
-            fn cpu_f32_stream_matches_the_reference() {
-                check_all_f32_stream::<$t, $w>(&Device::cpu());
-            }
-
-            #[test]
-            fn gpu_f32_stream_matches_the_reference() {
-                let Some(gpu) = gpu_or_skip() else { return };
-                check_all_f32_stream::<$t, $w>(&gpu);
-            }
-        }
-    )*};
-}
-
+/// The CPU and GPU tests of the stream in f32, per type pair.
 mod f32_stream {
     use super::*;
 
-    f32_stream_against_reference! {
+    against_reference! { check_all_f32_stream;
         f16_f16: f16, f16;
         bf16_bf16: bf16, bf16;
         f16_f32: f16, f32;
