@@ -8,7 +8,11 @@ With --residual, the residual add of a pre-norm block with the norm, as ln-bench
 measures ours: s = x + residual and y = norm(s), forward and backward (the backward takes dy
 and dsum, the gradient reaching s from the residual stream); PyTorch as `x + r` then the norm
 (eager, and under torch.compile, which fuses them), and for RMSNorm Liger's
-LigerFusedAddRMSNormFunction; Liger has no such LayerNorm, nor the tutorial.
+LigerFusedAddRMSNormFunction; Liger has no such LayerNorm, nor the tutorial. With
+--residual --f32-stream, as ln-bench --f32-stream: the residual, s and dsum in f32 beside
+f16/bf16 x; PyTorch as `x.float() + r`, the norm in f32 and y cast back to x's dtype (eager
+and compiled), flash-attention's residual_in_fp32 written out; Liger's fused add takes one
+dtype and is not measured.
 
     python3 benches/peers.py --ours ours.json [--json peers.json]
     python3 benches/peers.py --ours ours.json --theirs peers.json   # merge saved results only
@@ -29,7 +33,9 @@ Presets, as in ln-bench: --preset llm (bf16, M = 16384, 65536, N = 768, 1024, 20
 Timing as ln-bench and triton.testing.do_bench: CUDA events around the call, warm-up first,
 a 256 MiB buffer written between repetitions (outside the timed region) to flush L2, median
 and 20%/80% quantiles. GB/s: forward 2*M*N*bytes, backward 3*M*N*bytes (with --residual
-4*M*N*bytes both ways: x, residual, s, y; s, dy, dsum, dx); the backward is
+4*M*N*bytes both ways: x, residual, s, y; s, dy, dsum, dx; with --f32-stream the residual,
+s, dsum and the residual's gradient at 4 bytes: forward M*N*(2*bytes + 8), backward
+M*N*(2*bytes + 12)); the backward is
 y.backward(dy, retain_graph=True) (with --residual, torch.autograd.backward([y, s], [dy,
 dsum], retain_graph=True)) with dgamma and dbeta computed, gradients reset to None
 between repetitions (outside the timed region) so that none is accumulated. Each
@@ -67,7 +73,9 @@ def tolerance(dtype):
     return max(4 * UNIT_ROUNDOFF[dtype], 1e-4)
 
 
-def moved_bytes(mode, dtype, m, n, residual):
+def moved_bytes(mode, dtype, m, n, residual, f32_stream=False):
+    if residual and f32_stream:
+        return m * n * (2 * BYTES[dtype] + (8 if mode == "fwd" else 12))
     tensors = 4 if residual else (2 if mode == "fwd" else 3)
     return tensors * m * n * BYTES[dtype]
 
@@ -138,9 +146,10 @@ def import_definitions(path, name):
     return module
 
 
-def torch_norm(F, norm, n, residual=False):
+def torch_norm(F, norm, n, residual=False, f32_stream=False):
     """PyTorch's functional norm over rows of n: layer_norm(x, w, b) or rms_norm(x, w); with
-    `residual`, (norm(s), s) of s = x + r, taking (x, r, w[, b])."""
+    `residual`, (norm(s), s) of s = x + r, taking (x, r, w[, b]); with `f32_stream`, s = x
+    widened to r's type (f32) + r, normalized with the weights widened, y cast to x's type."""
     if norm == "layer":
         normalize = lambda x, w, b: F.layer_norm(x, (n,), w, b, EPS)  # noqa: E731
     else:
@@ -152,17 +161,21 @@ def torch_norm(F, norm, n, residual=False):
         s = x + r
         return normalize(s, *weights), s
 
-    return add_and_normalize
+    def add_and_normalize_wide(x, r, *weights):
+        s = x.to(r.dtype) + r
+        return normalize(s, *(w.to(r.dtype) for w in weights)).to(x.dtype), s
+
+    return add_and_normalize_wide if f32_stream else add_and_normalize
 
 
 def torch_eager(args, torch, F):
-    return lambda n: torch_norm(F, args.norm, n, args.residual)
+    return lambda n: torch_norm(F, args.norm, n, args.residual, args.f32_stream)
 
 
 def torch_compiled(args, torch, F):
     def for_rows_of(n):
         torch._dynamo.reset()  # a fresh static compile per size, no recompile limit
-        return torch.compile(torch_norm(F, args.norm, n, args.residual), dynamic=False)
+        return torch.compile(torch_norm(F, args.norm, n, args.residual, args.f32_stream), dynamic=False)
 
     return for_rows_of
 
@@ -171,6 +184,8 @@ def liger(args, torch, F):
     if args.residual:
         if args.norm == "layer":
             raise NotImplementedError("Liger has no LayerNorm with the residual add")
+        if args.f32_stream:
+            raise NotImplementedError("Liger's fused add RMSNorm takes x and the residual of one dtype")
         from liger_kernel.ops import LigerFusedAddRMSNormFunction
 
         # (y, s) of s = x + r; offset 0, the default casting, not in place (as below).
@@ -217,7 +232,7 @@ def import_peers(args, torch, F):
 # --- measuring (needs torch) ---------------------------------------------------------------
 
 
-def measure(torch, F, norm, residual, mode, dtype, m, n, peer, for_rows_of, warmup, reps, seed):
+def measure(torch, F, norm, residual, mode, dtype, m, n, peer, for_rows_of, warmup, reps, seed, f32_stream=False):
     """One configuration: check against float64, then time. Returns a result record."""
     tdtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -228,8 +243,9 @@ def measure(torch, F, norm, residual, mode, dtype, m, n, peer, for_rows_of, warm
     w = (torch.rand(n, device="cuda", generator=gen) + 0.5).to(tdtype)
     b = (torch.rand(n, device="cuda", generator=gen) - 0.5).to(tdtype)
     if residual:
-        r = (torch.rand(m, n, device="cuda", generator=gen) * 2 - 1).to(tdtype)
-        dsum = (torch.rand(m, n, device="cuda", generator=gen) * 2 - 1).to(tdtype)
+        rdtype = torch.float32 if f32_stream else tdtype
+        r = (torch.rand(m, n, device="cuda", generator=gen) * 2 - 1).to(rdtype)
+        dsum = (torch.rand(m, n, device="cuda", generator=gen) * 2 - 1).to(rdtype)
     record = {"mode": mode, "dtype": dtype, "provider": peer, "m": m, "n": n, "tolerance": tolerance(dtype)}
 
     try:
@@ -239,7 +255,7 @@ def measure(torch, F, norm, residual, mode, dtype, m, n, peer, for_rows_of, warm
         ref_leaves = [t.detach().double().requires_grad_(mode == "bwd") for t in operands]
         # The outputs and their gradients: y (and s, with the residual add).
         outs = normalize(*leaves)
-        ref_outs = torch_norm(F, norm, n, residual)(*ref_leaves)
+        ref_outs = torch_norm(F, norm, n, residual, f32_stream)(*ref_leaves)
         if not residual:
             outs, ref_outs = (outs,), (ref_outs,)
         grads = (dy, dsum) if residual else (dy,)
@@ -266,7 +282,7 @@ def measure(torch, F, norm, residual, mode, dtype, m, n, peer, for_rows_of, warm
     except Exception as e:  # a peer that cannot run this shape (compile error, 64 KB rows): report, go on
         record.update(status="n/a", failure=f"{type(e).__name__}: {e}".splitlines()[0][:300])
         return record
-    gbps = moved_bytes(mode, dtype, m, n, residual) / (time["median_ms"] * 1e-3) / 1e9
+    gbps = moved_bytes(mode, dtype, m, n, residual, f32_stream) / (time["median_ms"] * 1e-3) / 1e9
     record.update(status="ok", gbps=gbps, **time)
     return record
 
@@ -286,6 +302,7 @@ def measure_all(args, sizes):
     run = {
         "norm": args.norm,
         "residual": args.residual,
+        "f32_stream": args.f32_stream,
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -302,7 +319,20 @@ def measure_all(args, sizes):
     for i, (mode, dtype, m, n) in enumerate(sizes):
         for peer, for_rows_of in peers.items():
             r = measure(
-                torch, F, args.norm, args.residual, mode, dtype, m, n, peer, for_rows_of, args.warmup, args.reps, args.seed
+                torch,
+                F,
+                args.norm,
+                args.residual,
+                mode,
+                dtype,
+                m,
+                n,
+                peer,
+                for_rows_of,
+                args.warmup,
+                args.reps,
+                args.seed,
+                args.f32_stream,
             )
             run["results"].append(r)
             shown = f"{r['gbps']:.1f} GB/s" if r["status"] == "ok" else r["status"] + " " + r.get("failure", "")
@@ -323,7 +353,7 @@ def cell(record, latency):
     return "FAILED" if record["status"] == "failed" else "n/a"
 
 
-def merged_tables(ours, theirs, sizes, latency, norm, residual):
+def merged_tables(ours, theirs, sizes, latency, norm, residual, f32_stream=False):
     """One table per (mode, dtype, M) in GB/s, or per (mode, dtype) in median microseconds
     for the latency preset: ours and the peers, then each of ours over the best peer (its
     speed over the fastest peer's at that shape: above 1, ours is faster)."""
@@ -353,7 +383,8 @@ def merged_tables(ours, theirs, sizes, latency, norm, residual):
                         ratios.append(f"{best / r['median_ms']:.2f}" if ok and best else "-")
                     shape = [str(m), str(n)] if latency else [str(n)]
                     lines.append([str(i)] + shape + [cell(get(p), latency) for p in ours_providers + peers] + ratios)
-                name = f"{norm}-norm{'-residual' if residual else ''}-{'forward' if mode == 'fwd' else 'backward'}"
+                stream = "-f32" if residual and f32_stream else ""
+                name = f"{norm}-norm{'-residual' if residual else ''}{stream}-{'forward' if mode == 'fwd' else 'backward'}"
                 if latency:
                     unit = "median microseconds" + (f"; empty kernel {floor['median_ms'] * 1e3:.2f}" if floor else "")
                     title = f"{name} ({dtype}), {unit}:"
@@ -410,6 +441,9 @@ def main():
     p.add_argument("--quick", action="store_true", help="N = 1024,4096,8192,32768")
     p.add_argument("--norm", choices=NORMS, default="layer", help="layer (LayerNorm) or rms (RMSNorm)")
     p.add_argument("--residual", action="store_true", help="the residual add with the norm (as ln-bench --residual)")
+    p.add_argument(
+        "--f32-stream", action="store_true", help="with --residual: the stream in f32 (as ln-bench --f32-stream)"
+    )
     p.add_argument("--mode", type=comma_list(MODES), default=MODES)
     p.add_argument("--dtype", type=comma_list(DTYPES), help="default: the preset's, else f16,bf16,f32")
     p.add_argument("--peers", type=comma_list(PEERS), default=PEERS, help=f"peers to measure (default: {','.join(PEERS)})")
@@ -427,6 +461,8 @@ def main():
         p.error("--reps must be at least 1, --warmup at least 0")
     if args.preset and args.quick:
         p.error("--quick and --preset choose N both: give one")
+    if args.f32_stream and not args.residual:
+        p.error("--f32-stream is the residual add's stream: give --residual too")
 
     def load(path):
         """A saved run of this norm, with the residual add or without as asked (files from before
@@ -441,6 +477,9 @@ def main():
         if doc.get("residual", False) != args.residual:
             with_or = "with" if doc.get("residual", False) else "without"
             p.error(f"{path} measured the norm {with_or} the residual add (--residual)")
+        if doc.get("f32_stream", False) != args.f32_stream:
+            kept = "in f32" if doc.get("f32_stream", False) else "in x's dtype"
+            p.error(f"{path} measured the residual stream {kept} (--f32-stream)")
         return doc
 
     ours = load(args.ours) if args.ours else None
@@ -457,7 +496,7 @@ def main():
     if ours and theirs and ours["device"].split("(")[-1].rstrip(")") != theirs["device"]:
         print("note: the two runs name different devices; ratios compare different machines")
     latency = "latency" in (args.preset, (ours or {}).get("preset"), theirs.get("preset"))
-    for table in merged_tables(ours, theirs, sizes, latency, args.norm, args.residual):
+    for table in merged_tables(ours, theirs, sizes, latency, args.norm, args.residual, args.f32_stream):
         print("\n" + table)
     failed = [r for r in theirs["results"] if r["status"] == "failed"]
     return 1 if failed else 0

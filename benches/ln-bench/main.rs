@@ -108,7 +108,7 @@ fn run(args: &Args) -> Result<bool, BenchError> {
     let peers = args
         .peers
         .as_deref()
-        .map(|path| PeerRun::read(path, args.norm, args.residual))
+        .map(|path| PeerRun::read(path, args.norm, args.residual, args.f32_stream))
         .transpose()?;
 
     let (mut timer, memory) = match device.cuda_stream() {

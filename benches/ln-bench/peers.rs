@@ -19,6 +19,9 @@ pub struct PeerRun {
     /// Whether the peers ran the residual add with the norm (files before it: no).
     #[serde(default)]
     pub residual: bool,
+    /// Whether its residual stream was in f32 (`peers.py --f32-stream`; files before it: no).
+    #[serde(default)]
+    pub f32_stream: bool,
     pub results: Vec<PeerRecord>,
     /// Peers that could not be imported, with the reason.
     #[serde(default)]
@@ -45,8 +48,9 @@ fn layer_norm() -> Norm {
 
 impl PeerRun {
     /// The peers' run at `path`, which must have measured `norm`, with the residual add or
-    /// without as this run: other numbers beside ours would compare different operations.
-    pub fn read(path: &Path, norm: Norm, residual: bool) -> Result<PeerRun, BenchError> {
+    /// without, its stream in f32 or not, as this run: other numbers beside ours would
+    /// compare different operations.
+    pub fn read(path: &Path, norm: Norm, residual: bool, f32_stream: bool) -> Result<PeerRun, BenchError> {
         let unreadable = |reason: String| BenchError::Peers {
             path: path.to_path_buf(),
             reason,
@@ -66,6 +70,14 @@ impl PeerRun {
                 "it measured the norm {} the residual add, this run {} it (peers.py --residual)",
                 with(run.residual),
                 with(residual)
+            )));
+        }
+        if run.f32_stream != f32_stream {
+            let kept = |f: bool| if f { "in f32" } else { "in x's type" };
+            return Err(unreadable(format!(
+                "it kept the residual stream {}, this run {} (peers.py --f32-stream)",
+                kept(run.f32_stream),
+                kept(f32_stream)
             )));
         }
         Ok(run)

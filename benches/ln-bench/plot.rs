@@ -176,7 +176,11 @@ impl Figure<'_> {
             Norm::Layer => "LayerNorm",
             Norm::Rms => "RMSNorm",
         };
-        let residual = if run.residual { " + residual" } else { "" };
+        let residual = match (run.residual, run.f32_stream) {
+            (true, true) => " + residual (f32 stream)",
+            (true, false) => " + residual",
+            _ => "",
+        };
         let mut chart = ChartBuilder::on(area)
             .caption(
                 format!("{norm}{residual} {pass}, {dtype}, M = {rows}"),
