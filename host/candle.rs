@@ -11,7 +11,8 @@
 //! [`layer_norm_residual`] and [`rms_norm_residual`] (and the layers' `forward_residual`)
 //! fuse the residual add of a pre-norm block with the norm: s = x + residual, y = norm(s),
 //! both from one pass over x and the residual, and a backward that adds the gradient reaching
-//! s to dx in the same pass.
+//! s to dx in the same pass. The residual stream (the residual and s) has x's dtype, or is
+//! kept in f32 beside f16 and bf16 x (flash-attention's `residual_in_fp32`).
 //!
 //! candle's custom ops return one tensor, and their backward is handed only the inputs, the
 //! output and its gradient. So the forward op keeps its per-row mean and rstd itself (each
@@ -27,10 +28,13 @@
 //! A custom op also takes at most three operands. The residual forward is a `CustomOp3` over
 //! (x, residual, weights), the weights being gamma for RMSNorm and, for LayerNorm, gamma and
 //! beta stacked into one `[2, n]` tensor (a copy of 2n elements; candle's autograd splits
-//! its gradient back between the two). Its output is `[2, ...x's shape]`: y then s, both
-//! written by the one pass into the halves of one buffer, which the caller views as y and s
-//! (no copy). So its backward is handed s (in its output) and, as the output's gradient, dy
-//! then the gradient of s, which the backward op reads as dy and dsum.
+//! its gradient back between the two). Its output is y; the same pass writes s, which a
+//! second op, applied to y, hands over as its own output (no copy). In candle's graph s thus
+//! comes after y, and candle's backward reaches s first: s's op leaves s's gradient (dsum)
+//! for y's op, whose backward then runs the one pass with dy and dsum (no dsum where the
+//! loss does not use s). It returns dx to x and to the residual; where the stream is f32,
+//! the residual's is dx unrounded, in f32, which the pass writes beside dx and an op
+//! applied to s hands over as the weights' gradients are.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
@@ -47,7 +51,7 @@ use candle_core::{CudaDevice, CudaStorage, cuda::CudaDType, cuda::DeviceId};
 use cudarc::driver::{CudaSlice, CudaStream, CudaView, DeviceRepr, ValidAsZeroBits};
 use half::{bf16, f16};
 
-use crate::cpu::zeroed_with;
+use crate::cpu::{Stream, zeroed_with};
 use crate::device::Device;
 use crate::element::{Element, Weight};
 use crate::layer_norm::{
@@ -131,21 +135,25 @@ fn rms_norm_with(x: &Tensor, gamma: &Tensor, eps: f32, gamma_offset: f32) -> Res
         .apply_op2(&gamma.contiguous()?, Forward::new(norm, eps, gamma_offset))
 }
 
-/// The residual add of a pre-norm block fused with LayerNorm: s = x + residual (each
-/// element summed in f32 and rounded once to x's dtype) and y = LayerNorm(s) as
-/// [`layer_norm`] computes it, in one pass over x and the residual (as
-/// `crate::LayerNorm::forward_residual`). Returns (y, s), both of x's shape and dtype: the
-/// halves of one `[2, ...]` tensor, which the pass writes, viewed without a copy.
+/// The residual add of a pre-norm block fused with LayerNorm: s = x + residual and
+/// y = LayerNorm(s) as [`layer_norm`] computes it, in one pass over x and the residual.
+/// Returns (y, s), both of x's shape; y of x's dtype, s of the residual's.
+///
+/// The residual has x's dtype (s is then each x + residual summed in f32 and rounded once,
+/// as `crate::LayerNorm::forward_residual` forms it) or, beside f16 and bf16 x, f32: the
+/// stream kept in f32, s = x + residual in f32, not rounded
+/// (`crate::LayerNorm::forward_residual_f32`).
 ///
 /// Where x, the residual, gamma or beta are variables of candle's graph, `backward()` of a
 /// loss built on y, s or both gives their gradients. x's and the residual's are the same
-/// tensor, dx = (the gradient through the norm at s) + (the gradient reaching s from the
-/// loss), formed by one backward pass that adds the second as it writes dx (rounded once);
-/// dgamma and dbeta are [`layer_norm`]'s at s. Where s is not used, the gradient reaching it
-/// is candle's zeros, which that pass reads and adds all the same.
+/// values, dx = (the gradient through the norm at s) + (the gradient reaching s from the
+/// loss), formed by one backward pass that adds the second as it writes dx: x's rounded
+/// once to x's dtype, the residual's in the residual's dtype (with an f32 stream, written by
+/// the same pass, unrounded). dgamma and dbeta are [`layer_norm`]'s at s.
 ///
 /// Errors as [`layer_norm`]'s, and `DTypeMismatchBinaryOp` for a residual of another dtype
-/// than x's, `ShapeMismatchBinaryOp` for one of another shape.
+/// than x's (or f32 beside f16 and bf16 x), `ShapeMismatchBinaryOp` for one of another
+/// shape.
 pub fn layer_norm_residual(
     x: &Tensor,
     residual: &Tensor,
@@ -174,9 +182,9 @@ fn layer_norm_residual_with(
 }
 
 /// The residual add fused with RMSNorm: s = x + residual as [`layer_norm_residual`] forms
-/// it and y = RMSNorm(s) as [`rms_norm`] computes it, returned as (y, s); gradients of x, the
-/// residual and gamma as [`layer_norm_residual`] gives them. Errors as
-/// [`layer_norm_residual`]'s.
+/// it (the residual of x's dtype, or f32 beside f16 and bf16 x) and y = RMSNorm(s) as
+/// [`rms_norm`] computes it, returned as (y, s); gradients of x, the residual and gamma as
+/// [`layer_norm_residual`] gives them. Errors as [`layer_norm_residual`]'s.
 pub fn rms_norm_residual(
     x: &Tensor,
     residual: &Tensor,
@@ -201,10 +209,12 @@ fn rms_norm_residual_with(
     residual_forward(norm, x, residual, gamma, eps, gamma_offset)
 }
 
-/// Refuses a residual whose dtype or shape is not x's.
+/// Refuses a residual whose shape is not x's, or whose dtype is neither x's nor, beside f16
+/// and bf16 x, f32.
 fn check_residual(norm: Norm, x: &Tensor, residual: &Tensor) -> Result<()> {
     let op = residual_name(norm);
-    if residual.dtype() != x.dtype() {
+    let f32_stream = residual.dtype() == DType::F32 && matches!(x.dtype(), DType::F16 | DType::BF16);
+    if residual.dtype() != x.dtype() && !f32_stream {
         return Err(Error::DTypeMismatchBinaryOp {
             lhs: x.dtype(),
             rhs: residual.dtype(),
@@ -224,7 +234,7 @@ fn check_residual(norm: Norm, x: &Tensor, residual: &Tensor) -> Result<()> {
 }
 
 /// Applies the [`ResidualForward`] op to checked operands (`weights`: gamma, or LayerNorm's
-/// `[2, n]` gamma and beta) and views its output as y and s.
+/// `[2, n]` gamma and beta), which gives y, and [`ResidualSum`] to y, which gives s.
 fn residual_forward(
     norm: Norm,
     x: &Tensor,
@@ -233,11 +243,21 @@ fn residual_forward(
     eps: f32,
     gamma_offset: f32,
 ) -> Result<(Tensor, Tensor)> {
-    let op = ResidualForward(Forward::new(norm, eps, gamma_offset));
-    let both = x
+    let shared = Arc::new(ResidualShared::default());
+    let op = ResidualForward {
+        forward: Forward::new(norm, eps, gamma_offset),
+        shared: shared.clone(),
+    };
+    let y = x
         .contiguous()?
         .apply_op3(&residual.contiguous()?, &weights.contiguous()?, op)?;
-    Ok((both.get(0)?, both.get(1)?))
+    let sum = y.apply_op1(ResidualSum {
+        norm,
+        shared: shared.clone(),
+    })?;
+    // Detached: the graph's s holds y, whose op holds `shared`; s's storage alone does not.
+    shared.sum.set(sum.detach()).map_err(|_| applied_twice(norm))?;
+    Ok((y, sum))
 }
 
 /// LayerNorm as a candle layer: weight and bias `[n]`, applied by [`layer_norm`] to the
@@ -444,18 +464,28 @@ fn check_params(norm: Norm, dtype: DType, n: usize, params: &[(&str, &Tensor)], 
     check_config(n, eps).map_err(wrap(norm))
 }
 
-/// Runs `f::<T, W>(args)` for the element types of x's dtype `$x` and the weights' `$w`
-/// (f32, f16 and bf16 with weights of their own type; f16 and bf16 with f32 weights), else
-/// candle's unsupported-dtype error for the op named `name` (checked before: the ops refuse
-/// other pairs when they are applied).
+/// Runs `f::<T, W, R>(args)` for the element types of x's dtype `$x`, the weights' `$w` and
+/// the residual stream's (the rows normalized) R: x's own (f32, f16 and bf16 with weights of
+/// their own type; f16 and bf16 with f32 weights) or, after `f32 stream:`, f32 beside f16 and
+/// bf16 x (either weights). Else candle's unsupported-dtype error for the op named `name`
+/// (checked before: the ops refuse other types when they are applied).
 macro_rules! by_types {
     ($name:expr, $x:expr, $w:expr, $f:ident($($arg:expr),* $(,)?)) => {
         match ($x, $w) {
-            (DType::F32, DType::F32) => $f::<f32, f32>($($arg),*),
-            (DType::F16, DType::F16) => $f::<f16, f16>($($arg),*),
-            (DType::BF16, DType::BF16) => $f::<bf16, bf16>($($arg),*),
-            (DType::F16, DType::F32) => $f::<f16, f32>($($arg),*),
-            (DType::BF16, DType::F32) => $f::<bf16, f32>($($arg),*),
+            (DType::F32, DType::F32) => $f::<f32, f32, f32>($($arg),*),
+            (DType::F16, DType::F16) => $f::<f16, f16, f16>($($arg),*),
+            (DType::BF16, DType::BF16) => $f::<bf16, bf16, bf16>($($arg),*),
+            (DType::F16, DType::F32) => $f::<f16, f32, f16>($($arg),*),
+            (DType::BF16, DType::F32) => $f::<bf16, f32, bf16>($($arg),*),
+            (dtype, _) => Err(Error::UnsupportedDTypeForOp(dtype, $name).bt()),
+        }
+    };
+    (f32 stream: $name:expr, $x:expr, $w:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        match ($x, $w) {
+            (DType::F16, DType::F16) => $f::<f16, f16, f32>($($arg),*),
+            (DType::BF16, DType::BF16) => $f::<bf16, bf16, f32>($($arg),*),
+            (DType::F16, DType::F32) => $f::<f16, f32, f32>($($arg),*),
+            (DType::BF16, DType::F32) => $f::<bf16, f32, f32>($($arg),*),
             (dtype, _) => Err(Error::UnsupportedDTypeForOp(dtype, $name).bt()),
         }
     };
@@ -492,11 +522,24 @@ impl Stats {
     }
 }
 
-/// A backward on other storage than its forward's (x is the forward's own tensor, so
-/// candle's graph does not do this).
-#[cfg(feature = "candle-cuda")]
+/// An operand, or an output handed over, on other storage than its op's (candle's graph
+/// keeps each op's operands on one device, so this does not happen).
 fn moved() -> Error {
-    Error::Msg("layernorm-cuda backward: x is not on the device its forward ran on".into()).bt()
+    Error::Msg("layernorm-cuda: a tensor is not on the device its forward ran on".into()).bt()
+}
+
+/// A slot in which one op leaves a buffer for the next, which takes it.
+type Slot = Arc<Mutex<Option<Storage>>>;
+
+/// Puts `storage` in `slot`. A panic elsewhere while the slot was held leaves it whole: it
+/// is only ever set or taken.
+fn leave(slot: &Slot, storage: Storage) {
+    *slot.lock().unwrap_or_else(PoisonError::into_inner) = Some(storage);
+}
+
+/// Takes what `slot` holds: `None` where nothing was left there.
+fn take(slot: &Slot) -> Option<Storage> {
+    slot.lock().unwrap_or_else(PoisonError::into_inner).take()
 }
 
 /// The forward op over (x, gamma, beta) for LayerNorm or (x, gamma) for RMSNorm, contiguous
@@ -513,6 +556,11 @@ struct Forward {
     stats: OnceLock<Arc<Stats>>,
 }
 
+/// Refuses a second run of an op that runs once.
+fn applied_twice(norm: Norm) -> Error {
+    Error::Msg(format!("{}: an op applied twice", op_name(norm))).bt()
+}
+
 impl Forward {
     fn new(norm: Norm, eps: f32, gamma_offset: f32) -> Forward {
         Forward {
@@ -526,26 +574,33 @@ impl Forward {
     fn keep(&self, stats: Stats) -> Result<()> {
         self.stats
             .set(Arc::new(stats))
-            .map_err(|_| Error::Msg(format!("{}: an op applied twice", op_name(self.norm))).bt())
+            .map_err(|_| applied_twice(self.norm))
     }
 
-    /// The forward on CPU storage (beta absent for RMSNorm; with a residual, the output is y
-    /// then s), keeping its statistics.
+    /// The forward on CPU storage (beta absent for RMSNorm): y and, with a residual, s of
+    /// the residual's dtype; it keeps the statistics.
     fn cpu(
         &self,
         x: Operand<'_, CpuStorage>,
         residual: Option<Operand<'_, CpuStorage>>,
         gamma: Operand<'_, CpuStorage>,
         beta: Option<Operand<'_, CpuStorage>>,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (out, stats) = by_types!(
-            op_name(self.norm),
-            x.0.dtype(),
-            gamma.0.dtype(),
-            forward_cpu(self, x, residual, gamma, beta)
-        )?;
+    ) -> Result<(CpuStorage, Option<CpuStorage>)> {
+        let name = op_name(self.norm);
+        let (x_dtype, w_dtype) = (x.0.dtype(), gamma.0.dtype());
+        let (y, sum, stats) = match residual {
+            Some(r) if r.0.dtype() != x_dtype => {
+                by_types!(f32 stream: name, x_dtype, w_dtype, forward_cpu(self, x, residual, gamma, beta))
+            }
+            _ => by_types!(
+                name,
+                x_dtype,
+                w_dtype,
+                forward_cpu(self, x, residual, gamma, beta)
+            ),
+        }?;
         self.keep(stats)?;
-        Ok((out, output_shape(x.1, residual.is_some())))
+        Ok((y, sum))
     }
 
     /// The forward on CUDA storage, as [`Forward::cpu`].
@@ -556,46 +611,69 @@ impl Forward {
         residual: Option<Operand<'_, CudaStorage>>,
         gamma: Operand<'_, CudaStorage>,
         beta: Option<Operand<'_, CudaStorage>>,
-    ) -> Result<(CudaStorage, Shape)> {
-        let (out, stats) = by_types!(
-            op_name(self.norm),
-            x.0.dtype(),
-            gamma.0.dtype(),
-            forward_cuda(self, x, residual, gamma, beta)
-        )?;
+    ) -> Result<(CudaStorage, Option<CudaStorage>)> {
+        let name = op_name(self.norm);
+        let (x_dtype, w_dtype) = (x.0.dtype(), gamma.0.dtype());
+        let (y, sum, stats) = match residual {
+            Some(r) if r.0.dtype() != x_dtype => {
+                by_types!(f32 stream: name, x_dtype, w_dtype, forward_cuda(self, x, residual, gamma, beta))
+            }
+            _ => by_types!(
+                name,
+                x_dtype,
+                w_dtype,
+                forward_cuda(self, x, residual, gamma, beta)
+            ),
+        }?;
         self.keep(stats)?;
-        Ok((out, output_shape(x.1, residual.is_some())))
+        Ok((y, sum))
     }
 
     /// dx by the [`Backward`] op, from the statistics the forward kept, then the weights'
     /// gradients that op left (dgamma, then LayerNorm's dbeta, end to end, `[params * n]`) by
-    /// [`Handover`]. `x` holds the rows the forward normalized (x, or s after a residual);
-    /// `dy` is y's gradient or, with `dsum`, the residual forward's output's: y's then s's.
-    fn backward(&self, x: &Tensor, gamma: &Tensor, dy: &Tensor, dsum: bool) -> Result<(Tensor, Tensor)> {
+    /// [`Handover`]. `x` holds the rows the forward normalized (x, or s after a residual),
+    /// `dy` is y's gradient, and `dsum` the gradient reaching s (of s's dtype), which dx
+    /// includes. Where s is f32 beside dy of f16 or bf16, the residual's gradient too: dx
+    /// unrounded, in f32.
+    fn backward(
+        &self,
+        x: &Tensor,
+        gamma: &Tensor,
+        dy: &Tensor,
+        dsum: Option<Tensor>,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
         let stats = self.stats.get().cloned().ok_or_else(|| {
             Error::Msg(format!("{}: the forward has not run", backward_name(self.norm))).bt()
         })?;
-        let weight_grads = Arc::new(Mutex::new(None));
         let op = Backward {
             norm: self.norm,
             gamma_offset: self.gamma_offset,
             dsum,
             stats,
-            weight_grads: weight_grads.clone(),
+            weight_grads: Slot::default(),
+            d_residual: Slot::default(),
         };
+        let (weight_grads, d_residual) = (op.weight_grads.clone(), op.d_residual.clone());
         // dy often comes strided (the gradient of a sum is a broadcast).
         let dx = x.apply_op3(gamma, &dy.contiguous()?, op)?;
-        let handover = Handover {
+        let hand_over = |slot, shape| Handover {
             norm: self.norm,
-            weight_grads,
+            slot,
+            shape,
         };
-        Ok((dx, gamma.apply_op1(handover)?))
+        let n = gamma.elem_count();
+        let weight_grads = gamma.apply_op1(hand_over(weight_grads, (params(self.norm) * n).into()))?;
+        let d_residual = match x.dtype() == dy.dtype() {
+            true => None,
+            false => Some(x.apply_op1(hand_over(d_residual, x.shape().clone()))?),
+        };
+        Ok((dx, weight_grads, d_residual))
     }
 
     /// dx, dgamma and (LayerNorm's) dbeta of the plain forward, by [`Forward::backward`],
     /// the weights' gradients viewed apart (`narrow`, no copy).
     fn grads(&self, x: &Tensor, gamma: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> {
-        let (dx, grads) = self.backward(x, gamma, dy, false)?;
+        let (dx, grads, _) = self.backward(x, gamma, dy, None)?;
         let n = gamma.elem_count();
         let dgamma = grads.narrow(0, 0, n)?;
         let dbeta = match self.norm {
@@ -621,7 +699,8 @@ impl CustomOp3 for Forward {
         beta: &CpuStorage,
         lb: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.cpu((x, lx), None, (gamma, lg), Some((beta, lb)))
+        let (y, _) = self.cpu((x, lx), None, (gamma, lg), Some((beta, lb)))?;
+        Ok((y, lx.shape().clone()))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -634,7 +713,8 @@ impl CustomOp3 for Forward {
         beta: &CudaStorage,
         lb: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        self.cuda((x, lx), None, (gamma, lg), Some((beta, lb)))
+        let (y, _) = self.cuda((x, lx), None, (gamma, lg), Some((beta, lb)))?;
+        Ok((y, lx.shape().clone()))
     }
 
     fn bwd(
@@ -663,7 +743,8 @@ impl CustomOp2 for Forward {
         gamma: &CpuStorage,
         lg: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        self.cpu((x, lx), None, (gamma, lg), None)
+        let (y, _) = self.cpu((x, lx), None, (gamma, lg), None)?;
+        Ok((y, lx.shape().clone()))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -674,7 +755,8 @@ impl CustomOp2 for Forward {
         gamma: &CudaStorage,
         lg: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        self.cuda((x, lx), None, (gamma, lg), None)
+        let (y, _) = self.cuda((x, lx), None, (gamma, lg), None)?;
+        Ok((y, lx.shape().clone()))
     }
 
     fn bwd(
@@ -689,25 +771,57 @@ impl CustomOp2 for Forward {
     }
 }
 
+/// What a residual forward's two ops, [`ResidualForward`] and [`ResidualSum`], share.
+#[derive(Default)]
+struct ResidualShared {
+    /// s as the forward's pass wrote it, until [`ResidualSum`] hands it over.
+    pass: Slot,
+    /// s as [`ResidualSum`]'s output, detached from the graph, for the backward.
+    sum: OnceLock<Tensor>,
+    /// The gradient reaching s (contiguous), left by [`ResidualSum`]'s backward for
+    /// [`ResidualForward`]'s, which candle runs after it in the same `backward()` (s comes
+    /// after y in the graph) and which takes it. Absent where the loss does not use s. (A
+    /// `backward()` that fails between the two leaves it here, for a later `backward()` of
+    /// the same graph whose loss does not use s to find: after a failed backward, run the
+    /// forward again.)
+    dsum: Mutex<Option<Tensor>>,
+}
+
 /// The residual forward over (x, residual, weights), contiguous and checked by
 /// [`layer_norm_residual`] or [`rms_norm_residual`]: the weights are gamma `[n]` for
-/// RMSNorm, gamma and beta `[2, n]` for LayerNorm. Its output is `[2, ...x's shape]`, y then
-/// s; the statistics it keeps are s's.
-struct ResidualForward(Forward);
+/// RMSNorm, gamma and beta `[2, n]` for LayerNorm. Its output is y; s, of the residual's
+/// dtype, it leaves for [`ResidualSum`]; the statistics it keeps are s's.
+struct ResidualForward {
+    forward: Forward,
+    shared: Arc<ResidualShared>,
+}
 
 impl ResidualForward {
     /// gamma's layout and, for LayerNorm, beta's: the rows of the weights' `[2, n]`.
     fn weights(&self, lw: &Layout) -> Result<(Layout, Option<Layout>)> {
-        match self.0.norm {
+        match self.forward.norm {
             Norm::Layer => Ok((lw.narrow(0, 0, 1)?, Some(lw.narrow(0, 1, 1)?))),
             Norm::Rms => Ok((lw.clone(), None)),
         }
+    }
+
+    /// Leaves s for [`ResidualSum`].
+    fn leave_sum(&self, sum: Option<Storage>) -> Result<()> {
+        let sum = sum.ok_or_else(|| {
+            Error::Msg(format!(
+                "{}: the pass wrote no s",
+                residual_name(self.forward.norm)
+            ))
+            .bt()
+        })?;
+        leave(&self.shared.pass, sum);
+        Ok(())
     }
 }
 
 impl CustomOp3 for ResidualForward {
     fn name(&self) -> &'static str {
-        residual_name(self.0.norm)
+        residual_name(self.forward.norm)
     }
 
     fn cpu_fwd(
@@ -721,7 +835,11 @@ impl CustomOp3 for ResidualForward {
     ) -> Result<(CpuStorage, Shape)> {
         let (lg, lb) = self.weights(lw)?;
         let beta = lb.as_ref().map(|lb| (weights, lb));
-        self.0.cpu((x, lx), Some((residual, lr)), (weights, &lg), beta)
+        let (y, sum) = self
+            .forward
+            .cpu((x, lx), Some((residual, lr)), (weights, &lg), beta)?;
+        self.leave_sum(sum.map(Storage::Cpu))?;
+        Ok((y, lx.shape().clone()))
     }
 
     #[cfg(feature = "candle-cuda")]
@@ -736,50 +854,116 @@ impl CustomOp3 for ResidualForward {
     ) -> Result<(CudaStorage, Shape)> {
         let (lg, lb) = self.weights(lw)?;
         let beta = lb.as_ref().map(|lb| (weights, lb));
-        self.0.cuda((x, lx), Some((residual, lr)), (weights, &lg), beta)
+        let (y, sum) = self
+            .forward
+            .cuda((x, lx), Some((residual, lr)), (weights, &lg), beta)?;
+        self.leave_sum(sum.map(Storage::Cuda))?;
+        Ok((y, lx.shape().clone()))
     }
 
-    /// `both` is the output (y, s) and `dboth` its gradient (dy, then the gradient of s,
-    /// zeros where s is not used): one backward pass at s with that second half as dsum
-    /// gives dx, the gradient of both x and the residual, and the weights' gradients in the
+    /// One backward pass at s with y's gradient and the gradient reaching s that
+    /// [`ResidualSum`]'s backward left (where the loss uses s) gives dx, the gradient of
+    /// x and, in the residual's dtype, of the residual, and the weights' gradients in the
     /// weights' shape (for LayerNorm, `[2, n]`, which candle splits between gamma and beta).
     fn bwd(
         &self,
         _x: &Tensor,
         _residual: &Tensor,
         weights: &Tensor,
-        both: &Tensor,
-        dboth: &Tensor,
+        _y: &Tensor,
+        dy: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let gamma = match self.0.norm {
+        let norm = self.forward.norm;
+        let gamma = match norm {
             Norm::Layer => weights.get(0)?,
             Norm::Rms => weights.clone(),
         };
-        let (dx, dweights) = self.0.backward(&both.get(1)?, &gamma, dboth, true)?;
+        let sum = self
+            .shared
+            .sum
+            .get()
+            .ok_or_else(|| Error::Msg(format!("{}: s was not handed over", backward_name(norm))).bt())?;
+        let dsum = self
+            .shared
+            .dsum
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let (dx, dweights, d_residual) = self.forward.backward(sum, &gamma, dy, dsum)?;
         let dweights = dweights.reshape(weights.shape())?;
-        Ok((Some(dx.clone()), Some(dx), Some(dweights)))
+        let d_residual = d_residual.unwrap_or_else(|| dx.clone());
+        Ok((Some(dx), Some(d_residual), Some(dweights)))
     }
 }
 
-/// The backward op over (x, gamma, dy), with the statistics of x's forward: dx (x's shape
-/// and dtype) as its output, and dgamma then, for LayerNorm, dbeta, end to end in one 1-D
-/// buffer of the weights' dtype, left in `weight_grads` for [`Handover`]. After a residual
-/// forward, x is s and dy is `[2, ...x's shape]`: y's gradient, then s's (dsum), which dx
-/// includes.
+/// Applied to y right after [`ResidualForward`]: s, which that op's pass wrote, as this op's
+/// output (x's shape, the residual's dtype), handed over without a copy.
+struct ResidualSum {
+    norm: Norm,
+    shared: Arc<ResidualShared>,
+}
+
+impl ResidualSum {
+    fn take(&self) -> Result<Storage> {
+        take(&self.shared.pass)
+            .ok_or_else(|| Error::Msg(format!("{}: s is not there", residual_name(self.norm))).bt())
+    }
+}
+
+impl CustomOp1 for ResidualSum {
+    fn name(&self) -> &'static str {
+        residual_name(self.norm)
+    }
+
+    fn cpu_fwd(&self, _y: &CpuStorage, ly: &Layout) -> Result<(CpuStorage, Shape)> {
+        match self.take()? {
+            Storage::Cpu(sum) => Ok((sum, ly.shape().clone())),
+            _ => Err(moved()),
+        }
+    }
+
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(&self, _y: &CudaStorage, ly: &Layout) -> Result<(CudaStorage, Shape)> {
+        match self.take()? {
+            Storage::Cuda(sum) => Ok((sum, ly.shape().clone())),
+            _ => Err(moved()),
+        }
+    }
+
+    /// Leaves s's gradient for [`ResidualForward`]'s backward, which adds it to dx. y gets
+    /// none along this edge, but candle's backward wants a gradient for every tensor on the
+    /// way to the loss: zeros, broadcast from one element (no buffer of y's size).
+    fn bwd(&self, y: &Tensor, _sum: &Tensor, dsum: &Tensor) -> Result<Option<Tensor>> {
+        let dsum = dsum.contiguous()?;
+        *self.shared.dsum.lock().unwrap_or_else(PoisonError::into_inner) = Some(dsum);
+        let zero = Tensor::zeros((), y.dtype(), y.device())?;
+        Ok(Some(zero.broadcast_as(y.shape())?))
+    }
+}
+
+/// The backward op over (x, gamma, dy), with the statistics of x's forward: dx (x's shape,
+/// dy's dtype) as its output; dgamma then, for LayerNorm, dbeta, end to end in one 1-D
+/// buffer of the weights' dtype, left in `weight_grads` for [`Handover`]; where x is f32
+/// beside dy of f16 or bf16 (s of an f32 stream), the residual's gradient in `d_residual`.
+/// After a residual forward, x is s.
 struct Backward {
     norm: Norm,
     /// The forward's.
     gamma_offset: f32,
-    /// Whether dy holds dsum after y's gradient.
-    dsum: bool,
+    /// The gradient reaching s (x's shape and dtype, contiguous), which dx includes.
+    dsum: Option<Tensor>,
     stats: Arc<Stats>,
-    weight_grads: Arc<Mutex<Option<Storage>>>,
+    weight_grads: Slot,
+    d_residual: Slot,
 }
 
 impl Backward {
-    fn leave(&self, grads: Storage) {
-        // A panic elsewhere while the slot was held leaves it whole: it is only ever set.
-        *self.weight_grads.lock().unwrap_or_else(PoisonError::into_inner) = Some(grads);
+    /// Leaves the weights' gradients and the residual's, where there is one.
+    fn leave(&self, weight_grads: Storage, d_residual: Option<Storage>) {
+        leave(&self.weight_grads, weight_grads);
+        if let Some(d_residual) = d_residual {
+            leave(&self.d_residual, d_residual);
+        }
     }
 }
 
@@ -805,13 +989,12 @@ impl CustomOp3 for Backward {
         dy: &CpuStorage,
         ldy: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (dx, weight_grads) = by_types!(
-            self.name(),
-            x.dtype(),
-            gamma.dtype(),
-            backward_cpu(self, x, lx, gamma, lg, dy, ldy)
-        )?;
-        self.leave(Storage::Cpu(weight_grads));
+        let (name, t, w) = (self.name(), dy.dtype(), gamma.dtype());
+        let (dx, weight_grads, d_residual) = match x.dtype() == t {
+            true => by_types!(name, t, w, backward_cpu(self, x, lx, gamma, lg, dy, ldy)),
+            false => by_types!(f32 stream: name, t, w, backward_cpu(self, x, lx, gamma, lg, dy, ldy)),
+        }?;
+        self.leave(Storage::Cpu(weight_grads), d_residual.map(Storage::Cpu));
         Ok((dx, lx.shape().clone()))
     }
 
@@ -825,39 +1008,34 @@ impl CustomOp3 for Backward {
         dy: &CudaStorage,
         ldy: &Layout,
     ) -> Result<(CudaStorage, Shape)> {
-        let (dx, weight_grads) = by_types!(
-            self.name(),
-            x.dtype(),
-            gamma.dtype(),
-            backward_cuda(self, x, lx, gamma, lg, dy, ldy)
-        )?;
-        self.leave(Storage::Cuda(weight_grads));
+        let (name, t, w) = (self.name(), dy.dtype(), gamma.dtype());
+        let (dx, weight_grads, d_residual) = match x.dtype() == t {
+            true => by_types!(name, t, w, backward_cuda(self, x, lx, gamma, lg, dy, ldy)),
+            false => by_types!(f32 stream: name, t, w, backward_cuda(self, x, lx, gamma, lg, dy, ldy)),
+        }?;
+        self.leave(Storage::Cuda(weight_grads), d_residual.map(Storage::Cuda));
         Ok((dx, lx.shape().clone()))
     }
 }
 
-/// Applied to gamma right after [`Backward`]: the weights' gradients that op left, as this
-/// op's output (`params * n` elements of the weights' dtype), handed over without a copy.
+/// Applied right after [`Backward`] (to gamma, or to s): a buffer that op left, as this op's
+/// output of `shape`, handed over without a copy: the weights' gradients (`params * n`
+/// elements of the weights' dtype), or the f32 residual's.
 struct Handover {
     norm: Norm,
-    weight_grads: Arc<Mutex<Option<Storage>>>,
+    slot: Slot,
+    shape: Shape,
 }
 
 impl Handover {
-    fn take(&self, gamma: &Layout) -> Result<(Storage, Shape)> {
-        let grads = self
-            .weight_grads
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        let grads = grads.ok_or_else(|| {
+    fn take(&self) -> Result<Storage> {
+        take(&self.slot).ok_or_else(|| {
             Error::Msg(format!(
-                "{}: the weights' gradients are not there",
+                "{}: the gradients are not there",
                 backward_name(self.norm)
             ))
             .bt()
-        })?;
-        Ok((grads, (params(self.norm) * gamma.shape().elem_count()).into()))
+        })
     }
 }
 
@@ -866,26 +1044,18 @@ impl CustomOp1 for Handover {
         backward_name(self.norm)
     }
 
-    fn cpu_fwd(&self, _gamma: &CpuStorage, lg: &Layout) -> Result<(CpuStorage, Shape)> {
-        match self.take(lg)? {
-            (Storage::Cpu(grads), shape) => Ok((grads, shape)),
-            _ => Err(Error::Msg(format!(
-                "{}: gradients on another device",
-                backward_name(self.norm)
-            ))
-            .bt()),
+    fn cpu_fwd(&self, _operand: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        match self.take()? {
+            Storage::Cpu(grads) => Ok((grads, self.shape.clone())),
+            _ => Err(moved()),
         }
     }
 
     #[cfg(feature = "candle-cuda")]
-    fn cuda_fwd(&self, _gamma: &CudaStorage, lg: &Layout) -> Result<(CudaStorage, Shape)> {
-        match self.take(lg)? {
-            (Storage::Cuda(grads), shape) => Ok((grads, shape)),
-            _ => Err(Error::Msg(format!(
-                "{}: gradients on another device",
-                backward_name(self.norm)
-            ))
-            .bt()),
+    fn cuda_fwd(&self, _operand: &CudaStorage, _: &Layout) -> Result<(CudaStorage, Shape)> {
+        match self.take()? {
+            Storage::Cuda(grads) => Ok((grads, self.shape.clone())),
+            _ => Err(moved()),
         }
     }
 }
@@ -899,26 +1069,15 @@ fn span(layout: &Layout) -> Result<Range<usize>> {
     }
 }
 
-/// The forward's output shape for x's layout: x's, or `[2, ...x's]` (y, then s) with a
-/// residual.
-fn output_shape(lx: &Layout, residual: bool) -> Shape {
-    if residual {
-        let dims: Vec<usize> = [2].iter().chain(lx.dims()).copied().collect();
-        dims.into()
-    } else {
-        lx.shape().clone()
-    }
-}
-
 /// Refuses an operand (named by the op `op`) whose shape is not `expected`: a residual that
-/// is not of x's shape, a dy that is not of the forward's output shape (candle hands the
-/// backward a gradient of that shape).
-fn expect_shape(op: &'static str, expected: Shape, got: &Layout) -> Result<()> {
-    if &expected == got.shape() {
+/// is not of x's shape, a dy or dsum that is not of the forward's output shape (candle hands
+/// the backward gradients of that shape).
+fn expect_shape(op: &'static str, expected: &Shape, got: &Layout) -> Result<()> {
+    if expected == got.shape() {
         Ok(())
     } else {
         Err(Error::ShapeMismatchBinaryOp {
-            lhs: expected,
+            lhs: expected.clone(),
             rhs: got.shape().clone(),
             op,
         }
@@ -926,11 +1085,19 @@ fn expect_shape(op: &'static str, expected: Shape, got: &Layout) -> Result<()> {
     }
 }
 
+/// Whether the stream's type `R` is wider than x's `T` (f32 beside f16 or bf16): the
+/// backward then writes the residual's gradient apart from dx.
+fn wide_stream<T: Element, R: Element>() -> bool {
+    R::INDEX != T::INDEX
+}
+
 // The ops' bodies, CPU beside CUDA: each takes its operands in candle's memory, allocates
-// its outputs there, and runs this crate's core (`forward_rows`, `backward_rows`) on them.
-// Empty inputs run nothing: y, s and dx are then empty, and dgamma and dbeta are zeros (CPU:
-// allocated so; CUDA: `backward_rows` zeroes them for rows = 0, and n = 0 leaves them
-// empty). RMSNorm's forward runs the common core with beta = 0, made per call (n elements).
+// its outputs there, and runs this crate's core (`forward_rows`, `backward_rows`) on them,
+// with x of `T`, the weights of `W` and the rows normalized (x, or the residual stream) of
+// `R`. Empty inputs run nothing: y, s, dx and the residual's gradient are then empty, and
+// dgamma and dbeta are zeros (CPU: allocated so; CUDA: `backward_rows` zeroes them for
+// rows = 0, and n = 0 leaves them empty). RMSNorm's forward runs the common core with
+// beta = 0, made per call (n elements).
 
 /// `len` zeros in host memory, or this crate's out-of-memory error.
 fn zeroed<F: Copy + Default>(norm: Norm, len: usize) -> Result<Vec<F>> {
@@ -945,27 +1112,30 @@ fn host<'a, T: WithDType>(storage: &'a CpuStorage, layout: &Layout) -> Result<&'
 /// An operand's storage and layout.
 type Operand<'a, S> = (&'a S, &'a Layout);
 
-/// y in candle's CPU memory (with a residual, y then s, end to end), and the statistics.
-fn forward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
+/// y and, with a residual, s in candle's CPU memory, and the statistics.
+fn forward_cpu<T: Element + WithDType, W: Weight<T> + WithDType, R: Stream<T> + WithDType>(
     op: &Forward,
     (x, lx): Operand<'_, CpuStorage>,
     residual: Option<Operand<'_, CpuStorage>>,
     (gamma, lg): Operand<'_, CpuStorage>,
     beta: Option<Operand<'_, CpuStorage>>,
-) -> Result<(CpuStorage, Stats)> {
+) -> Result<(CpuStorage, Option<CpuStorage>, Stats)> {
     let (norm, eps) = (op.norm, op.eps);
     let [rows, n] = rows_and_n(norm, lx.shape())?;
     let len = rows * n;
-    let mut out = zeroed::<T>(norm, if residual.is_some() { 2 * len } else { len })?;
+    let mut y = zeroed::<T>(norm, len)?;
+    let mut sum = match residual {
+        Some(_) => Some(zeroed::<R>(norm, len)?),
+        None => None,
+    };
     let (mut mean, mut rstd) = (zeroed(norm, rows)?, zeroed(norm, rows)?);
     if rows > 0 && n > 0 {
-        let (y, sum) = out.split_at_mut(len);
-        let residual = match residual {
-            Some((r, lr)) => {
-                expect_shape(residual_name(norm), lx.shape().clone(), lr)?;
-                Some((In::Host(host(r, lr)?), Out::Host(sum)))
+        let residual = match (residual, sum.as_deref_mut()) {
+            (Some((r, lr)), Some(sum)) => {
+                expect_shape(residual_name(norm), lx.shape(), lr)?;
+                Some((In::Host(host::<R>(r, lr)?), Out::Host(sum)))
             }
-            None => None,
+            _ => None,
         };
         let no_beta;
         let beta = match beta {
@@ -981,13 +1151,17 @@ fn forward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
             gamma: In::Host(host::<W>(gamma, lg)?),
             gamma_offset: op.gamma_offset,
             beta: In::Host(beta),
-            y: Out::Host(y),
+            y: Out::Host(&mut y),
             mean: Out::Host(&mut mean),
             rstd: Out::Host(&mut rstd),
         };
         forward_rows(&Device::cpu(), norm, eps, rows, n, o).map_err(wrap(norm))?;
     }
-    Ok((T::to_cpu_storage_owned(out), Stats::Host { mean, rstd }))
+    Ok((
+        T::to_cpu_storage_owned(y),
+        sum.map(R::to_cpu_storage_owned),
+        Stats::Host { mean, rstd },
+    ))
 }
 
 /// This crate's device on the stream of a candle CUDA device. Made at the first call on
@@ -1029,9 +1203,9 @@ fn cuda_in<'a, T: Element + CudaDType>(
 fn cuda_out<T: DeviceRepr>(norm: Norm, stream: &Arc<CudaStream>, len: usize) -> Result<CudaSlice<T>> {
     let during = "allocating a candle tensor";
     // SAFETY: nothing reads an element before a kernel or a memset on `stream` wrote it:
-    // the forward writes all of y (and of s, after y, with a residual), mean and rstd
-    // (where n = 0, y and s are empty and mean and rstd are never read), the backward all
-    // of dx, dgamma and dbeta.
+    // the forward writes all of y (and of s with a residual), mean and rstd (where n = 0,
+    // y and s are empty and mean and rstd are never read), the backward all of dx (and of
+    // the residual's gradient), dgamma and dbeta.
     crate::gpu::storage::allocate(stream, len * size_of::<T>(), during, || unsafe {
         stream.alloc::<T>(len)
     })
@@ -1052,34 +1226,40 @@ fn cuda_zeros<T: DeviceRepr + ValidAsZeroBits>(
     .map_err(wrap(norm))
 }
 
-/// y in candle's CUDA memory (with a residual, y then s), and the statistics, as
-/// [`forward_cpu`].
+/// y and s in candle's CUDA memory, and the statistics, as [`forward_cpu`].
 #[cfg(feature = "candle-cuda")]
-fn forward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType + ValidAsZeroBits>(
+fn forward_cuda<
+    T: Element + CudaDType,
+    W: Weight<T> + CudaDType + ValidAsZeroBits,
+    R: Stream<T> + CudaDType,
+>(
     op: &Forward,
     (x, lx): Operand<'_, CudaStorage>,
     residual: Option<Operand<'_, CudaStorage>>,
     (gamma, lg): Operand<'_, CudaStorage>,
     beta: Option<Operand<'_, CudaStorage>>,
-) -> Result<(CudaStorage, Stats)> {
+) -> Result<(CudaStorage, Option<CudaStorage>, Stats)> {
     let (norm, eps) = (op.norm, op.eps);
     let [rows, n] = rows_and_n(norm, lx.shape())?;
     let device = device_of(norm, &x.device)?;
     let stream = x.device.cuda_stream();
     let len = rows * n;
-    let mut out = cuda_out::<T>(norm, &stream, if residual.is_some() { 2 * len } else { len })?;
+    let mut y = cuda_out::<T>(norm, &stream, len)?;
+    let mut sum = match residual {
+        Some(_) => Some(cuda_out::<R>(norm, &stream, len)?),
+        None => None,
+    };
     let (mut mean, mut rstd) = (cuda_out(norm, &stream, rows)?, cuda_out(norm, &stream, rows)?);
     if rows > 0 && n > 0 {
-        let (y, sum) = out.split_at_mut(len);
-        let residual = match residual {
-            Some((r, lr)) => {
-                expect_shape(residual_name(norm), lx.shape().clone(), lr)?;
+        let residual = match (residual, sum.as_mut()) {
+            (Some((r, lr)), Some(sum)) => {
+                expect_shape(residual_name(norm), lx.shape(), lr)?;
                 Some((
-                    In::Cuda(cuda_in(&device, norm, "residual", (r, lr))?),
-                    Out::Cuda(sum),
+                    In::Cuda(cuda_in::<R>(&device, norm, "residual", (r, lr))?),
+                    Out::Cuda(sum.as_view_mut()),
                 ))
             }
-            None => None,
+            _ => None,
         };
         let no_beta;
         let beta = match beta {
@@ -1095,19 +1275,23 @@ fn forward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType + ValidAsZeroBi
             gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
             gamma_offset: op.gamma_offset,
             beta: In::Cuda(beta),
-            y: Out::Cuda(y),
+            y: Out::Cuda(y.as_view_mut()),
             mean: Out::Cuda(mean.as_view_mut()),
             rstd: Out::Cuda(rstd.as_view_mut()),
         };
         forward_rows(&device, norm, eps, rows, n, o).map_err(wrap(norm))?;
     }
-    let out = CudaStorage::wrap_cuda_slice(out, x.device.clone());
-    Ok((out, Stats::Cuda { mean, rstd }))
+    let dev = &x.device;
+    Ok((
+        CudaStorage::wrap_cuda_slice(y, dev.clone()),
+        sum.map(|sum| CudaStorage::wrap_cuda_slice(sum, dev.clone())),
+        Stats::Cuda { mean, rstd },
+    ))
 }
 
-/// dx in candle's CPU memory, and the weights' gradients (dgamma, then LayerNorm's dbeta).
-/// With `op.dsum`, dy's second half is dsum.
-fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
+/// dx in candle's CPU memory, the weights' gradients (dgamma, then LayerNorm's dbeta), and,
+/// where the stream is wider than x, the residual's gradient.
+fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType, R: Stream<T> + WithDType>(
     op: &Backward,
     x: &CpuStorage,
     lx: &Layout,
@@ -1115,38 +1299,58 @@ fn backward_cpu<T: Element + WithDType, W: Weight<T> + WithDType>(
     lg: &Layout,
     dy: &CpuStorage,
     ldy: &Layout,
-) -> Result<(CpuStorage, CpuStorage)> {
+) -> Result<(CpuStorage, CpuStorage, Option<CpuStorage>)> {
     let (norm, stats) = (op.norm, &op.stats);
     let [rows, n] = rows_and_n(norm, lx.shape())?;
-    expect_shape(backward_name(norm), output_shape(lx, op.dsum), ldy)?;
+    expect_shape(backward_name(norm), lx.shape(), ldy)?;
     let (mean, rstd) = stats.host()?;
     let mut dx = zeroed::<T>(norm, rows * n)?;
     let mut weight_grads = zeroed::<W>(norm, params(norm) * n)?;
+    let mut d_residual = match wide_stream::<T, R>() {
+        true => Some(zeroed::<R>(norm, rows * n)?),
+        false => None,
+    };
+    // dsum's storage stays read-locked while the pass reads it.
+    let dsum = op.dsum.as_ref().map(Tensor::storage_and_layout);
     if n > 0 {
+        let dsum = match &dsum {
+            Some((storage, ls)) => {
+                expect_shape(backward_name(norm), lx.shape(), ls)?;
+                match &**storage {
+                    Storage::Cpu(storage) => Some(In::Host(host::<R>(storage, ls)?)),
+                    _ => return Err(moved()),
+                }
+            }
+            None => None,
+        };
         let (dgamma, dbeta) = weight_grads.split_at_mut(n);
-        let (dy, dsum) = host::<T>(dy, ldy)?.split_at(rows * n);
         let o = BackwardOperands {
-            x: In::Host(host(x, lx)?),
-            dy: In::Host(dy),
-            dsum: op.dsum.then_some(In::Host(dsum)),
+            x: In::Host(host::<R>(x, lx)?),
+            dy: In::Host(host::<T>(dy, ldy)?),
+            dsum,
             gamma: In::Host(host::<W>(gamma, lg)?),
             gamma_offset: op.gamma_offset,
             mean: In::Host(mean),
             rstd: In::Host(rstd),
             dx: Out::Host(&mut dx),
-            dres: None,
+            dres: d_residual.as_deref_mut().map(Out::Host),
             dgamma: Some(Out::Host(dgamma)),
             dbeta: (norm == Norm::Layer).then_some(Out::Host(dbeta)),
         };
         let mode = BackwardMode::Deterministic;
         backward_rows(&Device::cpu(), norm, mode, rows, n, o).map_err(wrap(norm))?;
     }
-    Ok((T::to_cpu_storage_owned(dx), W::to_cpu_storage_owned(weight_grads)))
+    Ok((
+        T::to_cpu_storage_owned(dx),
+        W::to_cpu_storage_owned(weight_grads),
+        d_residual.map(R::to_cpu_storage_owned),
+    ))
 }
 
-/// dx in candle's CUDA memory, and the weights' gradients, as [`backward_cpu`].
+/// dx, the weights' gradients and the residual's in candle's CUDA memory, as
+/// [`backward_cpu`].
 #[cfg(feature = "candle-cuda")]
-fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType>(
+fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType, R: Stream<T> + CudaDType>(
     op: &Backward,
     x: &CudaStorage,
     lx: &Layout,
@@ -1154,36 +1358,55 @@ fn backward_cuda<T: Element + CudaDType, W: Weight<T> + CudaDType>(
     lg: &Layout,
     dy: &CudaStorage,
     ldy: &Layout,
-) -> Result<(CudaStorage, CudaStorage)> {
+) -> Result<(CudaStorage, CudaStorage, Option<CudaStorage>)> {
     let (norm, stats) = (op.norm, &op.stats);
     let [rows, n] = rows_and_n(norm, lx.shape())?;
-    expect_shape(backward_name(norm), output_shape(lx, op.dsum), ldy)?;
+    expect_shape(backward_name(norm), lx.shape(), ldy)?;
     let (mean, rstd) = stats.cuda()?;
     let device = device_of(norm, &x.device)?;
     let stream = x.device.cuda_stream();
     let mut dx = cuda_out::<T>(norm, &stream, rows * n)?;
     let mut weight_grads = cuda_out::<W>(norm, &stream, params(norm) * n)?;
+    let mut d_residual = match wide_stream::<T, R>() {
+        true => Some(cuda_out::<R>(norm, &stream, rows * n)?),
+        false => None,
+    };
+    // dsum's storage stays read-locked while the pass reads it.
+    let dsum = op.dsum.as_ref().map(Tensor::storage_and_layout);
     if n > 0 {
+        let dsum = match &dsum {
+            Some((storage, ls)) => {
+                expect_shape(backward_name(norm), lx.shape(), ls)?;
+                match &**storage {
+                    Storage::Cuda(storage) => {
+                        Some(In::Cuda(cuda_in::<R>(&device, norm, "dsum", (storage, ls))?))
+                    }
+                    _ => return Err(moved()),
+                }
+            }
+            None => None,
+        };
         let (dgamma, dbeta) = weight_grads.split_at_mut(n);
-        let (dy, dsum) = cuda_in::<T>(&device, norm, "dy", (dy, ldy))?.split_at(rows * n);
         let o = BackwardOperands {
-            x: In::Cuda(cuda_in(&device, norm, "x", (x, lx))?),
-            dy: In::Cuda(dy),
-            dsum: op.dsum.then_some(In::Cuda(dsum)),
+            x: In::Cuda(cuda_in::<R>(&device, norm, "x", (x, lx))?),
+            dy: In::Cuda(cuda_in::<T>(&device, norm, "dy", (dy, ldy))?),
+            dsum,
             gamma: In::Cuda(cuda_in::<W>(&device, norm, "gamma", (gamma, lg))?),
             gamma_offset: op.gamma_offset,
             mean: In::Cuda(mean.as_view()),
             rstd: In::Cuda(rstd.as_view()),
             dx: Out::Cuda(dx.as_view_mut()),
-            dres: None,
+            dres: d_residual.as_mut().map(|d| Out::Cuda(d.as_view_mut())),
             dgamma: Some(Out::Cuda(dgamma)),
             dbeta: (norm == Norm::Layer).then_some(Out::Cuda(dbeta)),
         };
         let mode = BackwardMode::Deterministic;
         backward_rows(&device, norm, mode, rows, n, o).map_err(wrap(norm))?;
     }
+    let dev = &x.device;
     Ok((
-        CudaStorage::wrap_cuda_slice(dx, x.device.clone()),
-        CudaStorage::wrap_cuda_slice(weight_grads, x.device.clone()),
+        CudaStorage::wrap_cuda_slice(dx, dev.clone()),
+        CudaStorage::wrap_cuda_slice(weight_grads, dev.clone()),
+        d_residual.map(|d| CudaStorage::wrap_cuda_slice(d, dev.clone())),
     ))
 }

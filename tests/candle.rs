@@ -4,7 +4,8 @@
 //! API on the same device (the same path runs underneath). Strided and offset inputs, the
 //! `Module` layers, empty inputs and every refusal as a typed candle error. The same for the
 //! residual add fused with the norm (`layer_norm_residual`, `rms_norm_residual`, the layers'
-//! `forward_residual`), with losses on y, on s and on both. The CPU tests run
+//! `forward_residual`), with losses on y, on s and on both, the residual stream in x's dtype
+//! and in f32 beside f16 and bf16 x. The CPU tests run
 //! everywhere; with `candle-cuda`, the same checks run on candle's CUDA tensors where a GPU
 //! is (`LAYERNORM_REQUIRE_GPU=1` makes a missing GPU a failure).
 
@@ -15,7 +16,7 @@ use common::{Rng, mixed_matrix, random_matrix, random_vec, rel_err, tolerance};
 use layernorm_cuda::candle::{
     LayerNorm, RmsNorm, as_layernorm_error, layer_norm, layer_norm_residual, rms_norm, rms_norm_residual,
 };
-use layernorm_cuda::{Element, Weight, bf16, f16};
+use layernorm_cuda::{Element, F32Stream, Weight, bf16, f16};
 use ndarray::ArrayView1;
 
 const EPS: f32 = 1e-5;
@@ -577,26 +578,25 @@ enum Loss {
 const LOSSES: [Loss; 3] = [Loss::Y, Loss::S, Loss::Both];
 
 impl Norm {
-    /// What a residual run returns: y, s, then the gradients of its variables (the
-    /// residual's, which is dx, checked apart).
+    /// What a residual run returns: y, s, then the gradients of its variables.
     fn residual_outputs(self) -> &'static [&'static str] {
         match self {
-            Norm::Layer => &["y", "s", "dx", "dgamma", "dbeta"],
-            Norm::Rms => &["y", "s", "dx", "dgamma"],
+            Norm::Layer => &["y", "s", "dx", "dresidual", "dgamma", "dbeta"],
+            Norm::Rms => &["y", "s", "dx", "dresidual", "dgamma"],
         }
     }
 }
 
 /// A residual problem: p's x, weights and w (y's weight in the loss), a residual of x's
-/// shape, and v (s's weight in the loss).
-struct ResidualProblem<T, W = T> {
+/// shape, and v (s's weight in the loss), the two of the stream's type R.
+struct ResidualProblem<T, W = T, R = T> {
     p: Problem<T, W>,
-    residual: Vec<T>,
-    v: Vec<T>,
+    residual: Vec<R>,
+    v: Vec<R>,
 }
 
-impl<T: Element + WithDType, W: Element + WithDType> ResidualProblem<T, W> {
-    fn new(shape: &[usize], seed: u64) -> ResidualProblem<T, W> {
+impl<T: Element + WithDType, W: Element + WithDType, R: Element + WithDType> ResidualProblem<T, W, R> {
+    fn new(shape: &[usize], seed: u64) -> ResidualProblem<T, W, R> {
         let p = Problem::new(shape, seed);
         let mut rng = Rng::new(seed ^ 0x5eed);
         let (rows, n) = (p.x.len() / p.n(), p.n());
@@ -608,7 +608,7 @@ impl<T: Element + WithDType, W: Element + WithDType> ResidualProblem<T, W> {
     }
 
     /// y's gradient and s's (dsum) under `loss`.
-    fn dy_dsum(&self, loss: Loss) -> (Vec<T>, Option<&[T]>) {
+    fn dy_dsum(&self, loss: Loss) -> (Vec<T>, Option<&[R]>) {
         let dy = match loss {
             Loss::S => vec![T::from_f32(0.0); self.p.w.len()],
             Loss::Y | Loss::Both => self.p.w.clone(),
@@ -620,12 +620,14 @@ impl<T: Element + WithDType, W: Element + WithDType> ResidualProblem<T, W> {
         (dy, dsum)
     }
 
-    /// s as this crate forms it: each x + residual summed in f32 and rounded once to T.
-    fn sum(&self) -> Vec<T> {
+    /// s as this crate forms it: each x + residual summed in f32 and rounded once to R.
+    fn sum(&self) -> Vec<R> {
         let x = self.p.x.iter().zip(&self.residual);
-        x.map(|(x, r)| T::from_f32(x.to_f32() + r.to_f32())).collect()
+        x.map(|(x, r)| R::from_f32(x.to_f32() + r.to_f32())).collect()
     }
+}
 
+impl<T: Element + WithDType, W: Element + WithDType> ResidualProblem<T, W> {
     /// The plain problem of normalizing s with y's gradient `dy`: the float64 reference's.
     fn at_sum(&self, dy: Vec<T>) -> Problem<T, W> {
         Problem {
@@ -640,11 +642,11 @@ impl<T: Element + WithDType, W: Element + WithDType> ResidualProblem<T, W> {
 
 /// y, s and their loss's gradients, by the residual op of `norm` on candle tensors on
 /// `device` and candle's backward of `loss`, on the host (see [`Norm::residual_outputs`]),
-/// after checking that the residual's gradient is dx to the bit, that y and s have x's shape,
-/// and that RMSNorm gives beta none.
-fn by_candle_residual_op<T: Element + WithDType, W: Element + WithDType>(
+/// after checking that the residual's gradient is dx (rounded to x's dtype, where the stream
+/// is wider), that y and s have x's shape, and that RMSNorm gives beta none.
+fn by_candle_residual_op<T: Element + WithDType, W: Element + WithDType, R: Element + WithDType>(
     norm: Norm,
-    rp: &ResidualProblem<T, W>,
+    rp: &ResidualProblem<T, W, R>,
     loss: Loss,
     device: &candle_core::Device,
 ) -> Vec<Vec<f32>> {
@@ -664,7 +666,11 @@ fn by_candle_residual_op<T: Element + WithDType, W: Element + WithDType>(
     }
     .unwrap();
     assert_eq!((y.dims(), s.dims()), (p.shape.as_slice(), p.shape.as_slice()));
-    let term = |t: &Tensor, weight: &Tensor| (t * weight).unwrap().sum_all().unwrap();
+    // Each term in f32: with the stream in f32, y's and s's dtypes differ.
+    let term = |t: &Tensor, weight: &Tensor| {
+        let sum = (t * weight).unwrap().sum_all().unwrap();
+        sum.to_dtype(DType::F32).unwrap()
+    };
     let loss = match loss {
         Loss::Y => term(&y, &w),
         Loss::S => term(&s, &v),
@@ -672,14 +678,16 @@ fn by_candle_residual_op<T: Element + WithDType, W: Element + WithDType>(
     };
     let grads = loss.backward().unwrap();
     let grad = |v: &Var| grads.get(v.as_tensor()).expect("a gradient for every variable");
-    let (t, weights) = (x.dtype(), gamma.dtype());
+    let (t, weights, stream) = (x.dtype(), gamma.dtype(), residual.dtype());
     let dx = host(grad(&x), t, "dx");
-    let dresidual = host(grad(&residual), t, "dresidual");
-    assert_eq!(bits(&dresidual), bits(&dx), "the residual's gradient is x's");
+    let dresidual = host(grad(&residual), stream, "dresidual");
+    let rounded: Vec<f32> = dresidual.iter().map(|&d| T::from_f32(d).to_f32()).collect();
+    assert_eq!(dx, rounded, "x's gradient is the residual's in x's dtype");
     let mut outputs = vec![
         host(&y, t, "y"),
-        host(&s, t, "s"),
+        host(&s, stream, "s"),
         dx,
+        dresidual,
         host(grad(&gamma), weights, "dgamma"),
     ];
     match norm {
@@ -704,12 +712,7 @@ fn by_this_crate_residual<T: Element + WithDType, W: Weight<T> + WithDType>(
     };
     let up_w = |v: &[W]| device.upload(ArrayView1::from(v)).unwrap();
     let (dy, dsum) = rp.dy_dsum(loss);
-    // Where the loss does not use s, candle hands the op zeros as its gradient, which the
-    // fused pass adds: the same pass here (without dsum the GPU may take another kernel,
-    // whose dx can differ in the last bit).
-    let zeros = vec![T::from_f32(0.0); p.x.len()];
-    let dsum = dsum.unwrap_or(&zeros);
-    let (x, residual, dy, dsum) = (up(&p.x), up(&rp.residual), up(&dy), Some(up(dsum)));
+    let (x, residual, dy, dsum) = (up(&p.x), up(&rp.residual), up(&dy), dsum.map(up));
     let (y, s, dx, weight_grads) = match norm {
         Norm::Layer => {
             let ln = layernorm_cuda::LayerNorm::<T, W>::new(up_w(&p.gamma), up_w(&p.beta), EPS).unwrap();
@@ -726,17 +729,106 @@ fn by_this_crate_residual<T: Element + WithDType, W: Weight<T> + WithDType>(
     };
     let widen = |t: layernorm_cuda::Tensor<T>| t.to_vec().unwrap().into_iter().map(T::to_f32).collect();
     let widen_w = |t: &layernorm_cuda::Tensor<W>| t.to_vec().unwrap().into_iter().map(W::to_f32).collect();
-    let mut outputs: Vec<Vec<f32>> = vec![widen(y), widen(s), widen(dx)];
+    let dx: Vec<f32> = widen(dx);
+    let mut outputs: Vec<Vec<f32>> = vec![widen(y), widen(s), dx.clone(), dx];
     outputs.extend(weight_grads.iter().map(widen_w));
     outputs
+}
+
+/// The same outputs by this crate's own `forward_residual_f32` and `backward_residual_f32`
+/// on `device` (the stream in f32), widened to f32.
+fn by_this_crate_f32_stream<T: F32Stream + WithDType, W: Weight<T> + WithDType>(
+    norm: Norm,
+    rp: &ResidualProblem<T, W, f32>,
+    loss: Loss,
+    device: &layernorm_cuda::Device,
+) -> Vec<Vec<f32>> {
+    let p = &rp.p;
+    let up = |v: &[T]| {
+        device
+            .upload(ArrayView1::from(v))
+            .unwrap()
+            .view(0, &p.shape)
+            .unwrap()
+    };
+    let up_f32 = |v: &[f32]| {
+        device
+            .upload(ArrayView1::from(v))
+            .unwrap()
+            .view(0, &p.shape)
+            .unwrap()
+    };
+    let up_w = |v: &[W]| device.upload(ArrayView1::from(v)).unwrap();
+    let (dy, dsum) = rp.dy_dsum(loss);
+    let (x, residual, dy, dsum) = (up(&p.x), up_f32(&rp.residual), up(&dy), dsum.map(up_f32));
+    let (y, s, (g, d_residual)) = match norm {
+        Norm::Layer => {
+            let ln = layernorm_cuda::LayerNorm::<T, W>::new(up_w(&p.gamma), up_w(&p.beta), EPS).unwrap();
+            let (y, s, ctx) = ln.forward_residual_f32(&x, &residual).unwrap();
+            (y, s, ln.backward_residual_f32(&ctx, &dy, dsum.as_ref()).unwrap())
+        }
+        Norm::Rms => {
+            let rms = layernorm_cuda::RmsNorm::<T, W>::new(up_w(&p.gamma), EPS).unwrap();
+            let (y, s, ctx) = rms.forward_residual_f32(&x, &residual).unwrap();
+            (y, s, rms.backward_residual_f32(&ctx, &dy, dsum.as_ref()).unwrap())
+        }
+    };
+    let widen = |t: layernorm_cuda::Tensor<T>| t.to_vec().unwrap().into_iter().map(T::to_f32).collect();
+    let widen_w = |t: layernorm_cuda::Tensor<W>| t.to_vec().unwrap().into_iter().map(W::to_f32).collect();
+    let mut outputs: Vec<Vec<f32>> = vec![
+        widen(y),
+        s.to_vec().unwrap(),
+        widen(g.dx),
+        d_residual.to_vec().unwrap(),
+    ];
+    outputs.extend(g.dgamma.into_iter().chain(g.dbeta).map(widen_w));
+    outputs
+}
+
+/// Asserts the candle op's residual outputs are this crate's own (run on `ours`): to the
+/// bit, gradients to the value (candle adds each gradient to zeros, which makes a -0 a +0).
+/// One exception, on the GPU: the op's LayerNorm takes beta n elements past gamma in one
+/// `[2, n]` tensor, which is not 16-byte aligned where n weights are not a multiple of 16
+/// bytes; the kernels then take a row's unaligned path, whose sums round in another order.
+/// There y, dx, the residual's gradient and the weights' are held to the dtypes' tolerance
+/// (as against the reference), and s, formed before any sum, to the bit.
+fn assert_same_residual_outputs<T: Element, W: Element>(
+    norm: Norm,
+    n: usize,
+    ours: &layernorm_cuda::Device,
+    got: &[Vec<f32>],
+    expected: &[Vec<f32>],
+    what: &str,
+) {
+    let unaligned_beta = matches!(norm, Norm::Layer) && !(n * size_of::<W>()).is_multiple_of(16);
+    let tolerant = unaligned_beta && ours.cuda_stream().is_some();
+    for (k, &name) in norm.residual_outputs().iter().enumerate() {
+        match name {
+            "s" => assert_eq!(bits(&got[k]), bits(&expected[k]), "{what}: s"),
+            _ if tolerant => {
+                let bound = match name {
+                    "dgamma" | "dbeta" => tolerance::<W>(),
+                    _ => tolerance::<T>(),
+                };
+                for (j, (&a, &b)) in got[k].iter().zip(&expected[k]).enumerate() {
+                    let diff = (a as f64 - b as f64).abs();
+                    assert!(
+                        diff <= bound * (b as f64).abs().max(1.0),
+                        "{what}: {name}[{j}] {a} against {b}"
+                    );
+                }
+            }
+            "y" => assert_eq!(bits(&got[k]), bits(&expected[k]), "{what}: y"),
+            _ => assert_eq!(got[k], expected[k], "{what}: {name}"),
+        }
+    }
 }
 
 /// For each norm, shape and loss, x of type T and weights of W: s is x + residual rounded
 /// once, to the bit; y, dx and the weights' gradients are near the float64 reference of the
 /// norm at s (dx with dsum added where the loss has s); and every output is this crate's
-/// own residual op's: y, s and the weights' gradients to the bit, dx to the value (candle
-/// adds each gradient to zeros, which makes a -0 a +0). Where the loss has only y, the candle
-/// op's backward adds s's gradient of zeros and this crate's is given no dsum.
+/// own residual op's (see [`assert_same_residual_outputs`]). Where the loss has only y,
+/// neither backward is given a dsum.
 fn check_residual_device<T: Element + WithDType, W: Weight<T> + WithDType>(
     candle: &candle_core::Device,
     ours: &layernorm_cuda::Device,
@@ -756,36 +848,17 @@ fn check_residual_device<T: Element + WithDType, W: Weight<T> + WithDType>(
 
                 let (dy, dsum) = rp.dy_dsum(loss);
                 let at_sum = rp.at_sum(dy);
-                let mut without_sum = got.clone();
-                without_sum.remove(1);
+                // The plain op's outputs: all but s and the residual's gradient (dx).
+                let names = norm.residual_outputs().iter();
+                let plain: Vec<Vec<f32>> = (names.zip(&got))
+                    .filter(|(name, _)| !matches!(**name, "s" | "dresidual"))
+                    .map(|(_, output)| output.clone())
+                    .collect();
                 let reference = by_candle_ops(norm, &at_sum, dsum);
-                assert_near(norm, &at_sum, dsum, &without_sum, &reference, &what);
+                assert_near(norm, &at_sum, dsum, &plain, &reference, &what);
 
                 let expected = by_this_crate_residual(norm, &rp, loss, ours);
-                for (k, &name) in norm.residual_outputs().iter().enumerate() {
-                    if name != "s" && ours.cuda_stream().is_some() {
-                        // The op's y and s, and its dy and dsum, are the two halves of one
-                        // buffer, the second aligned otherwise than a tensor of its own
-                        // (n = 7: 28-byte rows): the GPU may then take the kernels for
-                        // unaligned rows, whose sums round in another order: the dtype's
-                        // tolerance, as against the reference. s is exact.
-                        let bound = match name {
-                            "dgamma" | "dbeta" => tolerance::<W>(),
-                            _ => tolerance::<T>(),
-                        };
-                        for (j, (&a, &b)) in got[k].iter().zip(&expected[k]).enumerate() {
-                            let diff = (a as f64 - b as f64).abs();
-                            assert!(
-                                diff <= bound * (b as f64).abs().max(1.0),
-                                "{what}: {name}[{j}] {a} against {b}"
-                            );
-                        }
-                    } else if name == "dx" {
-                        assert_eq!(got[k], expected[k], "{what}: dx");
-                    } else {
-                        assert_eq!(bits(&got[k]), bits(&expected[k]), "{what}: {name}");
-                    }
-                }
+                assert_same_residual_outputs::<T, W>(norm, rp.p.n(), ours, &got, &expected, &what);
             }
         }
     }
@@ -798,6 +871,48 @@ fn check_residual_all_types(candle: &candle_core::Device, ours: &layernorm_cuda:
     check_residual_device::<bf16, bf16>(candle, ours);
     check_residual_device::<f16, f32>(candle, ours);
     check_residual_device::<bf16, f32>(candle, ours);
+}
+
+/// For each norm, shape and loss, f16 or bf16 x with weights of W and the residual stream
+/// in f32: s is x + residual in f32 (not rounded), to the bit; and y, s, dx, the residual's
+/// gradient (dx unrounded, in f32) and the weights' gradients are this crate's own
+/// `forward_residual_f32` and `backward_residual_f32`'s on the same device (see
+/// [`assert_same_residual_outputs`]), which tests/residual.rs holds to the float64
+/// reference.
+fn check_f32_stream_device<T: F32Stream + WithDType, W: Weight<T> + WithDType>(
+    candle: &candle_core::Device,
+    ours: &layernorm_cuda::Device,
+) {
+    for norm in [Norm::Layer, Norm::Rms] {
+        for (i, shape) in SHAPES.iter().enumerate() {
+            let rp = ResidualProblem::<T, W, f32>::new(shape, 9450 + i as u64);
+            for loss in LOSSES {
+                let what = format!(
+                    "{norm:?} residual in f32, loss of {loss:?}, {} with {} weights {shape:?} on {candle:?}",
+                    T::NAME,
+                    W::NAME
+                );
+                let got = by_candle_residual_op(norm, &rp, loss, candle);
+                assert_eq!(bits(&got[1]), bits(&rp.sum()), "{what}: s");
+                let expected = by_this_crate_f32_stream(norm, &rp, loss, ours);
+                assert_same_residual_outputs::<T, W>(norm, rp.p.n(), ours, &got, &expected, &what);
+            }
+        }
+    }
+}
+
+/// f16 and bf16 x, with weights of their own dtype and with f32 weights.
+fn check_f32_stream_all_types(candle: &candle_core::Device, ours: &layernorm_cuda::Device) {
+    check_f32_stream_device::<f16, f16>(candle, ours);
+    check_f32_stream_device::<bf16, bf16>(candle, ours);
+    check_f32_stream_device::<f16, f32>(candle, ours);
+    check_f32_stream_device::<bf16, f32>(candle, ours);
+}
+
+#[test]
+fn cpu_f32_stream_matches_this_crates_cpu_path() {
+    let (candle, ours) = (candle_core::Device::Cpu, layernorm_cuda::Device::cpu());
+    check_f32_stream_all_types(&candle, &ours);
 }
 
 #[test]
@@ -1097,22 +1212,25 @@ fn residual_refusals_are_typed_candle_errors() {
             );
         }
     }
-    // f32 weights beside bf16 x and residual are taken; the x of another dtype than the
-    // residual is refused, in either order.
+    // f32 weights beside bf16 x and residual are taken, and so is an f32 residual beside
+    // bf16 x (the stream in f32); a residual of another 16-bit dtype than x's is refused.
     let (xh, rh) = (t(&[2, 4], DType::BF16), t(&[2, 4], DType::BF16));
     assert!(all(&xh, &rh).iter().all(Result::is_ok));
-    let e = layer_norm_residual(&xh, &x, &w, &w, EPS).unwrap_err();
-    assert!(
-        matches!(
-            bare(&e),
-            Error::DTypeMismatchBinaryOp {
-                lhs: DType::BF16,
-                rhs: DType::F32,
-                ..
-            }
-        ),
-        "{e}"
-    );
+    assert!(all(&xh, &x).iter().all(Result::is_ok));
+    for result in all(&xh, &t(&[2, 4], DType::F16)) {
+        let e = result.unwrap_err();
+        assert!(
+            matches!(
+                bare(&e),
+                Error::DTypeMismatchBinaryOp {
+                    lhs: DType::BF16,
+                    rhs: DType::F16,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+    }
 
     // The plain functions' refusals.
     let e = layer_norm_residual(&x, &x, &w, &t(&[5], DType::F32), EPS).unwrap_err();
@@ -1196,6 +1314,15 @@ fn gpu_residual_matches_candle_ops_and_this_crates_kernels() {
         return;
     };
     check_residual_all_types(&candle, &ours);
+}
+
+#[cfg(feature = "candle-cuda")]
+#[test]
+fn gpu_f32_stream_matches_this_crates_kernels() {
+    let Some((candle, ours)) = candle_gpu_or_skip() else {
+        return;
+    };
+    check_f32_stream_all_types(&candle, &ours);
 }
 
 #[cfg(feature = "candle-cuda")]
