@@ -824,6 +824,29 @@ fn assert_same_residual_outputs<T: Element, W: Element>(
     }
 }
 
+/// Runs `check(norm, problem, loss, what)` for each norm, shape (of [`SHAPES`]) and loss, on
+/// residual problems of x of T, weights of W and the stream of R, seeded from `seed`.
+fn each_residual_case<T: Element + WithDType, W: Element + WithDType, R: Element + WithDType>(
+    seed: u64,
+    candle: &candle_core::Device,
+    mut check: impl FnMut(Norm, &ResidualProblem<T, W, R>, Loss, &str),
+) {
+    for norm in [Norm::Layer, Norm::Rms] {
+        for (i, shape) in SHAPES.iter().enumerate() {
+            let rp = ResidualProblem::<T, W, R>::new(shape, seed + i as u64);
+            for loss in LOSSES {
+                let what = format!(
+                    "{norm:?}, stream of {}, loss of {loss:?}, {} with {} weights {shape:?} on {candle:?}",
+                    R::NAME,
+                    T::NAME,
+                    W::NAME
+                );
+                check(norm, &rp, loss, &what);
+            }
+        }
+    }
+}
+
 /// For each norm, shape and loss, x of type T and weights of W: s is x + residual rounded
 /// once, to the bit; y, dx and the weights' gradients are near the float64 reference of the
 /// norm at s (dx with dsum added where the loss has s); and every output is this crate's
@@ -833,35 +856,25 @@ fn check_residual_device<T: Element + WithDType, W: Weight<T> + WithDType>(
     candle: &candle_core::Device,
     ours: &layernorm_cuda::Device,
 ) {
-    for norm in [Norm::Layer, Norm::Rms] {
-        for (i, shape) in SHAPES.iter().enumerate() {
-            let rp = ResidualProblem::<T, W>::new(shape, 9400 + i as u64);
-            for loss in LOSSES {
-                let what = format!(
-                    "{norm:?} residual, loss of {loss:?}, {} with {} weights {shape:?} on {candle:?}",
-                    T::NAME,
-                    W::NAME
-                );
-                let got = by_candle_residual_op(norm, &rp, loss, candle);
-                let sum: Vec<f32> = rp.sum().into_iter().map(T::to_f32).collect();
-                assert_eq!(bits(&got[1]), bits(&sum), "{what}: s");
+    each_residual_case::<T, W, T>(9400, candle, |norm, rp, loss, what| {
+        let got = by_candle_residual_op(norm, rp, loss, candle);
+        let sum: Vec<f32> = rp.sum().into_iter().map(T::to_f32).collect();
+        assert_eq!(bits(&got[1]), bits(&sum), "{what}: s");
 
-                let (dy, dsum) = rp.dy_dsum(loss);
-                let at_sum = rp.at_sum(dy);
-                // The plain op's outputs: all but s and the residual's gradient (dx).
-                let names = norm.residual_outputs().iter();
-                let plain: Vec<Vec<f32>> = (names.zip(&got))
-                    .filter(|(name, _)| !matches!(**name, "s" | "dresidual"))
-                    .map(|(_, output)| output.clone())
-                    .collect();
-                let reference = by_candle_ops(norm, &at_sum, dsum);
-                assert_near(norm, &at_sum, dsum, &plain, &reference, &what);
+        let (dy, dsum) = rp.dy_dsum(loss);
+        let at_sum = rp.at_sum(dy);
+        // The plain op's outputs: all but s and the residual's gradient (dx).
+        let names = norm.residual_outputs().iter();
+        let plain: Vec<Vec<f32>> = (names.zip(&got))
+            .filter(|(name, _)| !matches!(**name, "s" | "dresidual"))
+            .map(|(_, output)| output.clone())
+            .collect();
+        let reference = by_candle_ops(norm, &at_sum, dsum);
+        assert_near(norm, &at_sum, dsum, &plain, &reference, what);
 
-                let expected = by_this_crate_residual(norm, &rp, loss, ours);
-                assert_same_residual_outputs::<T, W>(norm, rp.p.n(), ours, &got, &expected, &what);
-            }
-        }
-    }
+        let expected = by_this_crate_residual(norm, rp, loss, ours);
+        assert_same_residual_outputs::<T, W>(norm, rp.p.n(), ours, &got, &expected, what);
+    });
 }
 
 /// Every dtype with weights of its own, and f16 and bf16 with f32 weights.
@@ -883,22 +896,12 @@ fn check_f32_stream_device<T: F32Stream + WithDType, W: Weight<T> + WithDType>(
     candle: &candle_core::Device,
     ours: &layernorm_cuda::Device,
 ) {
-    for norm in [Norm::Layer, Norm::Rms] {
-        for (i, shape) in SHAPES.iter().enumerate() {
-            let rp = ResidualProblem::<T, W, f32>::new(shape, 9450 + i as u64);
-            for loss in LOSSES {
-                let what = format!(
-                    "{norm:?} residual in f32, loss of {loss:?}, {} with {} weights {shape:?} on {candle:?}",
-                    T::NAME,
-                    W::NAME
-                );
-                let got = by_candle_residual_op(norm, &rp, loss, candle);
-                assert_eq!(bits(&got[1]), bits(&rp.sum()), "{what}: s");
-                let expected = by_this_crate_f32_stream(norm, &rp, loss, ours);
-                assert_same_residual_outputs::<T, W>(norm, rp.p.n(), ours, &got, &expected, &what);
-            }
-        }
-    }
+    each_residual_case::<T, W, f32>(9450, candle, |norm, rp, loss, what| {
+        let got = by_candle_residual_op(norm, rp, loss, candle);
+        assert_eq!(bits(&got[1]), bits(&rp.sum()), "{what}: s");
+        let expected = by_this_crate_f32_stream(norm, rp, loss, ours);
+        assert_same_residual_outputs::<T, W>(norm, rp.p.n(), ours, &got, &expected, what);
+    });
 }
 
 /// f16 and bf16 x, with weights of their own dtype and with f32 weights.
