@@ -25,7 +25,7 @@
 //! - Backward with a residual's dsum: as above, but for 16-bit rows with 16-bit weights the
 //!   general cluster kernel only (their held cluster kernels take no dsum).
 //! - A residual stream kept in f32 beside f16/bf16 x ([`plan_f32_stream`]): the residual
-//!   forward and the backward as for f32 rows, without clusters or staged rows.
+//!   forward and the backward as for f32 rows, the backward without clusters.
 
 pub use crate::layout::registry::{Arch, DTYPE_BYTES, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
@@ -127,9 +127,10 @@ pub fn plan<T: Element, W: Weight<T>>(
 
 /// As [`plan`], for x of `T` whose residual stream is kept in f32 ([`F32Stream`]): the
 /// residual forward and the backward walk rows of f32 (s), with x, y, dy and dx read and
-/// written four columns at a time beside them, and are planned as f32 rows are, but
-/// without the cluster kernels and without staging rows in shared memory (their kernels
-/// have neither). The plain forward is x's own ([`plan`]).
+/// written four columns at a time beside them, and are planned as f32 rows are (the
+/// forward's staging takes a 16-byte slot for each of x's 8-byte packs), but the backward
+/// without the cluster kernels (it has none for these types). The plain forward is x's own
+/// ([`plan`]).
 pub fn plan_f32_stream<T: F32Stream, W: Weight<T>>(
     rows: u32,
     n: u32,
@@ -278,7 +279,7 @@ impl<T: Element> Planner<T> {
         let staged = crate::layout::staged_smem(self.n / pack_len::<T>(), plan.threads, copies);
         let holds = warp || self.fits(self.n, ranks, FWD_HELD);
         Plan {
-            smem: if !holds && staged <= self.limits.max_smem && !self.pair.wide_stream() {
+            smem: if !holds && staged <= self.limits.max_smem {
                 staged
             } else {
                 SCRATCH_BYTES

@@ -355,18 +355,23 @@ fn layout_arch(arch: Arch) -> layout::registry::Arch {
     }
 }
 
-/// With the residual stream in f32, the residual passes plan rows of f32 without the
-/// cluster kernels and without staging (those kernels have neither), and on sm_80 the held
-/// stage 1 within its 256-thread bound.
+/// With the residual stream in f32, the residual passes plan rows of f32, the backward
+/// without the cluster kernels (it has none for these types), and on sm_80 the held stage 1
+/// within its 256-thread bound. The forward stages rows too long to hold where shared memory
+/// has room for the f32 rows' packs twice (x's 8-byte packs take 16-byte slots): on sm_90
+/// N = 32768 (8192 packs, 2048 of them held on 512 threads, 6144 staged twice: 192 KB past
+/// the scratch), not N = 65536 (384 KB); on sm_80 neither (163 KB).
 #[test]
-fn f32_stream_plans_have_no_clusters_or_staging() {
+fn f32_stream_plans_have_no_clusters() {
     for limits in [DeviceLimits::A100, DeviceLimits::H100] {
         for n in [1, 1024, 4096, 8192, 12289, 32768, 65536, 262144] {
             for pass in [Pass::ForwardResidual, Pass::Backward, Pass::BackwardResidual] {
                 let p = stream_plan_of::<bf16, f32>(MANY, n, pass, limits);
                 assert_eq!(p.variant.cluster(), 1, "n = {n}, {pass:?}: {p:?}");
                 if pass == Pass::ForwardResidual {
-                    assert_eq!(p.smem, 512, "n = {n}: the scratch alone, {p:?}");
+                    let staged = n == 32768 && limits.arch == Arch::Sm90;
+                    let smem = if staged { 512 + 2 * 6144 * 16 } else { 512 };
+                    assert_eq!(p.smem, smem, "n = {n}, {limits:?}: {p:?}");
                 }
                 if limits.arch == Arch::Sm80
                     && matches!(p.variant, Variant::BwdHeldWarp | Variant::BwdHeldBlock)
@@ -375,6 +380,15 @@ fn f32_stream_plans_have_no_clusters_or_staging() {
                 }
             }
         }
+    }
+    // One row, a pack a rank on at most 512 threads (tests/residual.rs's forward paths):
+    // held at N = 16384 (4096 packs, 8 a rank), staged at N = 20000 (5000 packs, 2048 held).
+    let fwd = |n| stream_plan_of::<bf16, f32>(1, n, Pass::ForwardResidual, DeviceLimits::H100);
+    for (n, smem) in [(16384, 512), (20000, 512 + 2 * (5000 - 2048) * 16), (65536, 512)] {
+        assert_eq!(
+            (fwd(n).variant, fwd(n).threads, fwd(n).smem),
+            (Variant::FwdResidualBlock, 512, smem)
+        );
     }
     // f16 N = 4096 in f32 rows: 1024 packs, four a rank on 256 ranks, held.
     let p = stream_plan_of::<f16, f16>(MANY, 4096, Pass::Backward, DeviceLimits::H100);

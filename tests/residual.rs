@@ -446,15 +446,32 @@ mod f32_stream {
 }
 
 /// Rows long enough for the f32-stream kernels' block teams to hold s in registers
-/// (bf16 n = 12288) and to stream it (f16 n = 65536; these kernels stage nothing), one of
-/// odd length, with a dsum and without.
+/// (bf16 n = 12288), to stage it in shared memory in the forward where the device has room
+/// (f16 n = 32768 on sm_90: x's 8-byte packs copied into 16-byte slots) and to stream it
+/// (f16 n = 65536), one of odd length, with a dsum and without.
 #[test]
 fn gpu_f32_stream_long_rows_match_the_reference() {
     let Some(gpu) = gpu_or_skip() else { return };
     for (norm, seed) in [(Norm::Layer, 2000), (Norm::Rms, 2001)] {
         check_f32_stream::<bf16, bf16>(&gpu, norm, BackwardMode::Deterministic, 2, 12288, seed);
         check_f32_stream::<bf16, f32>(&gpu, norm, BackwardMode::Deterministic, 1, 12289, seed + 1);
+        check_f32_stream::<f16, f32>(&gpu, norm, BackwardMode::Deterministic, 3, 32768, seed + 2);
         check_f32_stream::<f16, f16>(&gpu, norm, BackwardMode::Locked { groups: None }, 2, 65536, seed);
+    }
+}
+
+/// One row on each path of the f32 stream's block residual forward (on sm_90; sm_80 stages
+/// none of them): held (n = 16384: 4096 packs, 8 a rank at 512 threads), staged (n = 20000:
+/// 5000 packs, 2048 held, the rest copied, x's 8 bytes a 16-byte slot), streamed in packs
+/// (n = 65536: too long to stage) and element by element (n = 20001). Small enough for the
+/// sanitizers, which this is the test to run them on for these kernels.
+#[test]
+fn gpu_f32_stream_forward_paths_match_the_reference() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    for (i, n) in [16384, 20000, 20001, 65536].into_iter().enumerate() {
+        let seed = 2100 + 2 * i as u64;
+        check_f32_stream::<bf16, f32>(&gpu, Norm::Layer, BackwardMode::Deterministic, 1, n, seed);
+        check_f32_stream::<f16, f16>(&gpu, Norm::Rms, BackwardMode::Deterministic, 1, n, seed + 1);
     }
 }
 

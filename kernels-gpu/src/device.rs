@@ -230,6 +230,21 @@ pub unsafe fn load_shared_16(addr: u32) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// Loads 8 bytes from shared memory (`ld.shared.v2`).
+///
+/// # Safety
+/// `addr` must be 8-byte aligned and inside shared memory.
+#[inline(always)]
+pub unsafe fn load_shared_8(addr: u32) -> [u32; 2] {
+    let (a, b): (u32, u32);
+    // SAFETY: the caller guarantees `addr` is aligned and inside shared memory.
+    unsafe {
+        asm!("ld.shared.v2.u32 {{{a}, {b}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, p = in(reg32) addr, options(readonly, nostack));
+    }
+    [a, b]
+}
+
 /// Stores 16 bytes to shared memory (`st.shared.v4`).
 ///
 /// # Safety
@@ -276,7 +291,22 @@ pub unsafe fn cp_async_16(dst: u32, src: *const u32) {
     }
 }
 
-/// Waits for this thread's [`cp_async_16`] copies; their bytes are then visible to it.
+/// As [`cp_async_16`], for 8 bytes (`cp.async.ca`: the `.cg` form copies 16 only): four
+/// f16/bf16 columns of x beside a row of f32.
+///
+/// # Safety
+/// `dst` and `src` 8-byte aligned, inside shared memory and valid for an 8-byte read;
+/// nothing reads or writes `dst` until the wait.
+#[inline(always)]
+pub unsafe fn cp_async_8(dst: u32, src: *const u32) {
+    // SAFETY: the caller guarantees both addresses.
+    unsafe {
+        asm!("cp.async.ca.shared.global [{d}], [{s}], 8;", d = in(reg32) dst, s = in(reg64) src, options(nostack))
+    }
+}
+
+/// Waits for this thread's [`cp_async_16`] and [`cp_async_8`] copies; their bytes are then
+/// visible to it.
 #[inline(always)]
 pub fn cp_async_wait_all() {
     // SAFETY: waits on this thread's own copies; no memory is named.

@@ -232,8 +232,9 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
 ///   together, and s is formed, stored and normalized from registers ([`store_sum`]);
 /// - staged (block teams): aligned rows too long to hold, where the host gave the launch
 ///   shared memory for two copies of the rest (`layout::staged_smem`). `PART_HELD` packs a
-///   rank are held, x's and the residual's other packs copied into shared memory together,
-///   and s formed over x's copy ([`Staged::sum_into`]);
+///   rank are held, x's and the residual's other packs copied into shared memory together
+///   (x's 8 bytes a 16-byte slot beside a stream of f32), and s formed over x's copy
+///   ([`Staged::sum_into`]);
 /// - streamed: the rest. s is formed a few packs at a time ([`add_residual`]), then
 ///   normalized as [`forward_rows`] streams a row: read back from L2, only what this rank
 ///   wrote, so no barrier.
@@ -252,10 +253,6 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
     let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let (x_staged, residual_staged) = Staged::<PART_HELD>::halves_after(SCRATCH_BYTES);
-    // Rows staged in shared memory only where x and s are of one type: the staging's slots
-    // are packs of x's own.
-    const { assert!(size_of::<T>() >= size_of::<Y>()) };
-    let same_type = size_of::<T>() == size_of::<Y>();
     let packs = n / T::PACK as u32;
     let mut row = S::id();
     while row < rows {
@@ -287,17 +284,17 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
                 );
                 add_residual_elements::<T, Y, S>(x_row, residual_row, sum_row, packs * T::PACK as u32, n);
                 normalize_row::<T, Y, W, S, CENTERED, true, FWD_HELD>(&held, s_row, affine, y_row, n, eps)
-            } else if packed && same_type && S::HOLDS_PART_OF_LONG_ROWS && x_staged.holds::<T, S>(n) {
+            } else if packed && S::HOLDS_PART_OF_LONG_ROWS && x_staged.holds::<T, S>(n) {
                 // Every load of the row in flight at once: the held packs' and both copies.
                 let (xs, rs) = (
                     Held::<PART_HELD>::load_as::<T, Y, S>(x_row, packs),
                     Held::<PART_HELD>::load::<T, S>(residual_row, packs),
                 );
-                x_staged.fill_async::<Y, S>(x_row, n);
-                residual_staged.fill_async::<T, S>(residual_row, n);
+                x_staged.fill_async::<T, Y, S>(x_row, n);
+                residual_staged.fill_async::<T, T, S>(residual_row, n);
                 let held = store_sum::<T, Y, S, PART_HELD>(xs, rs, sum_row, packs);
                 crate::device::cp_async_wait_all();
-                x_staged.sum_into::<T, S>(residual_staged, sum_row, n);
+                x_staged.sum_into::<T, Y, S>(residual_staged, sum_row, n);
                 add_residual_elements::<T, Y, S>(x_row, residual_row, sum_row, packs * T::PACK as u32, n);
                 normalize_staged::<T, Y, W, S, CENTERED>(&held, s_row, affine, y_row, n, eps, x_staged)
             } else if packed {

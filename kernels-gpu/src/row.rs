@@ -231,52 +231,67 @@ impl<const K: usize> Staged<K> {
     #[inline(always)]
     pub unsafe fn fill<T: Element, S: Team>(self, row: *const T, n: u32) {
         // SAFETY: the caller's guarantee.
-        unsafe { self.fill_async::<T, S>(row, n) };
+        unsafe { self.fill_async::<T, T, S>(row, n) };
         device::cp_async_wait_all();
     }
 
     /// As [`Staged::fill`], without the wait: the copies are this rank's to read only after
-    /// its next `device::cp_async_wait_all`.
+    /// its next `device::cp_async_wait_all`. The row's values are of `T`, taken in packs of
+    /// the rows' type `G`'s columns: 16 bytes a slot, or 8 in the slot's first half (four
+    /// f16/bf16 columns of x beside a residual stream of f32).
     ///
     /// # Safety
-    /// As for [`Staged::fill`]; nothing reads or writes the slots until the wait.
+    /// As for [`Staged::fill`], the row aligned to a pack's bytes; nothing reads or writes
+    /// the slots until the wait.
     #[inline(always)]
-    pub unsafe fn fill_async<T: Element, S: Team>(self, row: *const T, n: u32) {
-        let packs = n / T::PACK as u32;
+    pub unsafe fn fill_async<G: Element, T: Element, S: Team>(self, row: *const T, n: u32) {
+        let packs = n / G::PACK as u32;
         let first = K as u32 * S::size();
         let mut p = S::rank() + first;
         while p < packs {
+            let (slot, pack) = (
+                self.base + (p - first) * 16,
+                row.wrapping_add(p as usize * G::PACK) as *const u32,
+            );
             // SAFETY: p < packs, a whole pack of the aligned row; slot p - first exists.
             unsafe {
-                device::cp_async_16(
-                    self.base + (p - first) * 16,
-                    row.add(p as usize * T::PACK) as *const u32,
-                )
+                if G::PACK * size_of::<T>() == 16 {
+                    device::cp_async_16(slot, pack)
+                } else {
+                    device::cp_async_8(slot, pack)
+                }
             };
             p += S::size();
         }
     }
 
-    /// The residual add over this rank's staged packs: x's copies in `self`, the
-    /// residual's in `residual` (both filled by this rank, the copies waited for),
-    ///   s_j = x_j + residual_j   (in f32, rounded once to `T`)
-    /// written to the row `sum` and over x's copies, which [`Staged::for_each`] then reads
-    /// as s.
+    /// The residual add over this rank's staged packs: x's copies in `self` (of `Y`, in
+    /// packs of `T`'s columns, as [`Staged::fill_async`] copies them), the residual's in
+    /// `residual` (both filled by this rank, the copies waited for),
+    ///   s_j = x_j + residual_j   (in f32, rounded once to the stream's type `T`)
+    /// written to the row `sum` and over x's copies, whole 16-byte packs of `T`, which
+    /// [`Staged::for_each`] then reads as s.
     ///
     /// # Safety
     /// This rank filled both stagings with the same row; `sum` is 16-byte aligned and holds
     /// the `n`-element row.
     #[inline(always)]
-    pub unsafe fn sum_into<T: Element, S: Team>(self, residual: Self, sum: *mut T, n: u32) {
+    pub unsafe fn sum_into<T: Element, Y: Element, S: Team>(self, residual: Self, sum: *mut T, n: u32) {
         let packs = n / T::PACK as u32;
         let first = K as u32 * S::size();
         let mut p = S::rank() + first;
         while p < packs {
             let slot = (p - first) * 16;
-            // SAFETY: both slots hold pack p, copied there by this rank; pack p is a whole
-            // aligned pack of the row `sum`.
+            // SAFETY: both slots hold pack p, copied there by this rank (x's 8 bytes of it
+            // where Y is narrower); pack p is a whole aligned pack of the row `sum`.
             unsafe {
-                let mut s = T::unpack(device::load_shared_16(self.base + slot));
+                let x = if T::PACK * size_of::<Y>() == 16 {
+                    device::load_shared_16(self.base + slot)
+                } else {
+                    let [a, b] = device::load_shared_8(self.base + slot);
+                    [a, b, 0, 0]
+                };
+                let mut s = Y::unpack(x);
                 let r = T::unpack(device::load_shared_16(residual.base + slot));
                 for k in 0..T::PACK {
                     s[k] += r[k];
