@@ -152,14 +152,19 @@ trait RowLoop<T: Element> {
 /// portable build targets, and f16 converted 8 an instruction.
 fn run_rows<T: Element>(rows: impl RowLoop<T>) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
-    {
-        // SAFETY: the CPU has AVX2, FMA and F16C, checked just above.
+    if avx2_fma_f16c() {
+        // SAFETY: the CPU has AVX2, FMA and F16C.
         return unsafe { run_rows_avx2(rows) };
     }
     rows.run(T::widen, T::narrow)
+}
+
+/// Whether this CPU has AVX2, FMA and F16C (detected once, then cached by std).
+#[cfg(target_arch = "x86_64")]
+fn avx2_fma_f16c() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
 }
 
 /// [`run_rows`] compiled for AVX2, FMA and F16C, with the conversions built for them.
@@ -745,7 +750,10 @@ impl<T: F32Stream> Stream<T> for f32 {
             mean,
             rstd,
         )?;
-        narrow_into(&wide_y, &mut y);
+        narrow_into(
+            ArrayView2::from_shape(dim, &wide_y[..]).expect("x's shape"),
+            &mut y,
+        );
         Ok(())
     }
 
@@ -781,19 +789,49 @@ impl<T: F32Stream> Stream<T> for f32 {
             dbeta,
             centered,
         )?;
-        dx.zip_mut_with(&dres, |d, &v| *d = T::from_f32(v));
+        narrow_into(dres.view(), &mut dx);
         Ok(())
     }
 }
 
-/// `rows` widened to f32, row-major, in memory taken fallibly.
+/// `rows` widened to f32, row-major, in memory taken fallibly: contiguous rows in one
+/// slice conversion ([`convert_slice`]), else element by element.
 fn widened<T: Element>(rows: ArrayView2<'_, T>, during: &'static str) -> Result<Vec<f32>> {
-    let mut out = host_vec(rows.len(), during)?;
-    out.extend(rows.iter().map(|v| v.to_f32()));
+    let mut out = zeroed_with::<f32>(rows.len(), during)?;
+    match rows.as_slice() {
+        Some(src) => widen_slice(src, &mut out),
+        None => out.iter_mut().zip(rows.iter()).for_each(|(o, v)| *o = v.to_f32()),
+    }
     Ok(out)
 }
 
-/// Rounds row-major `wide` once into `out`, of the same shape.
-fn narrow_into<T: Element>(wide: &[f32], out: &mut ArrayViewMut2<'_, T>) {
-    out.iter_mut().zip(wide).for_each(|(o, &v)| *o = T::from_f32(v));
+/// Rounds `wide` once (to nearest even, as the kernels round) into `out`, of its shape: one
+/// slice conversion ([`convert_slice`]) where both are contiguous, else element by element.
+fn narrow_into<T: Element>(wide: ArrayView2<'_, f32>, out: &mut ArrayViewMut2<'_, T>) {
+    match (wide.as_slice(), out.as_slice_mut()) {
+        (Some(src), Some(dst)) => narrow_slice(src, dst),
+        _ => out.zip_mut_with(&wide, |o, &v| *o = T::from_f32(v)),
+    }
+}
+
+/// `src` widened into `dst` by [`RowConvert::widen_avx2`] where the CPU has AVX2, FMA and
+/// F16C (as [`run_rows`] picks its loops), else [`RowConvert::widen`], whose f16 conversion
+/// (`half`'s) runs a scalar loop where F16C is not enabled at build time.
+fn widen_slice<T: Element>(src: &[T], dst: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2_fma_f16c() {
+        // SAFETY: the CPU has AVX2, FMA and F16C.
+        return unsafe { T::widen_avx2(src, dst) };
+    }
+    T::widen(src, dst)
+}
+
+/// `src` narrowed into `dst`, as [`widen_slice`] widens.
+fn narrow_slice<T: Element>(src: &[f32], dst: &mut [T]) {
+    #[cfg(target_arch = "x86_64")]
+    if avx2_fma_f16c() {
+        // SAFETY: the CPU has AVX2, FMA and F16C.
+        return unsafe { T::narrow_avx2(src, dst) };
+    }
+    T::narrow(src, dst)
 }
