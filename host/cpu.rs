@@ -795,7 +795,7 @@ impl<T: F32Stream> Stream<T> for f32 {
 }
 
 /// `rows` widened to f32, row-major, in memory taken fallibly: contiguous rows in one
-/// slice conversion ([`convert_slice`]), else element by element.
+/// slice conversion ([`widen_slice`]), else element by element.
 fn widened<T: Element>(rows: ArrayView2<'_, T>, during: &'static str) -> Result<Vec<f32>> {
     let mut out = zeroed_with::<f32>(rows.len(), during)?;
     match rows.as_slice() {
@@ -806,7 +806,7 @@ fn widened<T: Element>(rows: ArrayView2<'_, T>, during: &'static str) -> Result<
 }
 
 /// Rounds `wide` once (to nearest even, as the kernels round) into `out`, of its shape: one
-/// slice conversion ([`convert_slice`]) where both are contiguous, else element by element.
+/// slice conversion ([`narrow_slice`]) where both are contiguous, else element by element.
 fn narrow_into<T: Element>(wide: ArrayView2<'_, f32>, out: &mut ArrayViewMut2<'_, T>) {
     match (wide.as_slice(), out.as_slice_mut()) {
         (Some(src), Some(dst)) => narrow_slice(src, dst),
