@@ -25,7 +25,7 @@
 //! - Backward with a residual's dsum: as above, but for 16-bit rows with 16-bit weights the
 //!   general cluster kernel only (their held cluster kernels take no dsum).
 //! - A residual stream kept in f32 beside f16/bf16 x ([`plan_f32_stream`]): the residual
-//!   forward and the backward as for f32 rows, the backward without clusters.
+//!   forward and the backward as for f32 rows.
 
 pub use crate::layout::registry::{Arch, DTYPE_BYTES, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
@@ -128,9 +128,8 @@ pub fn plan<T: Element, W: Weight<T>>(
 /// As [`plan`], for x of `T` whose residual stream is kept in f32 ([`F32Stream`]): the
 /// residual forward and the backward walk rows of f32 (s), with x, y, dy and dx read and
 /// written four columns at a time beside them, and are planned as f32 rows are (the
-/// forward's staging takes a 16-byte slot for each of x's 8-byte packs), but the backward
-/// without the cluster kernels (it has none for these types). The plain forward is x's own
-/// ([`plan`]).
+/// forward's staging takes a 16-byte slot for each of x's 8-byte packs, and the cluster
+/// kernels split rows into slices of f32 packs). The plain forward is x's own ([`plan`]).
 pub fn plan_f32_stream<T: F32Stream, W: Weight<T>>(
     rows: u32,
     n: u32,
@@ -206,9 +205,9 @@ impl<T: Element> Planner<T> {
         crate::layout::fits(cols, pack_len::<T>(), ranks, held)
     }
 
-    /// Whether `v` adds a residual's dsum to dx for these types.
+    /// Whether `v` adds a residual's dsum to dx for these types (rows of the stream's).
     fn takes_dsum(&self, v: Variant) -> bool {
-        v.takes_dsum(DTYPE_BYTES[self.pair.x], DTYPE_BYTES[self.pair.weights])
+        v.takes_dsum(DTYPE_BYTES[self.pair.stream], DTYPE_BYTES[self.pair.weights])
     }
 
     fn smem_fits(&self, bytes: usize) -> bool {
@@ -324,7 +323,7 @@ impl<T: Element> Planner<T> {
     /// fewest blocks whose slices fit: fewer blocks wait at each row's cluster barrier.
     fn cluster(&self, dsum: bool) -> Option<Plan> {
         let n = self.n;
-        if self.limits.arch != Arch::Sm90 || warp_rows(n) || self.pair.wide_stream() {
+        if self.limits.arch != Arch::Sm90 || warp_rows(n) {
             return None;
         }
         let packs = n.div_ceil(pack_len::<T>());

@@ -261,9 +261,9 @@ fn checked_in_modules_declare_the_registry() {
 fn only_the_sm90_module_has_cluster_kernels() {
     let clusters = |ptx| declared(ptx).values().filter(|(_, c)| *c > 1).count();
     assert_eq!(clusters(SM80), 0);
-    // The general cluster kernel over 8 blocks and the held ones over 2, 4 and 8, in five
-    // type pairs, for each of the two norms.
-    assert_eq!(clusters(SM90), 40);
+    // The general cluster kernel over 8 blocks and the held ones over 2, 4 and 8, in all
+    // nine type pairs (the four with the stream in f32 too), for each of the two norms.
+    assert_eq!(clusters(SM90), 72);
 }
 
 /// Kernel name -> the bytes of each parameter it declares: `.param .align A .b8 name[B]` (a
@@ -355,23 +355,41 @@ fn layout_arch(arch: Arch) -> layout::registry::Arch {
     }
 }
 
-/// With the residual stream in f32, the residual passes plan rows of f32, the backward
-/// without the cluster kernels (it has none for these types), and on sm_80 the held stage 1
-/// within its 256-thread bound. The forward stages rows too long to hold where shared memory
-/// has room for the f32 rows' packs twice (x's 8-byte packs take 16-byte slots): on sm_90
-/// N = 32768 (8192 packs, 2048 of them held on 512 threads, 6144 staged twice: 192 KB past
-/// the scratch), not N = 65536 (384 KB); on sm_80 neither (163 KB).
+/// With the residual stream in f32, the residual passes plan rows of f32: on sm_80 the held
+/// stage 1 within its 256-thread bound, and on sm_90 the cluster kernels for rows one block
+/// cannot take, as f32 rows have them: slices held over 2 blocks at N = 12288 and 16384
+/// (to 2048 packs a slice, 4 a rank on 512), 4 at N = 32768, 8 at N = 65536, and the general cluster kernel
+/// for rows that are not whole packs (N = 12289) or whose slices do not fit 4 packs a rank
+/// (N = 131072); at N = 262144 an eighth of the row's partials passes shared memory, and the
+/// owned block kernel sums in global memory. The f32 rows take dsum in the held cluster
+/// kernels, so a residual backward plans as a plain one. The forward stages rows too long to
+/// hold where shared memory has room for the f32 rows' packs twice (x's 8-byte packs take
+/// 16-byte slots): on sm_90 N = 32768 (8192 packs, 2048 of them held on 512 threads, 6144
+/// staged twice: 192 KB past the scratch), not N = 65536 (384 KB); on sm_80 neither (163 KB).
 #[test]
-fn f32_stream_plans_have_no_clusters() {
+fn f32_stream_plans() {
     for limits in [DeviceLimits::A100, DeviceLimits::H100] {
-        for n in [1, 1024, 4096, 8192, 12289, 32768, 65536, 262144] {
+        for n in [
+            1, 1024, 4096, 8192, 12288, 12289, 16384, 32768, 65536, 131072, 262144,
+        ] {
             for pass in [Pass::ForwardResidual, Pass::Backward, Pass::BackwardResidual] {
                 let p = stream_plan_of::<bf16, f32>(MANY, n, pass, limits);
-                assert_eq!(p.variant.cluster(), 1, "n = {n}, {pass:?}: {p:?}");
                 if pass == Pass::ForwardResidual {
                     let staged = n == 32768 && limits.arch == Arch::Sm90;
                     let smem = if staged { 512 + 2 * 6144 * 16 } else { 512 };
                     assert_eq!(p.smem, smem, "n = {n}, {limits:?}: {p:?}");
+                    continue;
+                }
+                let cluster = match (limits.arch, n) {
+                    (Arch::Sm90, 12288 | 16384) => Some(Variant::BwdCluster2Held),
+                    (Arch::Sm90, 32768) => Some(Variant::BwdCluster4Held),
+                    (Arch::Sm90, 65536) => Some(Variant::BwdCluster8Held),
+                    (Arch::Sm90, 12289 | 131072) => Some(Variant::BwdCluster8),
+                    _ => None,
+                };
+                match cluster {
+                    Some(v) => assert_eq!(p.variant, v, "n = {n}, {pass:?}: {p:?}"),
+                    None => assert_eq!(p.variant.cluster(), 1, "n = {n}, {pass:?}: {p:?}"),
                 }
                 if limits.arch == Arch::Sm80
                     && matches!(p.variant, Variant::BwdHeldWarp | Variant::BwdHeldBlock)

@@ -448,7 +448,10 @@ mod f32_stream {
 /// Rows long enough for the f32-stream kernels' block teams to hold s in registers
 /// (bf16 n = 12288), to stage it in shared memory in the forward where the device has room
 /// (f16 n = 32768 on sm_90: x's 8-byte packs copied into 16-byte slots) and to stream it
-/// (f16 n = 65536), one of odd length, with a dsum and without.
+/// (f16 n = 65536), one of odd length, with a dsum and without. On sm_90 their backward
+/// takes every cluster kernel (tests/plan.rs, `f32_stream_plans`): slices of f32 rows held
+/// over 2 blocks (12288), 4 (32768) and 8 (65536, locked), and the general one (12289).
+/// Few rows: the test to run the sanitizers on for these kernels.
 #[test]
 fn gpu_f32_stream_long_rows_match_the_reference() {
     let Some(gpu) = gpu_or_skip() else { return };

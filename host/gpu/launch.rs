@@ -453,8 +453,7 @@ pub(crate) fn backward_cluster<T: Element, W: Weight<T>, R: Element>(
     sums: Sums<'_, '_>,
 ) -> Result<()> {
     a.check();
-    require(size_of::<R>() == size_of::<T>(), "cluster rows of x's own type");
-    let takes_dsum = |v: Variant| v.takes_dsum(size_of::<T>(), size_of::<W>());
+    let takes_dsum = |v: Variant| v.takes_dsum(size_of::<R>(), size_of::<W>());
     let variant = if held {
         Variant::cluster_held(size)
     } else {
@@ -468,14 +467,14 @@ pub(crate) fn backward_cluster<T: Element, W: Weight<T>, R: Element>(
     sums.check(launch.blocks / size, size, a.n, false);
     let k = a.kernels(gpu)?;
     let (kernel, smem) = if held {
-        let slice = cluster_slice::<T>(a.n, size);
-        let slice_fits = a.packed && fits_held::<T>(Team::Block, launch.threads, slice, BWD_HELD);
+        let slice = cluster_slice::<R>(a.n, size);
+        let slice_fits = a.packed && fits_held::<R>(Team::Block, launch.threads, slice, BWD_HELD);
         require(slice_fits, "held cluster slices");
         let kernel = Variant::cluster_held(size).and_then(|v| k.get(v));
-        (kernel, cluster_held_smem::<T>(launch.threads))
+        (kernel, cluster_held_smem::<R>(launch.threads))
     } else {
         require(size == CLUSTER_SIZE, "general cluster size");
-        (k.get(Variant::BwdCluster8), cluster_smem::<T>(a.n))
+        (k.get(Variant::BwdCluster8), cluster_smem::<R>(a.n))
     };
     require(launch.smem as usize >= smem, "cluster smem");
     let Some(f) = kernel else {

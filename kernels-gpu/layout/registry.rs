@@ -25,7 +25,9 @@
 //!   weights' extra words: the general block forward needs 80 (768), and the held cluster
 //!   kernels 168 (384).
 //! - A residual stream in f32 beside f16/bf16 x: the held stage 1 on sm_80 spilled 12 bytes
-//!   at 168 (384) in LayerNorm and has 255 (256).
+//!   at 168 (384) in LayerNorm and has 255 (256). Its cluster kernels walk rows of f32 as
+//!   the f32 ones do: 168 (384) for the general one, 128 (512) held, f32 weights or not
+//!   (a pack of f32 rows has four weights, not the eight of 16-bit rows).
 //!
 //! Fewer registers, more blocks resident; `.ci/run`'s ptxas check fails on any spill.
 
@@ -60,7 +62,7 @@ impl TypePair {
 /// parameters and their gradients in f32), then each 16-bit pair with its residual stream
 /// in f32. Stage 2 writes only the weights' gradients and comes in the first three alone;
 /// a stream in f32 has only the kernels that read or write the stream (the residual
-/// forward and the non-cluster stage 1; see [`Variant::has_pair`]).
+/// forward and stage 1; see [`Variant::has_pair`]).
 pub const TYPE_PAIRS: [TypePair; 9] = [
     TypePair {
         name: "f32",
@@ -231,13 +233,12 @@ pub fn kernels(arch: Arch) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
 /// The kernels that `norm`'s ops on `pair` launch on `arch`, one per variant of the module,
 /// as (norm, variant, type pair) of the kernel's name: `norm`'s own kernel of `pair` where
 /// there is one, else the one that serves it (stage 2: LayerNorm's, of the weights' own
-/// type; for a residual stream in f32, the plain forward of x's pair). A pair with its
-/// stream in f32 has no cluster kernels: its module lacks them, as the sm_80 module does.
-/// What one lazily loaded module of the host holds.
+/// type; for a residual stream in f32, the plain forward of x's pair). What one lazily
+/// loaded module of the host holds.
 pub fn kernels_of(arch: Arch, norm: Norm, pair: TypePair) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
     Variant::ALL
         .into_iter()
-        .filter(move |&v| v.in_module(arch) && !(pair.wide_stream() && v.sm90_only()))
+        .filter(move |&v| v.in_module(arch))
         .map(move |v| {
             let owner = if norm.has(v) { norm } else { Norm::Layer };
             let served = if v.has_pair(pair) {
@@ -364,16 +365,18 @@ impl Variant {
         )
     }
 
-    /// Whether the kernel adds a residual's dsum to dx, for rows of `x_bytes`-byte values
-    /// with `weight_bytes`-byte weights: every stage 1 kernel but the held cluster ones of
-    /// 16-bit rows with 16-bit weights, which a fifth row pointer spills at their 128
-    /// registers (the host sends such a backward to the general cluster kernel).
-    pub const fn takes_dsum(self, x_bytes: usize, weight_bytes: usize) -> bool {
+    /// Whether the kernel adds a residual's dsum to dx, for rows (x, or a residual stream
+    /// kept in f32) of `row_bytes`-byte values with `weight_bytes`-byte weights: every stage
+    /// 1 kernel but the held cluster ones of 16-bit rows with 16-bit weights, which a fifth
+    /// row pointer spills at their 128 registers (the host sends such a backward to the
+    /// general cluster kernel). Rows of f32 take half the packs of 16-bit rows a rank, which
+    /// leaves the registers for it.
+    pub const fn takes_dsum(self, row_bytes: usize, weight_bytes: usize) -> bool {
         let held_cluster = matches!(
             self,
             Variant::BwdCluster2Held | Variant::BwdCluster4Held | Variant::BwdCluster8Held
         );
-        !(held_cluster && x_bytes == 2 && weight_bytes == 2)
+        !(held_cluster && row_bytes == 2 && weight_bytes == 2)
     }
 
     /// Whether only the sm_90 module has the kernel (clusters exist from sm_90 on).
@@ -385,6 +388,7 @@ impl Variant {
     /// header explains each number).
     pub const fn max_threads(self, arch: Arch, pair: TypePair) -> u32 {
         let f32 = pair.x == 0;
+        let f32_rows = pair.stream == 0;
         let f32_weights_of_halves = pair.weights == 0 && !f32;
         match (self, arch) {
             (Variant::FwdBlock, _) if f32_weights_of_halves => 768,
@@ -402,10 +406,10 @@ impl Variant {
             (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm80) if pair.wide_stream() => 256,
             (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm80) => 384,
             (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm90) => 512,
-            (Variant::BwdCluster8, _) if f32 => 384,
+            (Variant::BwdCluster8, _) if f32_rows => 384,
             (Variant::BwdCluster8, _) => 640,
             (Variant::BwdCluster2Held | Variant::BwdCluster4Held | Variant::BwdCluster8Held, _)
-                if f32_weights_of_halves =>
+                if f32_weights_of_halves && !f32_rows =>
             {
                 384
             }
@@ -433,20 +437,16 @@ impl Variant {
 
     /// Whether the kernel comes in type pair `pair`: stage 2, which reads f32 partials and
     /// writes the weights' gradients, only in pairs of one type; with a residual stream in
-    /// f32, only the kernels that read or write it: the residual forward, and stage 1 but
-    /// its cluster kernels.
+    /// f32, only the kernels that read or write it: the residual forward and stage 1.
     pub const fn has_pair(self, pair: TypePair) -> bool {
         if pair.wide_stream() {
-            return matches!(
+            return !matches!(
                 self,
-                Variant::FwdResidualWarp
-                    | Variant::FwdResidualBlock
-                    | Variant::FwdResidualPipelinedWarp
-                    | Variant::FwdResidualPipelinedBlock
-                    | Variant::BwdOwnedWarp
-                    | Variant::BwdOwnedBlock
-                    | Variant::BwdHeldWarp
-                    | Variant::BwdHeldBlock
+                Variant::FwdWarp
+                    | Variant::FwdBlock
+                    | Variant::FwdPipelinedWarp
+                    | Variant::FwdPipelinedBlock
+                    | Variant::BwdReduce
             );
         }
         !matches!(self, Variant::BwdReduce) || pair.x == pair.weights

@@ -32,8 +32,10 @@
 //!   rows. The order in which blocks take a lock varies, so the last bits may too.
 //!
 //! The kernels, for each type pair <T> of x and gamma (f32, f16, bf16, and f16 or bf16 x
-//! with f32 gamma: `f16_f32w`, `bf16_f32w`), as the host's planner (host/plan.rs) picks
-//! them; teams are a warp per row for n <= 1024, a block per row beyond:
+//! with f32 gamma: `f16_f32w`, `bf16_f32w`; and each 16-bit pair whose residual stream is
+//! kept in f32, `*_f32s`, whose rows and dsum are f32), as the host's planner
+//! (host/plan.rs) picks them; teams are a warp per row for n <= 1024, a block per row
+//! beyond:
 //! - stage 1, either mode, the first that applies:
 //!   - `layer_norm_bwd_cluster<C>_held_<T>`, `layer_norm_bwd_cluster8_<T>` (sm_90 module,
 //!     block teams): rows too long for one block to hold in registers (4 packs a thread)
@@ -185,7 +187,7 @@ impl<X, T, W> Rows<X, T, W> {
     #[cfg(layernorm_sm90)]
     #[inline(always)]
     pub(crate) fn for_kernel(self, variant: crate::layout::registry::Variant) -> Self {
-        if variant.takes_dsum(size_of::<T>(), size_of::<W>()) {
+        if variant.takes_dsum(size_of::<X>(), size_of::<W>()) {
             self
         } else {
             Rows {

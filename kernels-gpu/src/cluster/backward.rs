@@ -7,7 +7,7 @@ use crate::backward::Rows;
 use crate::backward::held::stage1_held;
 use crate::backward::partials::Destination;
 use crate::backward::streamed::owned_in_shared;
-use crate::element::Element;
+use crate::element::{Bf16, Element, F16};
 use crate::layout::params::Partials;
 use crate::layout::registry::Variant;
 use crate::team::Team;
@@ -86,33 +86,33 @@ const fn held_variant<const C: u32>() -> Variant {
 use crate::layout::CLUSTER_SIZE;
 use crate::layout::params::BackwardRows;
 
-/// Exports the cluster stage 1 kernels (sm_90 module only) of one type pair (x of type `$t`,
-/// gamma of `$w`) for both norms: the general one over 8 blocks, and the held one over 2,
-/// 4 and 8 (the host takes the fewest blocks whose slices fit 4 packs a rank: fewer blocks
-/// wait at each row's cluster barrier). build.rs gives each `.reqnctapercluster C` from the
-/// registry.
+/// Exports the cluster stage 1 kernels (sm_90 module only) of one type pair (x, dy and dx
+/// of type `$t`, gamma of `$w`, the rows (s) and dsum of `$x`) for both norms: the general
+/// one over 8 blocks, and the held one over 2, 4 and 8 (the host takes the fewest blocks
+/// whose slices fit 4 packs a rank: fewer blocks wait at each row's cluster barrier).
+/// build.rs gives each `.reqnctapercluster C` from the registry.
 macro_rules! cluster_kernels {
-    ($module:ident, $types:literal, $t:ty, $w:ty) => {
+    ($module:ident, $types:literal, $t:ty, $w:ty, $x:ty) => {
         mod $module {
             use super::*;
-            cluster_kernels!(@norm layer, "layer_norm", true, $types, $t, $w);
-            cluster_kernels!(@norm rms, "rms_norm", false, $types, $t, $w);
+            cluster_kernels!(@norm layer, "layer_norm", true, $types, $t, $w, $x);
+            cluster_kernels!(@norm rms, "rms_norm", false, $types, $t, $w, $x);
         }
     };
-    (@norm $norm:ident, $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty) => {
+    (@norm $norm:ident, $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty) => {
         mod $norm {
             use super::*;
-            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster2_held, stage1_cluster_held, 2,
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster2_held, stage1_cluster_held, 2,
                 "Stage 1 over a cluster of 2 blocks, slices held (rows of aligned packs).");
-            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster4_held, stage1_cluster_held, 4,
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster4_held, stage1_cluster_held, 4,
                 "Stage 1 over a cluster of 4 blocks, slices held (rows of aligned packs).");
-            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster8_held, stage1_cluster_held, 8,
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster8_held, stage1_cluster_held, 8,
                 "Stage 1 over a cluster of 8 blocks, slices held (rows of aligned packs).");
-            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, cluster8, stage1_cluster, CLUSTER_SIZE,
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster8, stage1_cluster, CLUSTER_SIZE,
                 "Stage 1 over a cluster of 8 blocks.");
         }
     };
-    (@one $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $kind:ident, $stage:ident,
+    (@one $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $stage:ident,
      $c:expr, $doc:literal) => {
         #[doc = $doc]
         /// Each cluster is one unit of the partial buffers (a row, or a share of a group).
@@ -121,15 +121,19 @@ macro_rules! cluster_kernels {
         /// Launched by the host with buffers of the documented sizes, on rows the kernel
         /// takes (`$stage`'s safety section).
         #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
-        pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w>, out: Partials) {
+        pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w, $x>, out: Partials) {
             // SAFETY: the host launches this kernel only as `$stage` requires.
-            unsafe { $stage::<$t, $t, $w, { $c }>(Rows::of(p, $centered), out) }
+            unsafe { $stage::<$x, $t, $w, { $c }>(Rows::of(p, $centered), out) }
         }
     };
 }
 
-cluster_kernels!(f32_f32, "f32", f32, f32);
-cluster_kernels!(f16_f16, "f16", crate::element::F16, crate::element::F16);
-cluster_kernels!(bf16_bf16, "bf16", crate::element::Bf16, crate::element::Bf16);
-cluster_kernels!(f16_f32, "f16_f32w", crate::element::F16, f32);
-cluster_kernels!(bf16_f32, "bf16_f32w", crate::element::Bf16, f32);
+cluster_kernels!(f32_f32, "f32", f32, f32, f32);
+cluster_kernels!(f16_f16, "f16", F16, F16, F16);
+cluster_kernels!(bf16_bf16, "bf16", Bf16, Bf16, Bf16);
+cluster_kernels!(f16_f32, "f16_f32w", F16, f32, F16);
+cluster_kernels!(bf16_f32, "bf16_f32w", Bf16, f32, Bf16);
+cluster_kernels!(f16_f32s, "f16_f32s", F16, F16, f32);
+cluster_kernels!(bf16_f32s, "bf16_f32s", Bf16, Bf16, f32);
+cluster_kernels!(f16_f32w_f32s, "f16_f32w_f32s", F16, f32, f32);
+cluster_kernels!(bf16_f32w_f32s, "bf16_f32w_f32s", Bf16, f32, f32);
