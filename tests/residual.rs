@@ -478,6 +478,42 @@ fn gpu_f32_stream_forward_paths_match_the_reference() {
     }
 }
 
+/// The CPU path's f32-stream forward takes a long call's rows a chunk at a time (rows of 1024:
+/// 256 rows a chunk where the machine has two threads, more where it has more); each row's
+/// y and s must be the same bits whatever rows share its call: all 600 rows in one call,
+/// and 7 rows a call.
+#[test]
+fn cpu_f32_stream_rows_do_not_depend_on_their_call() {
+    let (rows, n, part) = (600, 1024, 7);
+    let c = Case::<bf16, f32>::random(rows, n, 2200);
+    let residual = random_matrix::<f32>(&mut Rng::new(2201), rows, n);
+    let cpu = Device::cpu();
+    let op = LayerNorm::<bf16, f32>::from_arrays(&cpu, c.p.gamma.view(), c.p.beta.view(), EPS).unwrap();
+    let run = |from: usize, to: usize| {
+        let x = cpu.upload(c.p.x.slice(ndarray::s![from..to, ..])).unwrap();
+        let r = cpu.upload(residual.slice(ndarray::s![from..to, ..])).unwrap();
+        let (y, sum, _) = op.forward_residual_f32(&x, &r).unwrap();
+        (y.to_array2().unwrap(), sum.to_array2().unwrap())
+    };
+    let (y, sum) = run(0, rows);
+    for from in (0..rows).step_by(part) {
+        let to = (from + part).min(rows);
+        let (y_part, sum_part) = run(from, to);
+        let y_rows = y.slice(ndarray::s![from..to, ..]).to_owned();
+        let sum_rows = sum.slice(ndarray::s![from..to, ..]).to_owned();
+        assert_eq!(
+            bits(y_part.as_slice().unwrap()),
+            bits(y_rows.as_slice().unwrap()),
+            "y, rows {from}..{to}"
+        );
+        assert_eq!(
+            bits(sum_part.as_slice().unwrap()),
+            bits(sum_rows.as_slice().unwrap()),
+            "s, rows {from}..{to}"
+        );
+    }
+}
+
 /// The f32 stream's arguments are checked as the plain residual's are: a residual, dsum or
 /// d_residual of another shape is a typed error.
 #[test]
