@@ -724,7 +724,10 @@ impl<T: Element> Stream<T> for T {
 /// run on them, and y and dx rounded once to `T`, as the kernels round them. The backward's
 /// widened dy is taken whole before anything is written (its weight sums run over every
 /// row); the forward's rows are independent, and go a chunk of rows at a time
-/// ([`stream_chunk_rows`]) through one widened x and y taken before the first chunk.
+/// ([`stream_chunk_rows`]) through one widened x and y taken before the first chunk. The
+/// f32 path takes its own scratch (weights, a few rows a thread) each chunk, so where host
+/// memory fails it at a later chunk, the earlier chunks' y, s, mean and rstd are written
+/// (x and the residual are untouched either way).
 impl<T: F32Stream> Stream<T> for f32 {
     fn forward<W: Element>(
         x: ArrayView2<'_, T>,

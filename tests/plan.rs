@@ -358,10 +358,10 @@ fn layout_arch(arch: Arch) -> layout::registry::Arch {
 /// With the residual stream in f32, the residual passes plan rows of f32: on sm_80 the held
 /// stage 1 within its 256-thread bound, and on sm_90 the cluster kernels for rows one block
 /// cannot take, as f32 rows have them: slices held over 2 blocks at N = 12288 and 16384
-/// (to 2048 packs a slice, 4 a rank on 512), 4 at N = 32768, 8 at N = 65536, and the general cluster kernel
-/// for rows that are not whole packs (N = 12289) or whose slices do not fit 4 packs a rank
-/// (N = 131072); at N = 262144 an eighth of the row's partials passes shared memory, and the
-/// owned block kernel sums in global memory. The f32 rows take dsum in the held cluster
+/// (to 2048 packs a slice, 4 a rank on 512), 4 at N = 32768, 8 at N = 65536, and the
+/// general cluster kernel for rows that are not whole packs (N = 12289) or whose slices do
+/// not fit 4 packs a rank (N = 131072); at N = 262144 an eighth of the row's partials passes
+/// shared memory, and the owned block kernel sums in global memory. The f32 rows take dsum in the held cluster
 /// kernels, so a residual backward plans as a plain one. The forward stages rows too long to
 /// hold where shared memory has room for the f32 rows' packs twice (x's 8-byte packs take
 /// 16-byte slots): on sm_90 N = 32768 (8192 packs, 2048 of them held on 512 threads, 6144
