@@ -424,6 +424,16 @@ pub fn opaque(v: u32) -> u32 {
     out
 }
 
+/// A pointer through [`opaque`]'s `mov`: addresses computed from it are computed again after
+/// each such call, not kept alive across a loop.
+#[inline(always)]
+pub fn opaque_ptr<T>(p: *const T) -> *const T {
+    let out: u64;
+    // SAFETY: a register move.
+    unsafe { asm!("mov.b64 {o}, {i};", o = out(reg64) out, i = in(reg64) p as u64, options(nomem, nostack)) }
+    out as *const T
+}
+
 /// `a * b + c` rounded once (`fma.rn.f32`). rustc never contracts a multiply and an add
 /// into one instruction, so without this every `a * b + c` costs two. LLVM's own fma
 /// intrinsic rather than inline PTX, so that LLVM schedules it as any other arithmetic.

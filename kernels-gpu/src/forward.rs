@@ -7,10 +7,14 @@
 //!   y_j  = (x_j - mean) * rstd * (gamma_j + gamma_offset) + beta_j
 //! (`gamma_offset` 1 for zero-centred weights, else -0: see [`Affine`]). `mean` and `rstd`
 //! are written per row for the backward. RMSNorm (`CENTERED` = false, the
-//! `rms_norm_fwd_*` kernels) takes the same statistics and normalizes as if the mean were 0:
-//!   rstd = 1 / sqrt(sum_j x_j^2 / n + eps) = 1 / sqrt(var + mean^2 + eps)
-//!   y_j  = x_j * rstd * gamma_j + beta_j     (the host passes zeros for an absent beta)
-//! and writes 0 as the mean, so the backward's xhat is x_j * rstd.
+//! `rms_norm_fwd_*` kernels) has no mean to take and no beta:
+//!   rstd = 1 / sqrt(sum_j x_j^2 / n + eps)
+//!   y_j  = x_j * rstd * gamma_j
+//! and writes 0 as the mean, so the backward's xhat is x_j * rstd. Its held and staged
+//! rows sum x_j^2 in one pass and one reduction (every term non-negative: nothing cancels),
+//! where LayerNorm's take the mean first and then M2 about it; its xhat is one multiply,
+//! and its y reads no beta. Each instruction an element counts: 16-bit rows of N = 2048 to
+//! 16384 are bound by the instructions issued more than by the bytes (docs/PERF.md, v29).
 //!
 //! With a residual (a pre-norm block's stream, `Forward::residual`), the row normalized is
 //!   s_j = x_j + residual_j   (in f32, rounded once to the storage type)
@@ -57,7 +61,7 @@
 //! kernels spill at their 64 registers. docs/PERF.md has each version's changes and
 //! measurements.
 
-use crate::device::{fma, sqrt_rn};
+use crate::device::{fma, opaque_ptr, sqrt_rn};
 use crate::element::{
     Element, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, read, read_cached, write,
     write_as,
@@ -78,12 +82,13 @@ const PART_HELD: usize = crate::layout::PART_HELD as usize;
 /// stay far above f32's smallest normal.
 const HUGE_ROW_SCALE: f32 = 1.0 / (1u128 << 81) as f32;
 
-/// The (mean, M2) that [`RowNorm::of`] takes for a row of mean `mean` and M2 `m2`:
-/// themselves for LayerNorm (`CENTERED`); for RMSNorm, a mean of 0 and the sum of squares
+/// The (mean, M2) that [`RowNorm::of`] takes for a streamed row of mean `mean` and M2 `m2`
+/// (Chan's merges give both): themselves for LayerNorm (`CENTERED`); for RMSNorm, a mean of
+/// 0 and the sum of squares
 ///   sum_j x_j^2 = M2 + n mean^2   (two non-negative terms: no cancellation)
-/// so that rstd = 1 / sqrt(sum_j x_j^2 / n + eps) and xhat_j = x_j rstd, and a sum of
-/// squares past f32's range takes the scaled path as an overflowed M2 does. A plain pair,
-/// not a second form of `of`: each norm's `of` and the `?` after it stay the same code.
+/// so that rstd = 1 / sqrt(sum_j x_j^2 / n + eps), and a sum of squares past f32's range
+/// takes the scaled path as an overflowed M2 does. (Held rows sum x_j^2 directly: see
+/// [`row_mean`].)
 #[inline(always)]
 fn uncentered<const CENTERED: bool>(mean: f32, m2: f32, n: u32) -> (f32, f32) {
     if CENTERED {
@@ -93,34 +98,52 @@ fn uncentered<const CENTERED: bool>(mean: f32, m2: f32, n: u32) -> (f32, f32) {
     }
 }
 
+/// The row's mean, for the sums of x_j that `rank_sum` gives each rank: LayerNorm's
+/// (`CENTERED`) is their sum over the team / n; RMSNorm takes none (`rank_sum` is not run),
+/// and 0 makes the M2 pass after it sum_j x_j^2 (x_j - 0 is x_j exactly).
+#[inline(always)]
+fn row_mean<S: StatsTeam, const CENTERED: bool>(rank_sum: impl FnOnce() -> f32, n: u32) -> f32 {
+    if CENTERED { S::sum(rank_sum()) / n as f32 } else { 0.0 }
+}
+
 /// How a row is normalized, from its mean and rstd:
 ///   xhat_j = fma(x_j, 1/2, -mean/2) * (2 rstd)
 /// Halving is exact, so for every x_j - mean in f32's normal range this is (x_j - mean) *
 /// rstd to the bit; but x_j - mean itself overflows where x_j and mean have opposite signs
 /// near f32's limit, and its half cannot. (The backward's `Centering` computes the same.)
-/// Only the two halved values are kept: the mean and rstd written out are recovered from
-/// them, so that no more than the plain form's two values stay live across y's pass (the
-/// 64-register kernels have no room for more).
+/// RMSNorm's (`CENTERED` = false, mean 0) is
+///   xhat_j = x_j * rstd
+/// one multiply, which overflows only where y would.
+/// Only these two values are kept (`scale` is 2 rstd, or RMSNorm's rstd): the mean and rstd
+/// written out are recovered from them, so that no more than the plain form's two values
+/// stay live across y's pass (the 64-register kernels have no room for more).
 #[derive(Clone, Copy)]
-struct RowNorm {
+struct RowNorm<const CENTERED: bool> {
     neg_half_mean: f32,
-    twice_rstd: f32,
+    scale: f32,
 }
 
-impl RowNorm {
-    /// From the row's mean and M2 (the sum of squared deviations), or None where M2 is not
-    /// finite: the sums overflowed, or the row holds a NaN or an infinity (whose rows the
-    /// scaled statistics leave NaN, as they should be).
+impl<const CENTERED: bool> RowNorm<CENTERED> {
+    /// From the row's mean and rstd (f64 where [`RowNorm::of_scaled`] takes it).
     #[inline(always)]
-    fn of(mean: f32, m2: f32, n: u32, eps: f32) -> Option<RowNorm> {
+    fn new(mean: f32, rstd: f64) -> Self {
+        RowNorm {
+            neg_half_mean: -0.5 * mean,
+            scale: if CENTERED { (2.0 * rstd) as f32 } else { rstd as f32 },
+        }
+    }
+
+    /// From the row's mean and M2 (the sum of squared deviations; RMSNorm's: mean 0 and the
+    /// sum of squares), or None where M2 is not finite: the sums overflowed, or the row
+    /// holds a NaN or an infinity (whose rows the scaled statistics leave NaN, as they
+    /// should be).
+    #[inline(always)]
+    fn of(mean: f32, m2: f32, n: u32, eps: f32) -> Option<Self> {
         if !m2.is_finite() {
             return None;
         }
         let rstd = 1.0 / sqrt_rn(m2 / n as f32 + eps);
-        Some(RowNorm {
-            neg_half_mean: -0.5 * mean,
-            twice_rstd: 2.0 * rstd,
-        })
+        Some(Self::new(mean, rstd as f64))
     }
 
     /// From the mean and M2 of x_j * [`HUGE_ROW_SCALE`]. var = M2 / n / scale^2 can pass
@@ -128,19 +151,20 @@ impl RowNorm {
     /// in f32, as in any f32 result of such a row. The mean of a row lies within its
     /// values; the clamp undoes a rounding past f32's largest.
     #[inline(always)]
-    fn of_scaled(mean_s: f32, m2_s: f32, n: u32, eps: f32) -> RowNorm {
+    fn of_scaled(mean_s: f32, m2_s: f32, n: u32, eps: f32) -> Self {
         let scale = HUGE_ROW_SCALE as f64;
         let var = m2_s as f64 / n as f64 / (scale * scale);
         let rstd = 1.0 / sqrt_f64(var + eps as f64);
-        RowNorm {
-            neg_half_mean: -0.5 * (mean_s / HUGE_ROW_SCALE).clamp(f32::MIN, f32::MAX),
-            twice_rstd: (2.0 * rstd) as f32,
-        }
+        Self::new((mean_s / HUGE_ROW_SCALE).clamp(f32::MIN, f32::MAX), rstd)
     }
 
     #[inline(always)]
     fn xhat(self, x: f32) -> f32 {
-        fma(x, 0.5, self.neg_half_mean) * self.twice_rstd
+        if CENTERED {
+            fma(x, 0.5, self.neg_half_mean) * self.scale
+        } else {
+            x * self.scale
+        }
     }
 
     /// Writes the row's mean and rstd (rank 0 of the team), for the backward.
@@ -153,7 +177,7 @@ impl RowNorm {
             // SAFETY: the caller's guarantee.
             unsafe {
                 mean.write(-2.0 * self.neg_half_mean);
-                rstd.write(0.5 * self.twice_rstd);
+                rstd.write(if CENTERED { 0.5 * self.scale } else { self.scale });
             }
         }
     }
@@ -181,6 +205,15 @@ impl<W: Copy> Affine<W> {
             gamma_offset: p.gamma_offset,
         }
     }
+
+    /// The same, with gamma through [`opaque_ptr`]: addresses into it are formed where used.
+    #[inline(always)]
+    fn each_row(self) -> Self {
+        Affine {
+            gamma: opaque_ptr(self.gamma),
+            ..self
+        }
+    }
 }
 
 /// Normalizes rows `S::id(), S::id() + S::count(), ...`, one team per row.
@@ -198,6 +231,9 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
         let offset = row as usize * n as usize;
         // SAFETY: the row lies inside x and y (row < rows); the caller sized gamma and beta.
         let (x_row, y_row) = unsafe { (x.add(offset), y.add(offset)) };
+        // RMSNorm's y reads gamma alone, whose pack addresses LLVM then keeps across rows:
+        // the f32 kernel spilled them at its 64 registers. Taken anew each row instead.
+        let affine = if CENTERED { affine } else { affine.each_row() };
         let packed = is_pack_aligned(x_row)
             && is_pack_aligned(y_row)
             && is_pack_aligned(affine.gamma)
@@ -432,7 +468,7 @@ unsafe fn forward_row<
     y: *mut Y,
     n: u32,
     eps: f32,
-) -> Option<RowNorm> {
+) -> Option<RowNorm<CENTERED>> {
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let held = unsafe { Held::<HELD>::load::<T, S>(x, if PACKED { n / T::PACK as u32 } else { 0 }) };
     // SAFETY: `held` holds the row's first packs; the rest as for this function.
@@ -461,13 +497,13 @@ unsafe fn normalize_row<
     y: *mut Y,
     n: u32,
     eps: f32,
-) -> Option<RowNorm> {
+) -> Option<RowNorm<CENTERED>> {
     // Pass 1: statistics, with every subtraction between numbers of the row's own scale.
     let (mean, m2) = if HELD > 0 {
-        // Held rows: exactly two passes over registers, plain sums (no divisions in the
-        // reductions): mean = sum x / n, then M2 = sum (x - mean)^2.
+        // Held rows: passes over registers, plain sums (no divisions in the reductions):
+        // M2 = sum (x - mean)^2 about the mean (LayerNorm) or 0 (RMSNorm).
         // SAFETY: held rows are packed and fit.
-        let mean = S::sum(unsafe { rank_sum::<T, S, PACKED, HELD>(held, x, n) }) / n as f32;
+        let mean = row_mean::<S, CENTERED>(|| unsafe { rank_sum::<T, S, PACKED, HELD>(held, x, n) }, n);
         // SAFETY: as above.
         (
             mean,
@@ -483,14 +519,11 @@ unsafe fn normalize_row<
             stats = stats.merge(Stats::of(&v[..len]));
         });
         let stats = S::reduce_stats(stats);
-        (stats.mean, stats.m2)
+        uncentered::<CENTERED>(stats.mean, stats.m2, n)
     };
-    let norm = {
-        let (mean, m2) = uncentered::<CENTERED>(mean, m2, n);
-        RowNorm::of(mean, m2, n, eps)?
-    };
+    let norm = RowNorm::of(mean, m2, n, eps)?;
     // SAFETY: as for this function.
-    unsafe { write_y::<T, Y, W, S, PACKED, HELD>(held, x, affine, y, n, norm) };
+    unsafe { write_y::<T, Y, W, S, CENTERED, PACKED, HELD>(held, x, affine, y, n, norm) };
     Some(norm)
 }
 
@@ -509,28 +542,30 @@ unsafe fn forward_row_huge<T: Element, Y: Element, W: Element, S: StatsTeam, con
     y: *mut Y,
     n: u32,
     eps: f32,
-) -> RowNorm {
-    // Two plain passes for the statistics (mean, then M2), as the held rows take them: no
-    // divisions, and fewer live values than Chan's merges.
+) -> RowNorm<CENTERED> {
+    // Plain passes for the statistics (LayerNorm's mean, then M2), as the held rows take
+    // them: no divisions, and fewer live values than Chan's merges.
     let scaled = |j: u32| {
         // SAFETY: for_each_chunk yields in-bounds elements.
         unsafe { read(x, j, 1)[0] * HUGE_ROW_SCALE }
     };
-    let mut sum = 0.0;
-    for_each_chunk::<T, S, false, 0>(n, |j, _, _| sum += scaled(j));
-    let mean = S::sum(sum) / n as f32;
+    let mean = row_mean::<S, CENTERED>(
+        || {
+            let mut sum = 0.0;
+            for_each_chunk::<T, S, false, 0>(n, |j, _, _| sum += scaled(j));
+            sum
+        },
+        n,
+    );
     let mut m2 = 0.0;
     for_each_chunk::<T, S, false, 0>(n, |j, _, _| {
         let d = scaled(j) - mean;
         m2 = fma(d, d, m2);
     });
-    let norm = {
-        let (mean, m2) = uncentered::<CENTERED>(mean, S::sum(m2), n);
-        RowNorm::of_scaled(mean, m2, n, eps)
-    };
+    let norm = RowNorm::of_scaled(mean, S::sum(m2), n, eps);
     for_each_chunk::<T, S, false, 0>(n, |j, len, _| {
         // SAFETY: as above; the caller's guarantee for y, gamma and beta.
-        unsafe { write_y_chunk::<T, _, _>(affine, y, j, len, read(x, j, len), norm) }
+        unsafe { write_y_chunk::<T, _, _, CENTERED>(affine, y, j, len, read(x, j, len), norm) }
     });
     norm
 }
@@ -551,7 +586,7 @@ unsafe fn forward_row_staged<T: Element, W: Element, S: StatsTeam, const CENTERE
     n: u32,
     eps: f32,
     staged: Staged<PART_HELD>,
-) -> Option<RowNorm> {
+) -> Option<RowNorm<CENTERED>> {
     // SAFETY: the row is aligned whole packs (its tail elements are read one by one by the
     // passes below) and the staging holds the packs past the held ones. The previous row's
     // staged values were all in registers before its y stores, which precede this fill.
@@ -579,12 +614,18 @@ unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, con
     n: u32,
     eps: f32,
     staged: Staged<PART_HELD>,
-) -> Option<RowNorm> {
-    // SAFETY: the caller's guarantee: `held`, the staging and x are this row's.
-    let mut sum = unsafe { rank_sum::<T, S, true, PART_HELD>(held, x, n) };
-    // SAFETY: the staging holds this row's packs past the held ones, filled by this rank.
-    unsafe { staged.for_each::<T, S>(n, |_, v| sum += v[..T::PACK].iter().sum::<f32>()) };
-    let mean = S::sum(sum) / n as f32;
+) -> Option<RowNorm<CENTERED>> {
+    let mean = row_mean::<S, CENTERED>(
+        || {
+            // SAFETY: the caller's guarantee: `held`, the staging and x are this row's.
+            let mut sum = unsafe { rank_sum::<T, S, true, PART_HELD>(held, x, n) };
+            // SAFETY: the staging holds this row's packs past the held ones, filled by
+            // this rank.
+            unsafe { staged.for_each::<T, S>(n, |_, v| sum += v[..T::PACK].iter().sum::<f32>()) };
+            sum
+        },
+        n,
+    );
     // SAFETY: as for the sum: `held` and x are this row's.
     let mut m2 = unsafe { rank_m2::<T, S, true, PART_HELD>(held, x, n, mean) };
     // SAFETY: as for the sum: the staging is this rank's copy of this row.
@@ -595,15 +636,12 @@ unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, con
             }
         })
     };
-    let norm = {
-        let (mean, m2) = uncentered::<CENTERED>(mean, S::sum(m2), n);
-        RowNorm::of(mean, m2, n, eps)?
-    };
+    let norm = RowNorm::of(mean, S::sum(m2), n, eps)?;
     // SAFETY: y holds the row and gamma, beta its n columns (the caller's guarantee), all
     // 16-byte aligned; `held` and the staging hold this row's x.
     unsafe {
-        write_y::<T, Y, W, S, true, PART_HELD>(held, x, affine, y, n, norm);
-        staged.for_each::<T, S>(n, |j, v| write_y_chunk::<T, _, _>(affine, y, j, T::PACK, v, norm));
+        write_y::<T, Y, W, S, CENTERED, true, PART_HELD>(held, x, affine, y, n, norm);
+        staged.for_each::<T, S>(n, |j, v| write_y_chunk::<T, _, _, CENTERED>(affine, y, j, T::PACK, v, norm));
     }
     Some(norm)
 }
@@ -649,49 +687,63 @@ unsafe fn rank_m2<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usiz
     m2
 }
 
-/// y = xhat * (gamma + offset) + beta over the row (xhat as `norm` gives it, the weights as
-/// [`Affine`] holds them), x from registers where held. A
+/// y = xhat * (gamma + offset) + beta over the row (RMSNorm: no beta; xhat as `norm` gives
+/// it, the weights as [`Affine`] holds them), x from registers where held. A
 /// streamed row is read again: from L2, not DRAM, while the rows in flight fit there.
 ///
 /// # Safety
 /// As [`forward_row`] requires; `held` holds the row's first packs.
 #[inline(always)]
-unsafe fn write_y<T: Element, Y: Element, W: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
+unsafe fn write_y<
+    T: Element,
+    Y: Element,
+    W: Element,
+    S: StatsTeam,
+    const CENTERED: bool,
+    const PACKED: bool,
+    const HELD: usize,
+>(
     held: &Held<HELD>,
     x: *const T,
     affine: Affine<W>,
     y: *mut Y,
     n: u32,
-    norm: RowNorm,
+    norm: RowNorm<CENTERED>,
 ) {
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-        unsafe { write_y_chunk::<T, _, _>(affine, y, j, len, values(held, x, j, len, slot), norm) }
+        unsafe { write_y_chunk::<T, _, _, CENTERED>(affine, y, j, len, values(held, x, j, len, slot), norm) }
     });
 }
 
 /// y of chunk (`j`, `len`) of a row of type `T` from its x values `xv`, y of type `Y` (T's,
-/// or f16/bf16 beside a residual stream in f32).
+/// or f16/bf16 beside a residual stream in f32). RMSNorm's read no beta.
 ///
 /// # Safety
 /// The chunk lies inside the row; a whole pack of `T`'s columns is aligned to its size in
-/// y, gamma and beta.
+/// y, gamma and beta (LayerNorm's).
 #[inline(always)]
-unsafe fn write_y_chunk<T: Element, Y: Element, W: Element>(
+unsafe fn write_y_chunk<T: Element, Y: Element, W: Element, const CENTERED: bool>(
     affine: Affine<W>,
     y: *mut Y,
     j: u32,
     len: usize,
     xv: Pack,
-    norm: RowNorm,
+    norm: RowNorm<CENTERED>,
 ) {
     let mut out = xv;
     // SAFETY: the caller's guarantee.
     unsafe {
         for_each_weight_pack::<T, W>(affine.gamma, j, len, |at, step, g| {
-            let b = read_cached::<T, W>(affine.beta, j + at as u32, step);
-            for k in 0..step {
-                out[at + k] = norm.xhat(xv[at + k]) * (g[k] + affine.gamma_offset) + b[k];
+            if CENTERED {
+                let b = read_cached::<T, W>(affine.beta, j + at as u32, step);
+                for k in 0..step {
+                    out[at + k] = norm.xhat(xv[at + k]) * (g[k] + affine.gamma_offset) + b[k];
+                }
+            } else {
+                for k in 0..step {
+                    out[at + k] = norm.xhat(xv[at + k]) * (g[k] + affine.gamma_offset);
+                }
             }
         })
     };
@@ -804,19 +856,20 @@ unsafe fn pipeline<
         let next = row + S::count();
         let held = hold(loaded, row);
         let x_row = rows_at.wrapping_add(row as usize * n as usize);
+        // LayerNorm's first sum, before which the next row's loads go out (RMSNorm has
+        // none: they go out at once, and this row's one pass sums x_j^2).
         // SAFETY: the row is aligned whole packs that fit, held in `held`.
-        let sum = unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) };
+        let sum = if CENTERED { unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) } } else { 0.0 };
         loaded = load(next, row_packs(next));
-        let m = S::sum(sum) / n as f32;
+        let m = row_mean::<S, CENTERED>(|| sum, n);
         // SAFETY: as for the sum: `held` holds this row.
         let m2 = S::sum(unsafe { rank_m2::<T, S, true, PIPE_HELD>(&held, x_row, n, m) });
         // SAFETY: row < rows: the row lies inside y, its statistics inside mean and rstd.
         unsafe {
             let y_row = y.add(row as usize * n as usize);
-            let (m, m2) = uncentered::<CENTERED>(m, m2, n);
             let norm = match RowNorm::of(m, m2, n, eps) {
                 Some(norm) => {
-                    write_y::<T, Y, W, S, true, PIPE_HELD>(&held, x_row, affine, y_row, n, norm);
+                    write_y::<T, Y, W, S, CENTERED, true, PIPE_HELD>(&held, x_row, affine, y_row, n, norm);
                     norm
                 }
                 None => {
