@@ -103,7 +103,11 @@ fn uncentered<const CENTERED: bool>(mean: f32, m2: f32, n: u32) -> (f32, f32) {
 /// and 0 makes the M2 pass after it sum_j x_j^2 (x_j - 0 is x_j exactly).
 #[inline(always)]
 fn row_mean<S: StatsTeam, const CENTERED: bool>(rank_sum: impl FnOnce() -> f32, n: u32) -> f32 {
-    if CENTERED { S::sum(rank_sum()) / n as f32 } else { 0.0 }
+    if CENTERED {
+        S::sum(rank_sum()) / n as f32
+    } else {
+        0.0
+    }
 }
 
 /// How a row is normalized, from its mean and rstd:
@@ -129,7 +133,11 @@ impl<const CENTERED: bool> RowNorm<CENTERED> {
     fn new(mean: f32, rstd: f64) -> Self {
         RowNorm {
             neg_half_mean: -0.5 * mean,
-            scale: if CENTERED { (2.0 * rstd) as f32 } else { rstd as f32 },
+            scale: if CENTERED {
+                (2.0 * rstd) as f32
+            } else {
+                rstd as f32
+            },
         }
     }
 
@@ -641,7 +649,9 @@ unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, con
     // 16-byte aligned; `held` and the staging hold this row's x.
     unsafe {
         write_y::<T, Y, W, S, CENTERED, true, PART_HELD>(held, x, affine, y, n, norm);
-        staged.for_each::<T, S>(n, |j, v| write_y_chunk::<T, _, _, CENTERED>(affine, y, j, T::PACK, v, norm));
+        staged.for_each::<T, S>(n, |j, v| {
+            write_y_chunk::<T, _, _, CENTERED>(affine, y, j, T::PACK, v, norm)
+        });
     }
     Some(norm)
 }
@@ -859,7 +869,11 @@ unsafe fn pipeline<
         // LayerNorm's first sum, before which the next row's loads go out (RMSNorm has
         // none: they go out at once, and this row's one pass sums x_j^2).
         // SAFETY: the row is aligned whole packs that fit, held in `held`.
-        let sum = if CENTERED { unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) } } else { 0.0 };
+        let sum = if CENTERED {
+            unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) }
+        } else {
+            0.0
+        };
         loaded = load(next, row_packs(next));
         let m = row_mean::<S, CENTERED>(|| sum, n);
         // SAFETY: as for the sum: `held` holds this row.
