@@ -868,8 +868,8 @@ unsafe fn pipeline<
         let x_row = rows_at.wrapping_add(row as usize * n as usize);
         // LayerNorm's first sum, before which the next row's loads go out (RMSNorm has
         // none: they go out at once, and this row's one pass sums x_j^2).
-        // SAFETY: the row is aligned whole packs that fit, held in `held`.
         let sum = if CENTERED {
+            // SAFETY: the row is aligned whole packs that fit, held in `held`.
             unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) }
         } else {
             0.0
