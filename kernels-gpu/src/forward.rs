@@ -45,7 +45,7 @@
 //!   its pointers and length allow:
 //!   - held: all four row pointers 16-byte aligned and the row fits 8 packs a rank
 //!     (`FWD_HELD`): x read from memory once into registers, mean and M2 in two exact
-//!     passes over them with plain sums;
+//!     passes over them with plain sums (RMSNorm: the sum of squares in one);
 //!   - staged (block teams only): aligned rows too long to hold, where the host gave the
 //!     launch shared memory for the rest (f32 rows to about 74000 on 1024 threads): 4 packs
 //!     a rank in registers, the rest copied into shared memory (`cp.async`, every copy in
@@ -580,7 +580,8 @@ unsafe fn forward_row_huge<T: Element, Y: Element, W: Element, S: StatsTeam, con
 
 /// One aligned row too long to hold whole: `PART_HELD` packs a rank in registers, the rest
 /// [`Staged`] in shared memory, all of it read from DRAM once with every load in flight
-/// together; then the held rows' arithmetic over both (mean, then M2, then y). Returns
+/// together; then the held rows' arithmetic over both (mean, then M2, or RMSNorm's sum of
+/// squares; then y). Returns
 /// None, having written nothing, as [`forward_row`] does.
 ///
 /// # Safety
