@@ -33,7 +33,7 @@ use sha2::{Digest, Sha256};
 #[allow(dead_code)]
 #[path = "kernels-gpu/layout/registry.rs"]
 mod registry;
-use registry::{Arch, KernelName, TypePair, Variant};
+use registry::{Arch, KernelName, Norm, TypePair, Variant};
 
 const KERNEL_DIR: &str = "kernels-gpu";
 /// The module of numbers the kernels and the host share, inside the kernel folder.
@@ -387,8 +387,8 @@ fn build_ptx(tc: &Toolchain, module: &Module, manifest: &Path, out: &Path) -> Re
 /// API needed). A kernel the registry does not know, or a registry kernel the module lacks,
 /// stops the build: the table is the one list of kernels.
 fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
-    let mut expected: Vec<(String, Variant, TypePair)> = registry::kernels(arch)
-        .map(|(norm, v, pair)| (KernelName(norm, v, pair).to_string(), v, pair))
+    let mut expected: Vec<(String, Norm, Variant, TypePair)> = registry::kernels(arch)
+        .map(|(norm, v, pair)| (KernelName(norm, v, pair).to_string(), norm, v, pair))
         .collect();
     let mut out = String::with_capacity(ptx.len() + 4096);
     let mut directives = Vec::new();
@@ -399,11 +399,14 @@ fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
             let name = entry.split('(').next().unwrap_or(entry);
             let at = expected
                 .iter()
-                .position(|(n, _, _)| n == name)
+                .position(|(n, _, _, _)| n == name)
                 .unwrap_or_else(|| panic!("kernel {name} is not in kernels-gpu/layout/registry.rs"));
-            let (_, variant, pair) = expected.swap_remove(at);
+            let (_, norm, variant, pair) = expected.swap_remove(at);
             directives.clear();
             directives.push(format!(".maxntid {}, 1, 1", variant.max_threads(arch, pair)));
+            if let Some(registers) = variant.max_registers(norm, pair) {
+                directives.push(format!(".maxnreg {registers}"));
+            }
             if variant.one_block_per_sm() {
                 directives.push(".minnctapersm 1".to_string());
             }
@@ -417,7 +420,7 @@ fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
             }
         }
     }
-    let missing: Vec<&str> = expected.iter().map(|(n, _, _)| n.as_str()).collect();
+    let missing: Vec<&str> = expected.iter().map(|(n, _, _, _)| n.as_str()).collect();
     assert!(
         missing.is_empty(),
         "the registry's kernels {missing:?} are not in the {arch:?} module"

@@ -110,19 +110,20 @@ fn warp_rows(n: u32) -> bool {
     n <= WARP_ROW_MAX
 }
 
-/// Which kernel runs `pass` over `rows` rows of `n` elements of `T` (rows, n >= 1) with
-/// weights of `W`, and with which block. `aligned`: every row of every tensor involved starts 16-byte aligned and `n`
+/// Which of `norm`'s kernels runs `pass` over `rows` rows of `n` elements of `T` (rows,
+/// n >= 1) with weights of `W`, and with which block. `aligned`: every row of every tensor involved starts 16-byte aligned and `n`
 /// is a whole number of packs (whole tensors; views may not be). An error only where no
 /// kernel can take the shape: a warp-row backward whose partials do not fit the device's
 /// shared memory.
 pub fn plan<T: Element, W: Weight<T>>(
+    norm: Norm,
     rows: u32,
     n: u32,
     pass: Pass,
     aligned: bool,
     limits: DeviceLimits,
 ) -> Result<Plan> {
-    plan_rows::<T>(TYPE_PAIRS[W::PAIR], rows, n, pass, aligned, limits)
+    plan_rows::<T>(norm, TYPE_PAIRS[W::PAIR], rows, n, pass, aligned, limits)
 }
 
 /// As [`plan`], for x of `T` whose residual stream is kept in f32 ([`F32Stream`]): the
@@ -131,6 +132,7 @@ pub fn plan<T: Element, W: Weight<T>>(
 /// forward's staging takes a 16-byte slot for each of x's 8-byte packs, and the cluster
 /// kernels split rows into slices of f32 packs). The plain forward is x's own ([`plan`]).
 pub fn plan_f32_stream<T: F32Stream, W: Weight<T>>(
+    norm: Norm,
     rows: u32,
     n: u32,
     pass: Pass,
@@ -138,13 +140,23 @@ pub fn plan_f32_stream<T: F32Stream, W: Weight<T>>(
     limits: DeviceLimits,
 ) -> Result<Plan> {
     match pass {
-        Pass::Forward => plan::<T, W>(rows, n, pass, aligned, limits),
-        _ => plan_rows::<f32>(TYPE_PAIRS[pair_of::<T, W, f32>()], rows, n, pass, aligned, limits),
+        Pass::Forward => plan::<T, W>(norm, rows, n, pass, aligned, limits),
+        _ => plan_rows::<f32>(
+            norm,
+            TYPE_PAIRS[pair_of::<T, W, f32>()],
+            rows,
+            n,
+            pass,
+            aligned,
+            limits,
+        ),
     }
 }
 
-/// The plan of kernels of `pair` whose rows (x, or a residual forward's s) are of `R`.
+/// The plan of `norm`'s kernels of `pair` whose rows (x, or a residual forward's s) are of
+/// `R`.
 pub(crate) fn plan_rows<R: Element>(
+    norm: Norm,
     pair: TypePair,
     rows: u32,
     n: u32,
@@ -153,6 +165,7 @@ pub(crate) fn plan_rows<R: Element>(
     limits: DeviceLimits,
 ) -> Result<Plan> {
     let planner = Planner::<R> {
+        norm,
         few_rows: rows <= limits.sm_count,
         n,
         aligned,
@@ -169,6 +182,7 @@ pub(crate) fn plan_rows<R: Element>(
 }
 
 struct Planner<T> {
+    norm: Norm,
     /// At most one row a multiprocessor: block teams take a pack a rank.
     few_rows: bool,
     n: u32,
@@ -270,8 +284,14 @@ impl<T: Element> Planner<T> {
         let pipelined = if warp { pipelined.0 } else { pipelined.1 };
         if self.aligned && self.fits(self.n, ranks, PIPE_HELD) && plan.threads <= self.max_threads(pipelined)
         {
+            let smem = if pipelined == Variant::FwdPipelinedBlock {
+                crate::layout::pipelined_smem(self.norm, size_of::<T>(), plan.threads)
+            } else {
+                plan.smem
+            };
             return Plan {
                 variant: pipelined,
+                smem,
                 ..plan
             };
         }

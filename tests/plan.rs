@@ -17,7 +17,7 @@ mod layout;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use layernorm_cuda::plan::{Arch, DeviceLimits, Pass, Plan, Variant, plan, plan_f32_stream};
+use layernorm_cuda::plan::{Arch, DeviceLimits, Norm, Pass, Plan, Variant, plan, plan_f32_stream};
 use layernorm_cuda::{Element, F32Stream, Weight, bf16, f16};
 
 /// (type pair, pass, n) the GPU tests run on whole tensors (aligned where n is whole
@@ -58,13 +58,13 @@ fn test_cases() -> Vec<(usize, Pass, u32)> {
 
 fn plan_of<T: Element, W: Weight<T>>(rows: u32, n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
     let pack = (16 / size_of::<T>()) as u32;
-    plan::<T, W>(rows, n, pass, n.is_multiple_of(pack), limits).unwrap()
+    plan::<T, W>(Norm::Layer, rows, n, pass, n.is_multiple_of(pack), limits).unwrap()
 }
 
 /// As [`plan_of`], with the residual stream in f32 (rows of f32: aligned where n is whole
 /// packs of f32).
 fn stream_plan_of<T: F32Stream, W: Weight<T>>(rows: u32, n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
-    plan_f32_stream::<T, W>(rows, n, pass, n.is_multiple_of(4), limits).unwrap()
+    plan_f32_stream::<T, W>(Norm::Layer, rows, n, pass, n.is_multiple_of(4), limits).unwrap()
 }
 
 /// Rows enough that every multiprocessor has several: the planner's rules for throughput.
@@ -126,52 +126,80 @@ fn check_coverage(limits: DeviceLimits) {
 #[test]
 fn known_choices() {
     let h = DeviceLimits::H100;
-    let p = plan::<f16, f16>(MANY, 1024, Pass::Forward, true, h).unwrap();
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 1024, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedWarp, 256));
-    let p = plan::<f16, f16>(MANY, 4096, Pass::Backward, true, h).unwrap();
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 4096, Pass::Backward, true, h).unwrap();
     // 512 packs at 4 a thread: 128 ranks, and the 512-thread bound stacks 4 teams.
     assert_eq!((p.variant, p.threads, p.stacked), (Variant::BwdHeldBlock, 128, 4));
-    let p = plan::<f16, f16>(MANY, 4097, Pass::Backward, false, h).unwrap();
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 4097, Pass::Backward, false, h).unwrap();
     assert_eq!(p.variant, Variant::BwdOwnedBlock);
-    let p = plan::<f32, f32>(MANY, 65536, Pass::Backward, true, h).unwrap();
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 65536, Pass::Backward, true, h).unwrap();
     assert_eq!(p.variant, Variant::BwdCluster8Held);
-    let p = plan::<f32, f32>(MANY, 65536, Pass::Backward, true, DeviceLimits::A100).unwrap();
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 65536, Pass::Backward, true, DeviceLimits::A100).unwrap();
     assert_eq!(p.variant, Variant::BwdOwnedBlock);
     assert!(
         !p.local,
         "f32 rows of 65536 do not fit an A100 block's shared memory"
     );
-    let p = plan::<f16, f16>(MANY, 1024, Pass::ForwardResidual, true, h).unwrap();
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 1024, Pass::ForwardResidual, true, h).unwrap();
     assert_eq!(p.variant, Variant::FwdResidualPipelinedWarp);
     // 2048 packs at 4 a thread on 512 threads: pipelined, as the plain forward.
-    let p = plan::<f32, f32>(MANY, 8192, Pass::ForwardResidual, true, h).unwrap();
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 8192, Pass::ForwardResidual, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdResidualPipelinedBlock, 512));
     // 8192 packs on 512 threads: 4 a thread held, the other 6144 staged twice (x's and the
     // residual's) after the 512-byte scratch.
-    let p = plan::<f32, f32>(MANY, 32768, Pass::ForwardResidual, true, h).unwrap();
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 32768, Pass::ForwardResidual, true, h).unwrap();
     assert_eq!(
         (p.variant, p.threads, p.smem),
         (Variant::FwdResidualBlock, 512, 512 + 2 * 6144 * 16)
     );
     // With dsum, long f16 rows take the general cluster kernel (the held ones of f16 rows and
     // weights take no dsum), and f32 rows or weights the held one, as without.
-    let p = plan::<f16, f16>(MANY, 32768, Pass::Backward, true, h).unwrap();
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 32768, Pass::Backward, true, h).unwrap();
     assert_eq!(p.variant, Variant::BwdCluster2Held);
-    let p = plan::<f16, f16>(MANY, 32768, Pass::BackwardResidual, true, h).unwrap();
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 32768, Pass::BackwardResidual, true, h).unwrap();
     assert_eq!(p.variant, Variant::BwdCluster8);
-    let residual = plan::<f16, f32>(MANY, 32768, Pass::BackwardResidual, true, h).unwrap();
+    let residual = plan::<f16, f32>(Norm::Layer, MANY, 32768, Pass::BackwardResidual, true, h).unwrap();
     assert_eq!(
         residual,
-        plan::<f16, f32>(MANY, 32768, Pass::Backward, true, h).unwrap()
+        plan::<f16, f32>(Norm::Layer, MANY, 32768, Pass::Backward, true, h).unwrap()
     );
     assert_eq!(residual.variant, Variant::BwdCluster4Held);
-    let residual = plan::<f32, f32>(MANY, 32768, Pass::BackwardResidual, true, h).unwrap();
+    let residual = plan::<f32, f32>(Norm::Layer, MANY, 32768, Pass::BackwardResidual, true, h).unwrap();
     assert_eq!(
         residual,
-        plan::<f32, f32>(MANY, 32768, Pass::Backward, true, h).unwrap()
+        plan::<f32, f32>(Norm::Layer, MANY, 32768, Pass::Backward, true, h).unwrap()
     );
     assert_eq!(residual.variant, Variant::BwdCluster4Held);
     assert_eq!(DeviceLimits::H100.arch, Arch::Sm90);
+}
+
+/// LayerNorm's pipelined forward over rows of f16 and bf16 stages each block team's next row
+/// in shared memory after the scratch, a 16-byte slot for each of the 4 packs a rank holds;
+/// f32 rows and RMSNorm's keep it in registers and take the scratch alone.
+#[test]
+fn pipelined_forward_stages_layer_norm_half_rows() {
+    let h = DeviceLimits::H100;
+    // 1536 packs of f16 or bf16: 384 ranks of 4.
+    let staged = (Variant::FwdPipelinedBlock, 384, 512 + 384 * 4 * 16);
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 12288, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.threads, p.smem), staged);
+    let p = plan::<bf16, f32>(Norm::Layer, MANY, 12288, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.threads, p.smem), staged);
+    let p = plan::<f16, f16>(Norm::Rms, MANY, 12288, Pass::Forward, true, h).unwrap();
+    assert_eq!(
+        (p.variant, p.threads, p.smem),
+        (Variant::FwdPipelinedBlock, 384, 512)
+    );
+    // 2048 packs of f32: 512 ranks of 4.
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 8192, Pass::Forward, true, h).unwrap();
+    assert_eq!(
+        (p.variant, p.threads, p.smem),
+        (Variant::FwdPipelinedBlock, 512, 512)
+    );
+    // Warp rows keep theirs in registers too.
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 1024, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.smem), (Variant::FwdPipelinedWarp, 512));
 }
 
 /// Launches of at most one row a multiprocessor spread each block-team row over a pack a
@@ -180,7 +208,7 @@ fn known_choices() {
 #[test]
 fn few_rows_take_a_pack_a_rank() {
     let h = DeviceLimits::H100;
-    let fwd = |rows| plan::<bf16, bf16>(rows, 4096, Pass::Forward, true, h).unwrap();
+    let fwd = |rows| plan::<bf16, bf16>(Norm::Layer, rows, 4096, Pass::Forward, true, h).unwrap();
     // 512 packs: 512 ranks of one pack, not 128 of four.
     assert_eq!(
         (fwd(1).variant, fwd(1).threads),
@@ -189,12 +217,12 @@ fn few_rows_take_a_pack_a_rank() {
     assert_eq!(fwd(h.sm_count), fwd(1));
     assert_eq!(fwd(h.sm_count + 1).threads, 128);
     // f32 N = 8192: 2048 packs on the 1024-thread bound, two a rank.
-    let p = plan::<f32, f32>(64, 8192, Pass::Forward, true, h).unwrap();
+    let p = plan::<f32, f32>(Norm::Layer, 64, 8192, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedBlock, 1024));
     // The residual forward's bound is 512: f16 N = 8192 (1024 packs) at two a rank.
-    let p = plan::<f16, f16>(8, 8192, Pass::ForwardResidual, true, h).unwrap();
+    let p = plan::<f16, f16>(Norm::Layer, 8, 8192, Pass::ForwardResidual, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdResidualPipelinedBlock, 512));
-    let bwd = |rows| plan::<bf16, bf16>(rows, 4096, Pass::Backward, true, h).unwrap();
+    let bwd = |rows| plan::<bf16, bf16>(Norm::Layer, rows, 4096, Pass::Backward, true, h).unwrap();
     assert_eq!(
         (bwd(1).variant, bwd(1).threads, bwd(1).stacked),
         (Variant::BwdHeldBlock, 512, 1)
@@ -206,10 +234,10 @@ fn few_rows_take_a_pack_a_rank() {
     // The A100 module's held kernels are bound at 384 threads: 512 packs on 384 ranks, one
     // or two each.
     let a = DeviceLimits::A100;
-    let p = plan::<bf16, bf16>(1, 4096, Pass::Backward, true, a).unwrap();
+    let p = plan::<bf16, bf16>(Norm::Layer, 1, 4096, Pass::Backward, true, a).unwrap();
     assert_eq!((p.variant, p.threads, p.stacked), (Variant::BwdHeldBlock, 384, 1));
     // Warp rows stay warp rows.
-    let p = plan::<bf16, bf16>(1, 1024, Pass::Forward, true, h).unwrap();
+    let p = plan::<bf16, bf16>(Norm::Layer, 1, 1024, Pass::Forward, true, h).unwrap();
     assert_eq!(p.variant, Variant::FwdPipelinedWarp);
 }
 

@@ -70,10 +70,11 @@ pub(crate) fn forward<T: Element, W: Weight<T>, R: Element>(
     } else {
         (Pass::Forward, W::PAIR)
     };
+    let (types, limits) = (TYPE_PAIRS[pair], gpu.kernels.limits);
     let plan = if pass == Pass::Forward {
-        plan_rows::<T>(TYPE_PAIRS[pair], a.rows, a.n, pass, a.packed, gpu.kernels.limits)?
+        plan_rows::<T>(a.norm, types, a.rows, a.n, pass, a.packed, limits)?
     } else {
-        plan_rows::<R>(TYPE_PAIRS[pair], a.rows, a.n, pass, a.packed, gpu.kernels.limits)?
+        plan_rows::<R>(a.norm, types, a.rows, a.n, pass, a.packed, limits)?
     };
     let kernel = gpu.kernels.of_pair(a.norm, pair)?.any(plan.variant);
     let launch = resident(gpu, kernel, a.rows, &plan)?;
@@ -121,7 +122,15 @@ pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
         Pass::Backward
     };
     let pair = pair_of::<T, W, R>();
-    let plan = plan_rows::<R>(TYPE_PAIRS[pair], rows, n, pass, stage1.packed, gpu.kernels.limits)?;
+    let plan = plan_rows::<R>(
+        stage1.norm,
+        TYPE_PAIRS[pair],
+        rows,
+        n,
+        pass,
+        stage1.packed,
+        gpu.kernels.limits,
+    )?;
     let team = team_of(&plan);
     let kernels = gpu.kernels.of_pair(stage1.norm, pair)?;
     let kernel = kernels.any(plan.variant);

@@ -26,6 +26,19 @@ pub const FWD_HELD: u32 = 8;
 /// Packs of x each rank of the pipelined forward holds for each of its two rows in flight.
 pub const PIPE_HELD: u32 = 4;
 
+/// Dynamic shared memory of `norm`'s pipelined forward block team of `threads` over rows of
+/// `x_bytes`-byte values: its scratch, then where it stages its next row
+/// (`registry::pipeline_stages`), a 16-byte slot for each of the `PIPE_HELD` packs a rank
+/// holds.
+#[inline(always)]
+pub const fn pipelined_smem(norm: registry::Norm, x_bytes: usize, threads: u32) -> u32 {
+    if registry::pipeline_stages(norm, x_bytes) {
+        SCRATCH_BYTES + threads * PIPE_HELD * PACK_BYTES
+    } else {
+        SCRATCH_BYTES
+    }
+}
+
 /// Packs of x each rank of the general forward holds of an aligned row too long to hold
 /// whole; the rest is staged in shared memory. (With 8, the f32 kernel spills at its 64
 /// registers.)

@@ -257,6 +257,15 @@ pub fn kernels_of(arch: Arch, norm: Norm, pair: TypePair) -> impl Iterator<Item 
         })
 }
 
+/// Whether `norm`'s pipelined forward block teams over rows of `x_bytes`-byte values keep
+/// their next row in shared memory (copied there by `cp.async`) rather than in registers:
+/// LayerNorm's rows of f16 and bf16 do, so that registers hold one row and the kernel fits
+/// 48 of them (more teams a multiprocessor). LayerNorm's f32 rows measured no faster that
+/// way, RMSNorm's 16-bit rows up to 4% slower (docs/PERF.md, v30).
+pub const fn pipeline_stages(norm: Norm, x_bytes: usize) -> bool {
+    matches!(norm, Norm::Layer) && x_bytes == 2
+}
+
 /// The two PTX modules: sm_80 (every GPU from the A100 on) and sm_90 (Hopper, with the
 /// cluster kernels).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -414,6 +423,20 @@ impl Variant {
                 384
             }
             (Variant::BwdCluster2Held | Variant::BwdCluster4Held | Variant::BwdCluster8Held, _) => 512,
+        }
+    }
+
+    /// The register bound of `norm`'s kernel for type pair `pair` (`.maxnreg`), where it has
+    /// one besides its thread limit's: LayerNorm's pipelined forward block teams over 16-bit
+    /// rows keep their next row in shared memory (`pipeline_stages`) and
+    /// fit 48 registers (56 beside f32 weights) without spilling, where ptxas would take 64
+    /// and run a quarter fewer threads a multiprocessor.
+    pub const fn max_registers(self, norm: Norm, pair: TypePair) -> Option<u32> {
+        let stages = pipeline_stages(norm, DTYPE_BYTES[pair.x]);
+        match self {
+            Variant::FwdPipelinedBlock if stages && pair.weights == 0 => Some(56),
+            Variant::FwdPipelinedBlock if stages => Some(48),
+            _ => None,
         }
     }
 

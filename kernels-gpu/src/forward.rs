@@ -40,7 +40,9 @@
 //!   take rows (below), s held or staged where x would be;
 //! - `pipelined_warp`, `pipelined_block` ([`forward_rows_pipelined`]) where every row is
 //!   whole aligned 16-byte packs that fit 4 a rank: x held in registers, and the team's next
-//!   row loaded right after this row's first sum, so that each team has two rows in flight;
+//!   row loaded right after this row's first sum, so that each team has two rows in flight
+//!   (LayerNorm's 16-bit block teams, [`forward_rows_pipelined_block`], copy the next row
+//!   into shared memory instead, and fit more teams a multiprocessor);
 //! - `warp`, `block` ([`forward_rows`]) for all other launches, which take each row as
 //!   its pointers and length allow:
 //!   - held: all four row pointers 16-byte aligned and the row fits 8 packs a rank
@@ -61,12 +63,13 @@
 //! kernels spill at their 64 registers. docs/PERF.md has each version's changes and
 //! measurements.
 
-use crate::device::{fma, opaque_ptr, sqrt_rn};
+use crate::device::{cp_async_wait_all, fma, opaque_ptr, sqrt_rn};
 use crate::element::{
     Element, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, read, read_cached, write,
     write_as,
 };
 use crate::layout::params::Forward;
+use crate::layout::registry::{Norm, pipeline_stages};
 use crate::row::{FWD_HELD, Held, Staged, fits, for_each_chunk, values};
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
@@ -792,6 +795,49 @@ unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CEN
     }
 }
 
+/// [`forward_rows_pipelined`] for a block team. LayerNorm's rows of f16 and bf16
+/// (`layout::registry::pipeline_stages`) keep the team's next row in shared memory rather than in
+/// registers: each rank copies its packs of the next row into slots of its own (`cp.async`,
+/// no registers held while they are in flight) once this row's first sum has used the
+/// values it read from them, and reads them back when the row comes up. With one row in
+/// its registers the kernel fits 48 (the registry's bound): a multiprocessor runs 1280 to
+/// 1344 threads where it ran 1024 (1152 where it ran 768, at N = 12288).
+///
+/// # Safety
+/// As for [`forward_rows_pipelined`]; the block's dynamic shared memory holds
+/// `layout::pipelined_smem` bytes.
+#[inline(always)]
+unsafe fn forward_rows_pipelined_block<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+    p: Forward<T, W>,
+) {
+    let norm = if CENTERED { Norm::Layer } else { Norm::Rms };
+    if !pipeline_stages(norm, size_of::<T>()) {
+        // SAFETY: the caller's guarantee.
+        return unsafe { forward_rows_pipelined::<T, W, S, CENTERED>(p) };
+    }
+    let (x, n) = (p.x.ptr(), p.n as usize);
+    // Slot p holds pack p of the row (a staging with no held packs before it).
+    let next_row = Staged::<0>::after(SCRATCH_BYTES);
+    // SAFETY: the caller's guarantee; `load` copies rows below `rows` only (`pipeline`'s),
+    // each rank into the slots of the packs it holds, which the launch's shared memory has;
+    // `hold` waits for this rank's copies before it reads them, and `pipeline` calls `load`
+    // again only after the row's first sum has used every value `hold` read.
+    unsafe {
+        pipeline::<T, T, W, S, CENTERED, false, _>(
+            p,
+            x,
+            |row, packs| {
+                next_row.fill_held_async::<T, S, PIPE_HELD>(x.wrapping_add(row as usize * n), packs);
+                packs
+            },
+            |packs, _| {
+                cp_async_wait_all();
+                next_row.held::<S, PIPE_HELD>(packs)
+            },
+        )
+    }
+}
+
 /// As [`forward_rows_pipelined`], the rows normalized being s = x + residual, formed as
 /// [`forward_rows_residual`]'s held rows form it: the next row's x and residual are loaded
 /// after this row's first sum, and s is added, stored and kept in registers as the row
@@ -838,6 +884,8 @@ unsafe fn forward_rows_residual_pipelined<
 /// loaded), `hold(loaded, row)` turns them into the row's held values, which are then
 /// normalized as the row at `rows_at + row * n`. `WRITES_ROWS`: `hold` stored the row it
 /// holds (s), so that ranks reading each other's packs of it must synchronize first.
+/// LayerNorm's next `load` follows this row's sum, which has used every value `hold` gave
+/// (what a `load` into the slots `hold` read from relies on).
 ///
 /// # Safety
 /// As for [`forward_rows_pipelined`]; `load` and `hold` are sound for every row below
@@ -951,7 +999,7 @@ macro_rules! forward_kernels {
             use super::*;
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, pipelined_warp, forward_rows_pipelined, Warp,
                 "Forward, one warp per row, two rows in flight (rows of aligned packs, 4 a rank).");
-            forward_kernels!(@one $prefix, $centered, $types, $t, $w, pipelined_block, forward_rows_pipelined, Block,
+            forward_kernels!(@one $prefix, $centered, $types, $t, $w, pipelined_block, forward_rows_pipelined_block, Block,
                 "Forward, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, warp, forward_rows, Warp,
                 "Forward, one warp per row (short rows).");

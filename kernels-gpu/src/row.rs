@@ -323,6 +323,54 @@ impl<const K: usize> Staged<K> {
     }
 }
 
+/// A whole row's staging, pack p in slot p: a team's next row, copied in while the team
+/// works on the row before it (the pipelined forward, where `layout::pipeline_stages`).
+impl Staged<0> {
+    /// Copies this rank's packs among the row's first `packs`, the ones a [`Held<H>`]
+    /// holds, into their slots without waiting. The slots' addresses go through
+    /// [`device::opaque`]: formed anew at each call, not kept in registers across the
+    /// team's row loop (which spilled the kernel even at 64 registers).
+    ///
+    /// # Safety
+    /// `row` is 16-byte aligned and holds `packs` whole packs, each with a slot; nothing
+    /// reads or writes this rank's slots until its next `device::cp_async_wait_all`.
+    #[inline(always)]
+    pub unsafe fn fill_held_async<T: Element, S: Team, const H: usize>(self, row: *const T, packs: u32) {
+        let (base, rank) = (device::opaque(self.base), device::opaque(S::rank()));
+        each_slot::<H>(|c| {
+            let p = rank + c as u32 * S::size();
+            if p < packs {
+                // SAFETY: the caller's guarantee: pack p is a whole aligned pack of the row,
+                // slot p exists.
+                unsafe {
+                    device::cp_async_16(
+                        base + p * 16,
+                        row.wrapping_add(p as usize * T::PACK) as *const u32,
+                    )
+                };
+            }
+        });
+    }
+
+    /// The packs [`Staged::fill_held_async`] copied, as a [`Held<H>`].
+    ///
+    /// # Safety
+    /// This rank copied the row's first `packs` into its slots and waited for the copies.
+    #[inline(always)]
+    pub unsafe fn held<S: Team, const H: usize>(self, packs: u32) -> Held<H> {
+        let mut words = [[0u32; 4]; H];
+        let (base, rank) = (device::opaque(self.base), device::opaque(S::rank()));
+        each_slot::<H>(|c| {
+            let p = rank + c as u32 * S::size();
+            if p < packs {
+                // SAFETY: the caller's guarantee: slot p holds pack p, copied by this rank.
+                words[c] = unsafe { device::load_shared_16(base + p * 16) };
+            }
+        });
+        Held { words }
+    }
+}
+
 /// Calls `f(start, len, slot)` for each piece of an `n`-element row this rank handles.
 ///
 /// With `PACKED` (every pointer of the row 16-byte aligned), rank r takes the packs

@@ -3,7 +3,7 @@
 //! (reference/), which ln-bench's check uses too.
 #![allow(dead_code)] // each test binary uses its own subset
 
-use layernorm_cuda::plan::{Pass, plan};
+use layernorm_cuda::plan::{Norm, Pass, plan};
 use layernorm_cuda::{Device, Element, Error, Tensor, Weight};
 use ndarray::{Array, Array1, Array2, ArrayView, Dimension};
 
@@ -189,7 +189,7 @@ where
     };
     let aligned = (n * size_of::<T>()).is_multiple_of(16);
     [Pass::Forward, Pass::Backward].into_iter().all(|pass| {
-        plan::<T, T>(rows as u32, n as u32, pass, aligned, limits).ok()
-            == plan::<T, f32>(rows as u32, n as u32, pass, aligned, limits).ok()
+        plan::<T, T>(Norm::Layer, rows as u32, n as u32, pass, aligned, limits).ok()
+            == plan::<T, f32>(Norm::Layer, rows as u32, n as u32, pass, aligned, limits).ok()
     })
 }
