@@ -796,8 +796,8 @@ unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CEN
 }
 
 /// [`forward_rows_pipelined`] for a block team. LayerNorm's rows of f16 and bf16
-/// (`layout::registry::pipeline_stages`) keep the team's next row in shared memory rather than in
-/// registers: each rank copies its packs of the next row into slots of its own (`cp.async`,
+/// (`layout::registry::pipeline_stages`) keep the team's next row in shared memory rather
+/// than in registers: each rank copies its packs of the next row into slots of its own (`cp.async`,
 /// no registers held while they are in flight) once this row's first sum has used the
 /// values it read from them, and reads them back when the row comes up. With one row in
 /// its registers the kernel fits 48 (the registry's bound): a multiprocessor runs 1280 to

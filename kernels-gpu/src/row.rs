@@ -324,7 +324,8 @@ impl<const K: usize> Staged<K> {
 }
 
 /// A whole row's staging, pack p in slot p: a team's next row, copied in while the team
-/// works on the row before it (the pipelined forward, where `layout::pipeline_stages`).
+/// works on the row before it (the pipelined forward, where
+/// `layout::registry::pipeline_stages`).
 impl Staged<0> {
     /// Copies this rank's packs among the row's first `packs`, the ones a [`Held<H>`]
     /// holds, into their slots without waiting. The slots' addresses go through
