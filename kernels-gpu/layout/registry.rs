@@ -259,9 +259,9 @@ pub fn kernels_of(arch: Arch, norm: Norm, pair: TypePair) -> impl Iterator<Item 
 
 /// Whether `norm`'s pipelined forward block teams over rows of `x_bytes`-byte values keep
 /// their next row in shared memory (copied there by `cp.async`) rather than in registers:
-/// LayerNorm's rows of f16 and bf16 do, so that registers hold one row and the kernel fits
-/// 48 of them (more teams a multiprocessor). LayerNorm's f32 rows measured no faster that
-/// way, RMSNorm's 16-bit rows up to 4% slower (docs/PERF.md, v30).
+/// LayerNorm's rows of f16 and bf16 do, so that registers hold one row, widened to f32 once
+/// (`Variant::max_registers`). LayerNorm's f32 rows measured no faster that way, RMSNorm's
+/// 16-bit rows up to 4% slower (docs/PERF.md, v30).
 pub const fn pipeline_stages(norm: Norm, x_bytes: usize) -> bool {
     matches!(norm, Norm::Layer) && x_bytes == 2
 }
@@ -428,14 +428,14 @@ impl Variant {
 
     /// The register bound of `norm`'s kernel for type pair `pair` (`.maxnreg`), where it has
     /// one besides its thread limit's: LayerNorm's pipelined forward block teams over 16-bit
-    /// rows keep their next row in shared memory (`pipeline_stages`) and
-    /// fit 48 registers (56 beside f32 weights) without spilling, where ptxas would take 64
-    /// and run a quarter fewer threads a multiprocessor.
+    /// rows beside f32 weights keep their next row in shared memory (`pipeline_stages`) and
+    /// this row as raw words, and fit 56 registers without spilling, where ptxas would take
+    /// 64 and run fewer threads a multiprocessor. (With weights of x's type they keep this
+    /// row widened to f32, in the 64 of the thread limit: docs/PERF.md, v31.)
     pub const fn max_registers(self, norm: Norm, pair: TypePair) -> Option<u32> {
         let stages = pipeline_stages(norm, DTYPE_BYTES[pair.x]);
         match self {
             Variant::FwdPipelinedBlock if stages && pair.weights == 0 => Some(56),
-            Variant::FwdPipelinedBlock if stages => Some(48),
             _ => None,
         }
     }

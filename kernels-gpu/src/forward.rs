@@ -42,7 +42,8 @@
 //!   whole aligned 16-byte packs that fit 4 a rank: x held in registers, and the team's next
 //!   row loaded right after this row's first sum, so that each team has two rows in flight
 //!   (LayerNorm's 16-bit block teams, [`forward_rows_pipelined_block`], copy the next row
-//!   into shared memory instead, and fit more teams a multiprocessor);
+//!   into shared memory instead, and keep this one widened to f32: one widening an element
+//!   rather than one a pass);
 //! - `warp`, `block` ([`forward_rows`]) for all other launches, which take each row as
 //!   its pointers and length allow:
 //!   - held: all four row pointers 16-byte aligned and the row fits 8 packs a rank
@@ -70,7 +71,7 @@ use crate::element::{
 };
 use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
-use crate::row::{FWD_HELD, Held, Staged, fits, for_each_chunk, values};
+use crate::row::{FWD_HELD, Held, Staged, Widened, fits, for_each_chunk, values};
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
 
@@ -178,6 +179,24 @@ impl<const CENTERED: bool> RowNorm<CENTERED> {
         }
     }
 
+    /// rstd (LayerNorm's `scale` is 2 rstd: halving is exact).
+    #[inline(always)]
+    fn rstd(self) -> f32 {
+        if CENTERED { 0.5 * self.scale } else { self.scale }
+    }
+
+    /// The normalization of the row's centred values d_j = x_j - mean:
+    ///   xhat_j = d_j * rstd
+    /// RMSNorm's form, one multiply. For every d_j in f32's normal range this is
+    /// [`RowNorm::xhat`] of x_j to the bit (fma(x_j, 1/2, -mean/2) is d_j / 2 exactly).
+    #[inline(always)]
+    fn centred(self) -> RowNorm<false> {
+        RowNorm {
+            neg_half_mean: -0.0,
+            scale: self.rstd(),
+        }
+    }
+
     /// Writes the row's mean and rstd (rank 0 of the team), for the backward.
     ///
     /// # Safety
@@ -188,7 +207,7 @@ impl<const CENTERED: bool> RowNorm<CENTERED> {
             // SAFETY: the caller's guarantee.
             unsafe {
                 mean.write(-2.0 * self.neg_half_mean);
-                rstd.write(if CENTERED { 0.5 * self.scale } else { self.scale });
+                rstd.write(self.rstd());
             }
         }
     }
@@ -576,7 +595,7 @@ unsafe fn forward_row_huge<T: Element, Y: Element, W: Element, S: StatsTeam, con
     let norm = RowNorm::of_scaled(mean, S::sum(m2), n, eps);
     for_each_chunk::<T, S, false, 0>(n, |j, len, _| {
         // SAFETY: as above; the caller's guarantee for y, gamma and beta.
-        unsafe { write_y_chunk::<T, _, _, CENTERED>(affine, y, j, len, read(x, j, len), norm) }
+        unsafe { write_y_chunk::<T, _, _, CENTERED, CENTERED>(affine, y, j, len, read(x, j, len), norm) }
     });
     norm
 }
@@ -654,7 +673,7 @@ unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, con
     unsafe {
         write_y::<T, Y, W, S, CENTERED, true, PART_HELD>(held, x, affine, y, n, norm);
         staged.for_each::<T, S>(n, |j, v| {
-            write_y_chunk::<T, _, _, CENTERED>(affine, y, j, T::PACK, v, norm)
+            write_y_chunk::<T, _, _, CENTERED, CENTERED>(affine, y, j, T::PACK, v, norm)
         });
     }
     Some(norm)
@@ -726,24 +745,34 @@ unsafe fn write_y<
 ) {
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-        unsafe { write_y_chunk::<T, _, _, CENTERED>(affine, y, j, len, values(held, x, j, len, slot), norm) }
+        unsafe {
+            write_y_chunk::<T, _, _, CENTERED, CENTERED>(
+                affine,
+                y,
+                j,
+                len,
+                values(held, x, j, len, slot),
+                norm,
+            )
+        }
     });
 }
 
-/// y of chunk (`j`, `len`) of a row of type `T` from its x values `xv`, y of type `Y` (T's,
-/// or f16/bf16 beside a residual stream in f32). RMSNorm's read no beta.
+/// y of chunk (`j`, `len`) of a row of type `T` from its values `xv`, whose xhat `norm`
+/// gives (x's own, or for the pipelined block's centred d_j [`RowNorm::centred`]'s), y of
+/// type `Y` (T's, or f16/bf16 beside a residual stream in f32). RMSNorm's read no beta.
 ///
 /// # Safety
 /// The chunk lies inside the row; a whole pack of `T`'s columns is aligned to its size in
 /// y, gamma and beta (LayerNorm's).
 #[inline(always)]
-unsafe fn write_y_chunk<T: Element, Y: Element, W: Element, const CENTERED: bool>(
+unsafe fn write_y_chunk<T: Element, Y: Element, W: Element, const CENTERED: bool, const X_CENTERED: bool>(
     affine: Affine<W>,
     y: *mut Y,
     j: u32,
     len: usize,
     xv: Pack,
-    norm: RowNorm<CENTERED>,
+    norm: RowNorm<X_CENTERED>,
 ) {
     let mut out = xv;
     // SAFETY: the caller's guarantee.
@@ -797,11 +826,12 @@ unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CEN
 
 /// [`forward_rows_pipelined`] for a block team. LayerNorm's rows of f16 and bf16
 /// (`layout::registry::pipeline_stages`) keep the team's next row in shared memory rather
-/// than in registers: each rank copies its packs of the next row into slots of its own (`cp.async`,
-/// no registers held while they are in flight) once this row's first sum has used the
-/// values it read from them, and reads them back when the row comes up. With one row in
-/// its registers the kernel fits 48 (the registry's bound): a multiprocessor runs 1280 to
-/// 1344 threads where it ran 1024 (1152 where it ran 768, at N = 12288).
+/// than in registers: each rank copies its packs of the next row into slots of its own
+/// (`cp.async`, no registers held while they are in flight) once it has read this row's
+/// from them, and reads them back when the row comes up. With one row in registers, that
+/// row is kept widened to f32 ([`pipeline_widened`]), in the 64 registers of a 1024-thread
+/// block; beside f32 weights (whose y needs more registers) it stays raw 16-bit words,
+/// widened on each pass, and the kernel fits 56 registers (the registry's bound).
 ///
 /// # Safety
 /// As for [`forward_rows_pipelined`]; the block's dynamic shared memory holds
@@ -815,9 +845,13 @@ unsafe fn forward_rows_pipelined_block<T: Element, W: Element, S: StatsTeam, con
         // SAFETY: the caller's guarantee.
         return unsafe { forward_rows_pipelined::<T, W, S, CENTERED>(p) };
     }
-    let (x, n) = (p.x.ptr(), p.n as usize);
     // Slot p holds pack p of the row (a staging with no held packs before it).
     let next_row = Staged::<0>::after(SCRATCH_BYTES);
+    if size_of::<W>() == size_of::<T>() {
+        // SAFETY: the caller's guarantee, and the launch's shared memory holds the slots.
+        return unsafe { pipeline_widened::<T, W, S, CENTERED>(p, next_row) };
+    }
+    let (x, n) = (p.x.ptr(), p.n as usize);
     // SAFETY: the caller's guarantee; `load` copies rows below `rows` only (`pipeline`'s),
     // each rank into the slots of the packs it holds, which the launch's shared memory has;
     // `hold` waits for this rank's copies before it reads them, and `pipeline` calls `load`
@@ -835,6 +869,73 @@ unsafe fn forward_rows_pipelined_block<T: Element, W: Element, S: StatsTeam, con
                 next_row.held::<S, PIPE_HELD>(packs)
             },
         )
+    }
+}
+
+/// The pipelined block's loop over its team's rows where the next row waits in shared
+/// memory: each rank copies its packs of the next row into slots of its own (`cp.async`,
+/// no registers held while they are in flight) as soon as it has read this row's, and reads
+/// them back when the row comes up. With one row in registers, that row is kept widened
+/// ([`Widened`]) and centred in place by the M2 pass:
+///   sum = sum_j x_j,  mean = sum / n
+///   d_j = x_j - mean,  M2 = sum_j d_j^2
+///   y_j = (d_j * rstd) * (gamma_j + gamma_offset) + beta_j
+/// about 10 instructions an element where widening x again for each pass took 23 (a
+/// `Held` row, docs/PERF.md v31). d_j * rstd is [`RowNorm::xhat`] to the bit: where M2 is
+/// finite, so is every d_j.
+///
+/// # Safety
+/// As for [`forward_rows_pipelined`]; `next_row`'s slots are the block's dynamic shared
+/// memory past the scratch, `PIPE_HELD` packs a rank (`layout::pipelined_smem`).
+#[inline(always)]
+unsafe fn pipeline_widened<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+    p: Forward<T, W>,
+    next_row: Staged<0>,
+) {
+    let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
+    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
+    let packs = n / T::PACK as u32;
+    let row_at = |row: u32| x.wrapping_add(row as usize * n as usize);
+    let row_packs = |row: u32| if row < rows { packs } else { 0 };
+    let mut row = S::id();
+    // SAFETY: rows below `rows` are whole aligned packs with a slot each (the caller's
+    // guarantee); past the last row nothing is copied.
+    unsafe { next_row.fill_held_async::<T, S, PIPE_HELD>(row_at(row), row_packs(row)) };
+    while row < rows {
+        let next = row + S::count();
+        cp_async_wait_all();
+        // SAFETY: this rank copied the row's packs into its slots and waited for them.
+        let mut v = Widened::of::<T, S>(&unsafe { next_row.held::<S, PIPE_HELD>(packs) }, packs);
+        let mut sum = 0.0;
+        v.for_each::<T, S>(|_, x| sum += x[..T::PACK].iter().sum::<f32>());
+        // The slots are read (their values are in the sum): the next row's copies go out.
+        // SAFETY: as before the loop.
+        unsafe { next_row.fill_held_async::<T, S, PIPE_HELD>(row_at(next), row_packs(next)) };
+        let m = row_mean::<S, CENTERED>(|| sum, n);
+        let mut m2 = 0.0;
+        v.for_each::<T, S>(|_, x| {
+            for d in &mut x[..T::PACK] {
+                *d -= m;
+                m2 = fma(*d, *d, m2);
+            }
+        });
+        // SAFETY: row < rows: the row lies inside x and y, its statistics inside mean and
+        // rstd; its packs are whole and aligned in y, gamma and beta.
+        unsafe {
+            let (x_row, y_row) = (row_at(row), y.add(row as usize * n as usize));
+            let norm = match RowNorm::of(m, S::sum(m2), n, eps) {
+                Some(norm) => {
+                    let centred = norm.centred();
+                    v.for_each::<T, S>(|j, d| {
+                        write_y_chunk::<T, T, W, CENTERED, false>(affine, y_row, j, T::PACK, *d, centred)
+                    });
+                    norm
+                }
+                None => forward_row_huge::<T, T, W, S, CENTERED>(x_row, affine, y_row, n, eps),
+            };
+            norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
+        }
+        row = next;
     }
 }
 

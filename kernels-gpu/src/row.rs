@@ -90,6 +90,46 @@ impl<const K: usize> Held<K> {
     }
 }
 
+/// A rank's packs of one row widened to f32 once, pack `rank + c * size` in slot c, for
+/// passes that change them in place (the pipelined forward centres them: d_j = x_j - mean,
+/// which its y then reads). Where registers allow, this is the cheaper form: a [`Held`]
+/// row is widened again on every pass, one instruction an element each time.
+pub struct Widened<const K: usize> {
+    values: [Pack; K],
+    /// The row's packs: slot c holds pack rank + c * size where that is below this.
+    packs: u32,
+}
+
+impl<const K: usize> Widened<K> {
+    /// The values of `held`'s slots among the row's first `packs` (the others stay 0).
+    #[inline(always)]
+    pub fn of<T: Element, S: Team>(held: &Held<K>, packs: u32) -> Self {
+        let mut values = [[0.0; crate::element::MAX_PACK]; K];
+        each_held_slot::<S, K>(packs, |c, _| values[c] = held.pack::<T>(c));
+        Widened { values, packs }
+    }
+
+    /// Calls `f(start, values)` for each of this rank's packs of the row: its first
+    /// element and its values, which `f` may change.
+    #[inline(always)]
+    pub fn for_each<T: Element, S: Team>(&mut self, mut f: impl FnMut(u32, &mut Pack)) {
+        let values = &mut self.values;
+        each_held_slot::<S, K>(self.packs, |c, p| f(p * T::PACK as u32, &mut values[c]));
+    }
+}
+
+/// Calls `f(c, p)` for each slot c < `K` of a rank's held packs whose pack p = rank + c *
+/// size is among the row's first `packs`.
+#[inline(always)]
+fn each_held_slot<S: Team, const K: usize>(packs: u32, mut f: impl FnMut(usize, u32)) {
+    each_slot::<K>(|c| {
+        let p = S::rank() + c as u32 * S::size();
+        if p < packs {
+            f(c, p)
+        }
+    });
+}
+
 /// Calls `f(c)` for each slot c < `K` of a [`Held<K>`], written out rather than looped:
 /// with c a constant in each copy, the slots stay registers. A loop LLVM declines to unroll
 /// (its body is large; 8 slots of f16 packs are) would index them at run time and move them
