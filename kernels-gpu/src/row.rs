@@ -102,6 +102,8 @@ pub struct Widened<const K: usize> {
 
 impl<const K: usize> Widened<K> {
     /// The values of `held`'s slots among the row's first `packs` (the others stay 0).
+    /// Widened from raw words already in registers: widening straight from shared memory
+    /// instead spilled the pipelined kernel at 64 registers (docs/PERF.md, v31).
     #[inline(always)]
     pub fn of<T: Element, S: Team>(held: &Held<K>, packs: u32) -> Self {
         let mut values = [[0.0; crate::element::MAX_PACK]; K];
