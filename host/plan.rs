@@ -11,10 +11,12 @@
 //!   instructions: at 4 packs a rank, about 790 instructions a warp in a bf16 forward of
 //!   N = 4096 (ncu), where the peers' kernels run about 320.
 //! - Forward: rows all of aligned packs that fit 4 packs a thread take the pipelined kernel
-//!   (two rows in flight a team); the others the general one, which holds rows of up to 8
-//!   packs a thread and stages longer aligned rows in shared memory where it has room. With
-//!   a residual add, the residual kernels, chosen by the same rules (staging takes room for
-//!   the residual's packs too).
+//!   (two rows in flight a team; LayerNorm's block teams over f32 rows of more than 2048
+//!   packs stage their next row and hold 6 packs a thread of this one, so that two teams
+//!   fit a multiprocessor up to N = 12288, and rows up to N = 24576 fit); the others the
+//!   general one, which holds rows of up to 8 packs a thread and stages longer aligned rows
+//!   in shared memory where it has room. With a residual add, the residual kernels, chosen
+//!   by the same rules (staging takes room for the residual's packs too).
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
@@ -272,28 +274,18 @@ impl<T: Element> Planner<T> {
     }
 
     /// A forward among its (warp, block) `general` kernels and its `pipelined` ones: rows
-    /// that are all aligned whole packs, 4 a thread at most, take the pipelined kernel; the
-    /// others the general one at four packs a thread, up to eight where the block is capped
-    /// (rows to 8 packs a thread stay in registers), with room to stage rows too long to
-    /// hold where the device has it: their packs past `PART_HELD` a rank, in `copies`
+    /// that are all aligned whole packs the pipelined kernel holds ([`Self::pipelined`]) take
+    /// it; the others the general one at four packs a thread, up to eight where the block is
+    /// capped (rows to 8 packs a thread stay in registers), with room to stage rows too long
+    /// to hold where the device has it: their packs past `PART_HELD` a rank, in `copies`
     /// areas. Rows it cannot stage whole stream, with the scratch only.
     fn forward_of(&self, general: (Variant, Variant), pipelined: (Variant, Variant), copies: u32) -> Plan {
         let plan = self.team_plan(general.0, general.1);
         let warp = warp_rows(self.n);
         let ranks = if warp { 32 } else { plan.threads };
         let pipelined = if warp { pipelined.0 } else { pipelined.1 };
-        if self.aligned && self.fits(self.n, ranks, PIPE_HELD) && plan.threads <= self.max_threads(pipelined)
-        {
-            let smem = if pipelined == Variant::FwdPipelinedBlock {
-                crate::layout::pipelined_smem(self.norm, size_of::<T>(), plan.threads)
-            } else {
-                plan.smem
-            };
-            return Plan {
-                variant: pipelined,
-                smem,
-                ..plan
-            };
+        if let Some(plan) = self.pipelined(pipelined, plan) {
+            return plan;
         }
         let staged = crate::layout::staged_smem(self.n / pack_len::<T>(), plan.threads, copies);
         let holds = warp || self.fits(self.n, ranks, FWD_HELD);
@@ -305,6 +297,41 @@ impl<T: Element> Planner<T> {
             },
             ..plan
         }
+    }
+
+    /// The pipelined kernel `variant`'s plan, where every row is aligned whole packs that
+    /// fit the packs a rank it holds: 4, or LayerNorm's block teams over f32 rows they stage
+    /// 6 ([`crate::layout::pipelined_block_held`]), one where there are few rows. The warp
+    /// kernel keeps the general one's block (`general`).
+    fn pipelined(&self, variant: Variant, general: Plan) -> Option<Plan> {
+        let warp = warp_rows(self.n);
+        let (packs, size) = (self.n / pack_len::<T>(), size_of::<T>());
+        let block = variant == Variant::FwdPipelinedBlock;
+        let held = if block {
+            crate::layout::pipelined_block_held(self.norm, size, packs)
+        } else {
+            PIPE_HELD
+        };
+        let threads = match (warp, self.few_rows) {
+            (true, _) => general.threads,
+            (false, true) => self.block_threads(variant, self.n, self.packs_per_rank()),
+            (false, false) => self.block_threads(variant, self.n, held),
+        };
+        let ranks = if warp { 32 } else { threads };
+        if !(self.aligned && self.fits(self.n, ranks, held) && threads <= self.max_threads(variant)) {
+            return None;
+        }
+        let smem = if block {
+            crate::layout::pipelined_smem(self.norm, size, packs, threads)
+        } else {
+            general.smem
+        };
+        Some(Plan {
+            variant,
+            threads,
+            smem,
+            ..general
+        })
     }
 
     /// Stage 1's plan; `dsum`: the launch adds a residual's dsum to dx.

@@ -73,6 +73,12 @@ fn gpu_forward_many_rows() {
         check_forward::<f16>(&gpu, rows, n, 400 + i as u64);
         check_forward::<f32>(&gpu, rows, n, 500 + i as u64);
     }
+    // LayerNorm's f32 rows of more than 2048 packs (n = 8200 above too), whose pipelined
+    // block teams hold 6 packs a rank and stage the next row: many rows a team at n =
+    // 12288 and 24576 (the longest such row), and a launch of few rows (1024 ranks of about 5).
+    for (i, &(rows, n)) in [(600, 12288), (300, 24576), (3, 20000)].iter().enumerate() {
+        check_forward::<f32>(&gpu, rows, n, 510 + i as u64);
+    }
 }
 
 /// Aligned rows longer than one block holds in registers (more than 8 packs a thread of

@@ -176,7 +176,8 @@ fn known_choices() {
 
 /// LayerNorm's pipelined forward over rows of f16 and bf16 stages each block team's next row
 /// in shared memory after the scratch, a 16-byte slot for each of the 4 packs a rank holds;
-/// f32 rows and RMSNorm's keep it in registers and take the scratch alone.
+/// over f32 rows of more than 2048 packs too, with 6 packs a rank. Shorter f32 rows and
+/// RMSNorm's keep it in registers and take the scratch alone.
 #[test]
 fn pipelined_forward_stages_layer_norm_half_rows() {
     let h = DeviceLimits::H100;
@@ -197,6 +198,26 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
         (p.variant, p.threads, p.smem),
         (Variant::FwdPipelinedBlock, 512, 512)
     );
+    // 3072 packs of f32: 512 ranks of 6 (two teams a multiprocessor, where 768 ranks of 4
+    // fit one), each with 6 slots; RMSNorm's stay 768 ranks of 4, in registers.
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 12288, Pass::Forward, true, h).unwrap();
+    assert_eq!(
+        (p.variant, p.threads, p.smem),
+        (Variant::FwdPipelinedBlock, 512, 512 + 512 * 6 * 16)
+    );
+    let p = plan::<f32, f32>(Norm::Rms, MANY, 12288, Pass::Forward, true, h).unwrap();
+    assert_eq!(
+        (p.variant, p.threads, p.smem),
+        (Variant::FwdPipelinedBlock, 768, 512)
+    );
+    // 6 packs a rank take rows of up to 6144 packs (N = 24576) on 1024 ranks; one pack
+    // more and the general kernel holds them (8 a rank), as it does RMSNorm's past 4096.
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 24576, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedBlock, 1024));
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 24580, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.smem), (Variant::FwdBlock, 512));
+    let p = plan::<f32, f32>(Norm::Rms, MANY, 24576, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.smem), (Variant::FwdBlock, 512));
     // Warp rows keep theirs in registers too.
     let p = plan::<f16, f16>(Norm::Layer, MANY, 1024, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.smem), (Variant::FwdPipelinedWarp, 512));

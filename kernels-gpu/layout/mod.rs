@@ -26,14 +26,31 @@ pub const FWD_HELD: u32 = 8;
 /// Packs of x each rank of the pipelined forward holds for each of its two rows in flight.
 pub const PIPE_HELD: u32 = 4;
 
-/// Dynamic shared memory of `norm`'s pipelined forward block team of `threads` over rows of
-/// `x_bytes`-byte values: its scratch, then where it stages its next row
-/// (`registry::pipeline_stages`), a 16-byte slot for each of the `PIPE_HELD` packs a rank
-/// holds.
+/// Packs of x each rank of LayerNorm's pipelined forward block team holds of the f32 rows
+/// whose next row it stages (`registry::pipeline_stages`): with one row in registers, 6 fit
+/// the 64 of its thread limit (8 spilled), and rows of up to 6144 packs (N = 24576) fit
+/// 1024 ranks.
+pub const STAGED_F32_HELD: u32 = 6;
+
+/// Packs of x each rank of `norm`'s pipelined forward block team holds of rows of `packs`
+/// packs of `x_bytes`-byte values.
 #[inline(always)]
-pub const fn pipelined_smem(norm: registry::Norm, x_bytes: usize, threads: u32) -> u32 {
-    if registry::pipeline_stages(norm, x_bytes) {
-        SCRATCH_BYTES + threads * PIPE_HELD * PACK_BYTES
+pub const fn pipelined_block_held(norm: registry::Norm, x_bytes: usize, packs: u32) -> u32 {
+    if x_bytes == 4 && registry::pipeline_stages(norm, x_bytes, packs) {
+        STAGED_F32_HELD
+    } else {
+        PIPE_HELD
+    }
+}
+
+/// Dynamic shared memory of `norm`'s pipelined forward block team of `threads` over rows of
+/// `packs` packs of `x_bytes`-byte values: its scratch, then where it stages its next row
+/// (`registry::pipeline_stages`), a 16-byte slot for each of the packs a rank holds
+/// ([`pipelined_block_held`]).
+#[inline(always)]
+pub const fn pipelined_smem(norm: registry::Norm, x_bytes: usize, packs: u32, threads: u32) -> u32 {
+    if registry::pipeline_stages(norm, x_bytes, packs) {
+        SCRATCH_BYTES + threads * pipelined_block_held(norm, x_bytes, packs) * PACK_BYTES
     } else {
         SCRATCH_BYTES
     }

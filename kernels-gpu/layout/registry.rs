@@ -257,13 +257,16 @@ pub fn kernels_of(arch: Arch, norm: Norm, pair: TypePair) -> impl Iterator<Item 
         })
 }
 
-/// Whether `norm`'s pipelined forward block teams over rows of `x_bytes`-byte values keep
-/// their next row in shared memory (copied there by `cp.async`) rather than in registers:
-/// LayerNorm's rows of f16 and bf16 do, so that registers hold one row, widened to f32 once
-/// (`Variant::max_registers`). LayerNorm's f32 rows measured no faster that way, RMSNorm's
-/// 16-bit rows up to 4% slower (docs/PERF.md, v30).
-pub const fn pipeline_stages(norm: Norm, x_bytes: usize) -> bool {
-    matches!(norm, Norm::Layer) && x_bytes == 2
+/// Whether `norm`'s pipelined forward block teams over rows of `packs` packs of
+/// `x_bytes`-byte values keep their next row in shared memory (copied there by `cp.async`)
+/// rather than in registers, where one row then fits, widened to f32 once
+/// (`Variant::max_registers`): LayerNorm's rows of f16 and bf16, and its f32 rows of more
+/// than 2048 packs (N > 8192), on which two teams of 4 packs a rank would not fit a
+/// multiprocessor's 1024 threads; those hold 6 packs a rank (`super::pipelined_block_held`).
+/// LayerNorm's shorter f32 rows measured 2-4% slower that way, RMSNorm's 16-bit rows up to
+/// 4% (docs/PERF.md, v30 and v32).
+pub const fn pipeline_stages(norm: Norm, x_bytes: usize, packs: u32) -> bool {
+    matches!(norm, Norm::Layer) && (x_bytes == 2 || packs > 2048)
 }
 
 /// The two PTX modules: sm_80 (every GPU from the A100 on) and sm_90 (Hopper, with the
@@ -433,9 +436,10 @@ impl Variant {
     /// 64 and run fewer threads a multiprocessor. (With weights of x's type they keep this
     /// row widened to f32, in the 64 of the thread limit: docs/PERF.md, v31.)
     pub const fn max_registers(self, norm: Norm, pair: TypePair) -> Option<u32> {
-        let stages = pipeline_stages(norm, DTYPE_BYTES[pair.x]);
+        // Weights of another type than x's are f32 beside 16-bit rows, staged at any length.
+        let stages = pipeline_stages(norm, DTYPE_BYTES[pair.x], 0);
         match self {
-            Variant::FwdPipelinedBlock if stages && pair.weights == 0 => Some(56),
+            Variant::FwdPipelinedBlock if stages && pair.weights != pair.x => Some(56),
             _ => None,
         }
     }

@@ -41,9 +41,10 @@
 //! - `pipelined_warp`, `pipelined_block` ([`forward_rows_pipelined`]) where every row is
 //!   whole aligned 16-byte packs that fit 4 a rank: x held in registers, and the team's next
 //!   row loaded right after this row's first sum, so that each team has two rows in flight
-//!   (LayerNorm's 16-bit block teams, [`forward_rows_pipelined_block`], copy the next row
-//!   into shared memory instead, and keep this one widened to f32: one widening an element
-//!   rather than one a pass);
+//!   (LayerNorm's 16-bit block teams, and its f32 ones over rows of more than 2048 packs,
+//!   [`forward_rows_pipelined_block`], copy the next row into shared memory instead, and
+//!   keep this one widened to f32: one widening an element rather than one a pass; f32
+//!   rows 6 packs a rank);
 //! - `warp`, `block` ([`forward_rows`]) for all other launches, which take each row as
 //!   its pointers and length allow:
 //!   - held: all four row pointers 16-byte aligned and the row fits 8 packs a rank
@@ -796,6 +797,8 @@ unsafe fn write_y_chunk<T: Element, Y: Element, W: Element, const CENTERED: bool
 
 /// Packs per rank the pipelined forward holds for each of its two rows in flight.
 const PIPE_HELD: usize = crate::layout::PIPE_HELD as usize;
+/// Packs per rank the pipelined block holds of f32 rows whose next row waits in shared memory.
+const STAGED_F32_HELD: usize = crate::layout::STAGED_F32_HELD as usize;
 
 /// The forward of launches whose rows are all whole aligned packs that fit `PIPE_HELD` a
 /// rank (the host checks): the same arithmetic as [`forward_row`]'s held rows, but the
@@ -824,24 +827,29 @@ unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CEN
     }
 }
 
-/// [`forward_rows_pipelined`] for a block team. LayerNorm's rows of f16 and bf16
-/// (`layout::registry::pipeline_stages`) keep the team's next row in shared memory rather
-/// than in registers: each rank copies its packs of the next row into slots of its own
-/// (`cp.async`, no registers held while they are in flight) once it has read this row's
-/// from them, and reads them back when the row comes up. With one row in registers, that
-/// row is kept widened to f32 ([`pipeline_widened`]), in the 64 registers of a 1024-thread
-/// block; beside f32 weights (whose y needs more registers) it stays raw 16-bit words,
-/// widened on each pass, and the kernel fits 56 registers (the registry's bound).
+/// [`forward_rows_pipelined`] for a block team. LayerNorm's rows of f16 and bf16, and its
+/// f32 rows of more than 2048 packs (`layout::registry::pipeline_stages`; the host sizes
+/// the launch by the same rule), keep the team's next row in shared memory rather than in
+/// registers: each rank copies its packs of the next row into slots of its own (`cp.async`,
+/// no registers held while they are in flight) once it has read this row's from them, and
+/// reads them back when the row comes up. With one row in registers, that row is kept
+/// widened to f32 ([`pipeline_widened`]), in the 64 registers of a 1024-thread block: 4
+/// packs a rank of 16-bit rows, 6 of f32 rows (`layout::STAGED_F32_HELD`), whose teams then
+/// have two thirds of the ranks. Beside f32 weights (whose y needs more registers) a 16-bit
+/// row stays raw words, widened on each pass, and the kernel fits 56 registers (the
+/// registry's bound).
 ///
 /// # Safety
-/// As for [`forward_rows_pipelined`]; the block's dynamic shared memory holds
+/// As for [`forward_rows_pipelined`], but that the rows fit
+/// `layout::pipelined_block_held` packs a rank; the block's dynamic shared memory holds
 /// `layout::pipelined_smem` bytes.
 #[inline(always)]
 unsafe fn forward_rows_pipelined_block<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     p: Forward<T, W>,
 ) {
     let norm = if CENTERED { Norm::Layer } else { Norm::Rms };
-    if !pipeline_stages(norm, size_of::<T>()) {
+    let packs = p.n / T::PACK as u32;
+    if !pipeline_stages(norm, size_of::<T>(), packs) {
         // SAFETY: the caller's guarantee.
         return unsafe { forward_rows_pipelined::<T, W, S, CENTERED>(p) };
     }
@@ -849,7 +857,12 @@ unsafe fn forward_rows_pipelined_block<T: Element, W: Element, S: StatsTeam, con
     let next_row = Staged::<0>::after(SCRATCH_BYTES);
     if size_of::<W>() == size_of::<T>() {
         // SAFETY: the caller's guarantee, and the launch's shared memory holds the slots.
-        return unsafe { pipeline_widened::<T, W, S, CENTERED>(p, next_row) };
+        return unsafe {
+            match crate::layout::pipelined_block_held(norm, size_of::<T>(), packs) as usize {
+                STAGED_F32_HELD => pipeline_widened::<T, W, S, CENTERED, STAGED_F32_HELD>(p, next_row),
+                _ => pipeline_widened::<T, W, S, CENTERED, PIPE_HELD>(p, next_row),
+            }
+        };
     }
     let (x, n) = (p.x.ptr(), p.n as usize);
     // SAFETY: the caller's guarantee; `load` copies rows below `rows` only (`pipeline`'s),
@@ -885,10 +898,11 @@ unsafe fn forward_rows_pipelined_block<T: Element, W: Element, S: StatsTeam, con
 /// finite, so is every d_j.
 ///
 /// # Safety
-/// As for [`forward_rows_pipelined`]; `next_row`'s slots are the block's dynamic shared
-/// memory past the scratch, `PIPE_HELD` packs a rank (`layout::pipelined_smem`).
+/// As for [`forward_rows_pipelined`], but that the rows fit `H` packs a rank; `next_row`'s
+/// slots are the block's dynamic shared memory past the scratch, `H` packs a rank
+/// (`layout::pipelined_smem`).
 #[inline(always)]
-unsafe fn pipeline_widened<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+unsafe fn pipeline_widened<T: Element, W: Element, S: StatsTeam, const CENTERED: bool, const H: usize>(
     p: Forward<T, W>,
     next_row: Staged<0>,
 ) {
@@ -900,17 +914,17 @@ unsafe fn pipeline_widened<T: Element, W: Element, S: StatsTeam, const CENTERED:
     let mut row = S::id();
     // SAFETY: rows below `rows` are whole aligned packs with a slot each (the caller's
     // guarantee); past the last row nothing is copied.
-    unsafe { next_row.fill_held_async::<T, S, PIPE_HELD>(row_at(row), row_packs(row)) };
+    unsafe { next_row.fill_held_async::<T, S, H>(row_at(row), row_packs(row)) };
     while row < rows {
         let next = row + S::count();
         cp_async_wait_all();
         // SAFETY: this rank copied the row's packs into its slots and waited for them.
-        let mut v = Widened::of::<T, S>(&unsafe { next_row.held::<S, PIPE_HELD>(packs) }, packs);
+        let mut v = Widened::of::<T, S>(&unsafe { next_row.held::<S, H>(packs) }, packs);
         let mut sum = 0.0;
         v.for_each::<T, S>(|_, x| sum += x[..T::PACK].iter().sum::<f32>());
         // The slots are read (their values are in the sum): the next row's copies go out.
         // SAFETY: as before the loop.
-        unsafe { next_row.fill_held_async::<T, S, PIPE_HELD>(row_at(next), row_packs(next)) };
+        unsafe { next_row.fill_held_async::<T, S, H>(row_at(next), row_packs(next)) };
         let m = row_mean::<S, CENTERED>(|| sum, n);
         let mut m2 = 0.0;
         v.for_each::<T, S>(|_, x| {
@@ -1101,7 +1115,7 @@ macro_rules! forward_kernels {
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, pipelined_warp, forward_rows_pipelined, Warp,
                 "Forward, one warp per row, two rows in flight (rows of aligned packs, 4 a rank).");
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, pipelined_block, forward_rows_pipelined_block, Block,
-                "Forward, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
+                "Forward, one block per row, two rows in flight (rows of aligned packs, 4 a rank, or 6 of long f32 rows).");
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, warp, forward_rows, Warp,
                 "Forward, one warp per row (short rows).");
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, block, forward_rows, Block,
