@@ -63,6 +63,11 @@ PRESETS = {
 }
 EPS = 1e-5
 FLUSH_BYTES = 256 << 20
+# GPU clock cycles each repetition waits after the flush, before its start event: about 1 ms
+# at the H200's 1.98 GHz, time for the host to queue the events and the op (a Triton launch
+# from Python takes tens of microseconds, more on a busy host), so that it stays out of the
+# timed region, as ours (a Rust launch of a few microseconds) stays behind the flush alone.
+QUEUE_AHEAD_CYCLES = 2_000_000
 COPY_BYTES = 1 << 30
 BYTES = {"f16": 2, "bf16": 2, "f32": 4}
 UNIT_ROUNDOFF = {"f16": 2.0**-11, "bf16": 2.0**-8, "f32": 2.0**-24}
@@ -105,6 +110,7 @@ def time_cuda(torch, op, warmup, reps, before=None):
         if before:
             before()
         flush.zero_()
+        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
         start.record()
         op()
         end.record()
