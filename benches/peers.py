@@ -65,8 +65,9 @@ EPS = 1e-5
 FLUSH_BYTES = 256 << 20
 # GPU clock cycles each repetition waits after the flush, before its start event: about 1 ms
 # at the H200's 1.98 GHz, time for the host to queue the events and the op (a Triton launch
-# from Python takes tens of microseconds, more on a busy host), so that it stays out of the
-# timed region, as ours (a Rust launch of a few microseconds) stays behind the flush alone.
+# from Python takes tens of microseconds, more on a busy host), so that throughput tables
+# time the kernels, as ours (a Rust launch of a few microseconds) is timed behind the flush
+# alone. Not in the latency preset, whose times keep the host work that outlasts the flush.
 QUEUE_AHEAD_CYCLES = 2_000_000
 COPY_BYTES = 1 << 30
 BYTES = {"f16": 2, "bf16": 2, "f32": 4}
@@ -100,8 +101,9 @@ def quantiles(ms):
 # --- measuring (needs torch) ---------------------------------------------------------------
 
 
-def time_cuda(torch, op, warmup, reps, before=None):
-    """Quantiles of `op`'s time in ms; `before` runs ahead of each repetition, untimed."""
+def time_cuda(torch, op, warmup, reps, before=None, queue_ahead=True):
+    """Quantiles of `op`'s time in ms; `before` runs ahead of each repetition, untimed;
+    `queue_ahead`: the GPU waits `QUEUE_AHEAD_CYCLES` before each start event."""
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
     for _ in range(warmup):
         op()
@@ -110,7 +112,8 @@ def time_cuda(torch, op, warmup, reps, before=None):
         if before:
             before()
         flush.zero_()
-        torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
+        if queue_ahead:
+            torch.cuda._sleep(QUEUE_AHEAD_CYCLES)
         start.record()
         op()
         end.record()
@@ -238,7 +241,9 @@ def import_peers(args, torch, F):
 # --- measuring (needs torch) ---------------------------------------------------------------
 
 
-def measure(torch, F, norm, residual, mode, dtype, m, n, peer, for_rows_of, warmup, reps, seed, f32_stream=False):
+def measure(
+    torch, F, norm, residual, mode, dtype, m, n, peer, for_rows_of, warmup, reps, seed, f32_stream=False, queue_ahead=True
+):
     """One configuration: check against float64, then time. Returns a result record."""
     tdtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -284,7 +289,7 @@ def measure(torch, F, norm, residual, mode, dtype, m, n, peer, for_rows_of, warm
         if not err <= tolerance(dtype):
             record.update(status="failed", failure=f"relative error {err:.2e} > tolerance {tolerance(dtype):.1e}")
             return record
-        time = time_cuda(torch, op, warmup, reps, before)
+        time = time_cuda(torch, op, warmup, reps, before, queue_ahead)
     except Exception as e:  # a peer that cannot run this shape (compile error, 64 KB rows): report, go on
         record.update(status="n/a", failure=f"{type(e).__name__}: {e}".splitlines()[0][:300])
         return record
@@ -339,6 +344,7 @@ def measure_all(args, sizes):
                 args.reps,
                 args.seed,
                 args.f32_stream,
+                args.preset != "latency",
             )
             run["results"].append(r)
             shown = f"{r['gbps']:.1f} GB/s" if r["status"] == "ok" else r["status"] + " " + r.get("failure", "")
