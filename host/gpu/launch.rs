@@ -140,7 +140,8 @@ pub(crate) fn fits_held<T: Element>(team: Team, threads: u32, cols: u32, held: u
 }
 
 /// Queues the forward kernel `f`, which the caller picked for `a` and `launch` (a
-/// pipelined one only where `a.packed` and its rows [`fits_held`] `PIPE_HELD`).
+/// pipelined one only where `a.packed` and its rows [`fits_held`] the packs a rank the
+/// kernel holds: `PIPE_HELD`, or `layout::pipelined_block_held` for the block team).
 pub(crate) fn forward<T: Element, W: Weight<T>, R: Element>(
     gpu: &Gpu,
     f: &Kernel,

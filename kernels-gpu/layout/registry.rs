@@ -284,7 +284,8 @@ pub enum Variant {
     FwdWarp,
     /// Forward, a block per row.
     FwdBlock,
-    /// Forward for rows all of aligned packs that fit 4 a rank: two rows in flight a team.
+    /// Forward for rows all of aligned packs that fit 4 a rank (the block team over
+    /// LayerNorm's f32 rows of more than 2048 packs: 6): two rows in flight a team.
     FwdPipelinedWarp,
     FwdPipelinedBlock,
     /// Forward of s = x + residual (the pre-norm residual add), which it also writes.
