@@ -300,9 +300,10 @@ impl<T: Element> Planner<T> {
     }
 
     /// The pipelined kernel `variant`'s plan, where every row is aligned whole packs that
-    /// fit the packs a rank it holds: 4, or LayerNorm's block teams over f32 rows they stage
-    /// 6 ([`crate::layout::pipelined_block_held`]), one where there are few rows. The warp
-    /// kernel keeps the general one's block (`general`).
+    /// fit the packs a rank it holds: 4, or 6 in LayerNorm's block teams over the f32 rows
+    /// they stage ([`crate::layout::pipelined_block_held`]). Its block team takes that many
+    /// packs a rank, or one where there are few rows; the warp kernel keeps the general
+    /// one's block (`general`).
     fn pipelined(&self, variant: Variant, general: Plan) -> Option<Plan> {
         let warp = warp_rows(self.n);
         let (packs, size) = (self.n / pack_len::<T>(), size_of::<T>());
