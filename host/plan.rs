@@ -16,7 +16,10 @@
 //!   fit a multiprocessor up to N = 12288, and rows up to N = 24576 fit); the others the
 //!   general one, which holds rows of up to 8 packs a thread and stages longer aligned rows
 //!   in shared memory where it has room. With a residual add, the residual kernels, chosen
-//!   by the same rules (staging takes room for the residual's packs too).
+//!   by the same rules (staging takes room for the residual's packs too). The plain
+//!   forward's pipelined block teams of 256 ranks, or 512 that hold their next row, take a
+//!   block for every row on sm_90 ([`Grid::EveryRow`]); every other launch a resident grid
+//!   whose teams loop over the rows.
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
@@ -29,6 +32,7 @@
 //! - A residual stream kept in f32 beside f16/bf16 x ([`plan_f32_stream`]): the residual
 //!   forward and the backward as for f32 rows.
 
+use crate::layout::registry::pipeline_stages;
 pub use crate::layout::registry::{Arch, DTYPE_BYTES, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
     BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PIPE_HELD, SCRATCH_BYTES,
@@ -93,6 +97,23 @@ pub struct Plan {
     /// The owned backward sums its partials in shared memory (else straight into its global
     /// partial row; warp teams always sum in shared memory).
     pub local: bool,
+    /// How many blocks the launch takes (the forward's choice; every other pass is
+    /// resident).
+    pub grid: Grid,
+}
+
+/// A launch's grid. The kernels loop over rows, team by team, so either is correct; they
+/// differ in who hands rows out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Grid {
+    /// As many blocks as the device runs at once (the occupancy the driver reports), no
+    /// more than the rows need: each team loops over its rows, and a pipelined team loads
+    /// its next row while it normalizes this one.
+    Resident,
+    /// A team for every row: each team normalizes one row and its block ends; the hardware
+    /// starts the next block as soon as one ends, so the rows in flight on a multiprocessor
+    /// are its blocks', one each, not a pipelined team's two.
+    EveryRow,
 }
 
 /// Rows of at most this many elements go one warp per row: a warp's 32 lanes hold a
@@ -249,15 +270,38 @@ impl<T: Element> Planner<T> {
             stacked: 1,
             smem: SCRATCH_BYTES,
             local: false,
+            grid: Grid::Resident,
         }
     }
 
     fn forward(&self) -> Plan {
-        self.forward_of(
+        let plan = self.forward_of(
             (Variant::FwdWarp, Variant::FwdBlock),
             (Variant::FwdPipelinedWarp, Variant::FwdPipelinedBlock),
             1,
-        )
+        );
+        Plan {
+            grid: self.forward_grid(&plan),
+            ..plan
+        }
+    }
+
+    /// The plain forward's grid: a team for every row for pipelined block teams of 256
+    /// ranks, or of 512 that keep their next row in registers, on sm_90 (H200, docs/PERF.md
+    /// v33: +2 to +5% at f16 and bf16 N = 8192, f32 4096 and 8192). At 64 registers a
+    /// multiprocessor runs 1024 threads, which such blocks fill whole (4 or 2 of them), so
+    /// a block that starts as another ends keeps it full without a second row in flight.
+    /// Other shapes lost that way (up to 17%: teams of 384 ranks, 768 threads a
+    /// multiprocessor; of 64 to 128, whose short rows pay a block's start and end; of 512
+    /// that stage their next row) or gained under 2.5%, and sm_80 is unmeasured.
+    fn forward_grid(&self, plan: &Plan) -> Grid {
+        let staged = pipeline_stages(self.norm, size_of::<T>(), self.n / pack_len::<T>());
+        let fills = plan.threads == 256 || (plan.threads == 512 && !staged);
+        if self.limits.arch == Arch::Sm90 && plan.variant == Variant::FwdPipelinedBlock && fills {
+            Grid::EveryRow
+        } else {
+            Grid::Resident
+        }
     }
 
     /// The residual add's kernels, chosen as the plain forward's: their staging takes room
@@ -392,6 +436,7 @@ impl<T: Element> Planner<T> {
                 stacked: 1,
                 smem: smem as u32,
                 local: true,
+                grid: Grid::Resident,
             })
         });
         held.or_else(|| {
@@ -402,6 +447,7 @@ impl<T: Element> Planner<T> {
                 stacked: 1,
                 smem: general_smem as u32,
                 local: true,
+                grid: Grid::Resident,
             })
         })
     }
@@ -447,6 +493,7 @@ impl<T: Element> Planner<T> {
             stacked,
             smem: held_smem(threads * stacked) as u32,
             local: true,
+            grid: Grid::Resident,
         })
     }
 }

@@ -81,6 +81,17 @@ fn gpu_forward_many_rows() {
     }
 }
 
+/// A block for every row (`plan::Grid::EveryRow`): pipelined teams of 256 ranks (f16 and
+/// bf16 N = 8192, f32 4096) and of 512 holding their next row (f32 8192), each block one row.
+#[test]
+fn gpu_forward_grid_of_every_row() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    check_forward::<f16>(&gpu, 300, 8192, 520);
+    check_forward::<bf16>(&gpu, 301, 8192, 521);
+    check_forward::<f32>(&gpu, 302, 4096, 522);
+    check_forward::<f32>(&gpu, 303, 8192, 523);
+}
+
 /// Aligned rows longer than one block holds in registers (more than 8 packs a thread of
 /// 1024: f32 rows past 32768, f16/bf16 past 65536), which hold 4 packs a thread and stage
 /// the rest in shared memory; past the staging's room (227 KB on an H100: f32 rows past

@@ -17,7 +17,7 @@ mod layout;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use layernorm_cuda::plan::{Arch, DeviceLimits, Norm, Pass, Plan, Variant, plan, plan_f32_stream};
+use layernorm_cuda::plan::{Arch, DeviceLimits, Grid, Norm, Pass, Plan, Variant, plan, plan_f32_stream};
 use layernorm_cuda::{Element, F32Stream, Weight, bf16, f16};
 
 /// (type pair, pass, n) the GPU tests run on whole tensors (aligned where n is whole
@@ -221,6 +221,53 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
     // Warp rows keep theirs in registers too.
     let p = plan::<f16, f16>(Norm::Layer, MANY, 1024, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.smem), (Variant::FwdPipelinedWarp, 512));
+}
+
+/// The plain forward on sm_90 launches a block for every row where its pipelined block
+/// teams have 256 ranks, or 512 that keep their next row in registers; elsewhere, on sm_80
+/// and in every other pass, a resident grid.
+#[test]
+fn forward_grid_every_row_where_measured_faster() {
+    let h = DeviceLimits::H100;
+    let fwd = |norm, n| plan::<f16, f16>(norm, MANY, n, Pass::Forward, true, h).unwrap();
+    let fwd32 = |norm, n| plan::<f32, f32>(norm, MANY, n, Pass::Forward, true, h).unwrap();
+    let shape = |p: Plan| (p.variant, p.threads, p.grid);
+    let (layer, rms, block) = (Norm::Layer, Norm::Rms, Variant::FwdPipelinedBlock);
+    // 256 ranks, whether the next row is staged (f16) or held (f32, RMSNorm).
+    for p in [
+        fwd(layer, 8192),
+        fwd(rms, 8192),
+        fwd32(layer, 4096),
+        fwd32(rms, 4096),
+    ] {
+        assert_eq!(shape(p), (block, 256, Grid::EveryRow));
+    }
+    // 512 ranks holding their next row (f32 N = 8192; RMSNorm's f16 15872: 1984 packs),
+    // not staging it (LayerNorm's f16 15872).
+    for p in [fwd32(layer, 8192), fwd32(rms, 8192), fwd(rms, 15872)] {
+        assert_eq!(shape(p), (block, 512, Grid::EveryRow));
+    }
+    assert_eq!(shape(fwd(layer, 15872)), (block, 512, Grid::Resident));
+    // Warp rows, smaller and other team sizes: resident.
+    assert_eq!(
+        shape(fwd(layer, 1024)),
+        (Variant::FwdPipelinedWarp, 256, Grid::Resident)
+    );
+    assert_eq!(shape(fwd(layer, 4096)), (block, 128, Grid::Resident));
+    assert_eq!(shape(fwd32(layer, 2048)), (block, 128, Grid::Resident));
+    assert_eq!(shape(fwd32(layer, 6144)), (block, 384, Grid::Resident));
+    assert_eq!(shape(fwd(rms, 12288)), (block, 384, Grid::Resident));
+    assert_eq!(shape(fwd32(layer, 12288)), (block, 512, Grid::Resident));
+    // Unaligned rows take the general kernel, resident.
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 8192, Pass::Forward, false, h).unwrap();
+    assert_eq!((p.variant, p.grid), (Variant::FwdBlock, Grid::Resident));
+    // sm_80, unmeasured there, and the other passes keep the resident grid.
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 8192, Pass::Forward, true, DeviceLimits::A100).unwrap();
+    assert_eq!(shape(p), (block, 256, Grid::Resident));
+    for pass in [Pass::ForwardResidual, Pass::Backward] {
+        let p = plan::<f32, f32>(Norm::Layer, MANY, 4096, pass, true, h).unwrap();
+        assert_eq!(p.grid, Grid::Resident);
+    }
 }
 
 /// Launches of at most one row a multiprocessor spread each block-team row over a pack a

@@ -123,6 +123,9 @@ fn gpu_rms_norm_matches_reference() {
     // Long rows: the block-team and (sm_90) cluster kernels.
     check::<f16>(&gpu, BackwardMode::Deterministic, 257, 32768, 4400);
     check::<f32>(&gpu, BackwardMode::Deterministic, 33, 65537, 4401);
+    // A forward block for every row (`plan::Grid::EveryRow`): 256 and 512 ranks.
+    check::<f16>(&gpu, BackwardMode::Deterministic, 200, 8192, 4402);
+    check::<f32>(&gpu, BackwardMode::Deterministic, 201, 8192, 4403);
 }
 
 /// Without weight, on a `[2, 3, n]` input: y = x * rstd row by row, the output keeps the

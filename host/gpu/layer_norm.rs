@@ -1,7 +1,7 @@
-//! LayerNorm on a CUDA device: takes each launch's kernel and block from `crate::plan`,
-//! sizes its grid from the device's occupancy (queried once per kernel and block), takes
-//! the backward's scratch from the stream's workspace (gpu/workspace.rs), and queues the
-//! kernels. Shapes were checked by the op (`crate::layer_norm`), which also ordered the
+//! LayerNorm on a CUDA device: takes each launch's kernel, block and kind of grid from
+//! `crate::plan`, sizes a resident grid from the device's occupancy (queried once per
+//! kernel and block), takes the backward's scratch from the stream's workspace
+//! (gpu/workspace.rs), and queues the kernels. Shapes were checked by the op (`crate::layer_norm`), which also ordered the
 //! tensors' memory for `gpu.stream` (gpu/storage.rs). The scratch is used on `gpu.stream`
 //! alone, so stream order is all it needs: it is plain cudarc slices, with no record.
 
@@ -14,7 +14,7 @@ use super::launch::{self, Backward, Forward, Launch, Sums, Team};
 use super::module::Kernel;
 use crate::element::{Element, Weight, pair_of};
 use crate::error::Result;
-use crate::plan::{Pass, Plan, TYPE_PAIRS, Variant, plan_rows};
+use crate::plan::{Grid, Pass, Plan, TYPE_PAIRS, Variant, plan_rows};
 
 /// The team of a planned kernel.
 fn team_of(plan: &Plan) -> Team {
@@ -35,14 +35,18 @@ fn shape(plan: &Plan) -> Launch {
     }
 }
 
-/// A persistent grid of `plan`'s blocks: as many as the device runs at once, and no more
-/// than the rows need; teams loop over the rows.
-fn resident(gpu: &Gpu, kernel: &Kernel, rows: u32, plan: &Plan) -> Result<Launch> {
+/// `plan`'s grid of blocks ([`Grid`]): a team for every row, or as many blocks as the
+/// device runs at once and no more than the rows need, whose teams loop over the rows.
+fn grid(gpu: &Gpu, kernel: &Kernel, rows: u32, plan: &Plan) -> Result<Launch> {
     let shape = shape(plan);
-    let per_sm = kernel.blocks_per_sm(plan.threads * plan.stacked, plan.smem)?;
-    let blocks = (gpu.sm_count * per_sm)
-        .min(rows.div_ceil(shape.teams_per_block(team_of(plan))))
-        .max(1);
+    let every_row = rows.div_ceil(shape.teams_per_block(team_of(plan))).max(1);
+    let blocks = match plan.grid {
+        Grid::EveryRow => every_row,
+        Grid::Resident => {
+            let per_sm = kernel.blocks_per_sm(plan.threads * plan.stacked, plan.smem)?;
+            (gpu.sm_count * per_sm).min(every_row).max(1)
+        }
+    };
     Ok(Launch { blocks, ..shape })
 }
 
@@ -77,7 +81,7 @@ pub(crate) fn forward<T: Element, W: Weight<T>, R: Element>(
         plan_rows::<R>(a.norm, types, a.rows, a.n, pass, a.packed, limits)?
     };
     let kernel = gpu.kernels.of_pair(a.norm, pair)?.any(plan.variant);
-    let launch = resident(gpu, kernel, a.rows, &plan)?;
+    let launch = grid(gpu, kernel, a.rows, &plan)?;
     launch::forward(gpu, kernel, launch, a)
 }
 
@@ -147,10 +151,10 @@ pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
         };
         (launch, clusters, false)
     } else if matches!(plan.variant, Variant::BwdHeldWarp | Variant::BwdHeldBlock) {
-        let launch = balanced(resident(gpu, kernel, rows, &plan)?, rows, team);
+        let launch = balanced(grid(gpu, kernel, rows, &plan)?, rows, team);
         (launch, launch.blocks, false)
     } else {
-        let launch = resident(gpu, kernel, rows, &plan)?;
+        let launch = grid(gpu, kernel, rows, &plan)?;
         (launch, launch.blocks, !plan.local)
     };
     // Every unit writes every column of its partial row; in locked mode, every group gets a
