@@ -16,7 +16,7 @@ pub(crate) struct Gpu {
     pub(crate) kernels: Arc<KernelTable>,
     pub(crate) name: String,
     pub(crate) ordinal: usize,
-    /// Multiprocessors: persistent grids are sized from this.
+    /// Multiprocessors: resident grids are sized from this.
     pub(crate) sm_count: u32,
     /// The backward's scratch on this handle's stream, kept between calls.
     pub(crate) workspace: Mutex<Workspace>,
