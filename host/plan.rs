@@ -288,9 +288,10 @@ impl<T: Element> Planner<T> {
 
     /// The plain forward's grid: a team for every row for pipelined block teams of 256
     /// ranks, or of 512 that keep their next row in registers, on sm_90 (H200, docs/PERF.md
-    /// v33: +2 to +5% at f16 and bf16 N = 8192, f32 4096 and 8192). At 64 registers a
-    /// multiprocessor runs 1024 threads, which such blocks fill whole (4 or 2 of them), so
-    /// a block that starts as another ends keeps it full without a second row in flight.
+    /// v33: LayerNorm +2 to +5% at f16 and bf16 N = 8192, f32 4096 and 8192). At 64
+    /// registers a multiprocessor runs 1024 threads, which such blocks fill whole (4 or 2 of
+    /// them), so a block that starts as another ends keeps it full without a second row in
+    /// flight.
     /// Other shapes lost that way (up to 17%: teams of 384 ranks, 768 threads a
     /// multiprocessor; of 64 to 128, whose short rows pay a block's start and end; of 512
     /// that stage their next row) or gained under 2.5%, and sm_80 is unmeasured.

@@ -1,8 +1,9 @@
 //! LayerNorm on a CUDA device: takes each launch's kernel, block and kind of grid from
 //! `crate::plan`, sizes a resident grid from the device's occupancy (queried once per
 //! kernel and block), takes the backward's scratch from the stream's workspace
-//! (gpu/workspace.rs), and queues the kernels. Shapes were checked by the op (`crate::layer_norm`), which also ordered the
-//! tensors' memory for `gpu.stream` (gpu/storage.rs). The scratch is used on `gpu.stream`
+//! (gpu/workspace.rs), and queues the kernels. Shapes were checked by the op
+//! (`crate::layer_norm`), which also ordered the tensors' memory for `gpu.stream`
+//! (gpu/storage.rs). The scratch is used on `gpu.stream`
 //! alone, so stream order is all it needs: it is plain cudarc slices, with no record.
 
 use std::sync::PoisonError;
