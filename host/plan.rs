@@ -16,10 +16,11 @@
 //!   fit a multiprocessor up to N = 12288, and rows up to N = 24576 fit); the others the
 //!   general one, which holds rows of up to 8 packs a thread and stages longer aligned rows
 //!   in shared memory where it has room. With a residual add, the residual kernels, chosen
-//!   by the same rules (staging takes room for the residual's packs too). The plain
-//!   forward's pipelined block teams of 256 ranks, or 512 that hold their next row, take a
-//!   block for every row on sm_90 ([`Grid::EveryRow`]); every other launch a resident grid
-//!   whose teams loop over the rows.
+//!   by the same rules (staging takes room for the residual's packs too). On sm_90 some
+//!   block teams take a block for every row ([`Grid::EveryRow`]): the plain forward's
+//!   pipelined teams of 256 ranks, or 512 that hold their next row; the residual forward's
+//!   pipelined teams of 256 ranks, and its teams of 512 over f32 x that hold their row.
+//!   Every other launch takes a resident grid whose teams loop over the rows.
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
@@ -308,14 +309,43 @@ impl<T: Element> Planner<T> {
     /// The residual add's kernels, chosen as the plain forward's: their staging takes room
     /// for the residual's packs beside x's.
     fn forward_residual(&self) -> Plan {
-        self.forward_of(
+        let plan = self.forward_of(
             (Variant::FwdResidualWarp, Variant::FwdResidualBlock),
             (
                 Variant::FwdResidualPipelinedWarp,
                 Variant::FwdResidualPipelinedBlock,
             ),
             2,
-        )
+        );
+        Plan {
+            grid: self.forward_residual_grid(&plan),
+            ..plan
+        }
+    }
+
+    /// The residual forward's grid: a team for every row, on sm_90, for pipelined block
+    /// teams of 256 ranks, and, where x itself is f32, for block teams of 512 ranks that
+    /// hold their row (pipelined, or the general kernel's held rows: f32 N = 8193-16384)
+    /// (H200, docs/PERF.md v34: +3.7 to +4.5% at f16 N = 8192 and f32 4096, +0.2 to +6.3%
+    /// over f32 8192-16384). These kernels take up to 128 registers, so a multiprocessor
+    /// runs 16 of their warps (4 on each of its quarters), which such blocks fill whole.
+    /// Teams of 288-480 ranks, one block a multiprocessor, lost up to 25% that way, 16-bit
+    /// rows on 512 ranks (the stream in f32 included) gained or lost 2-6%, and teams of
+    /// 64-224 ranks lost up to 8% or gained under 1.3%.
+    fn forward_residual_grid(&self, plan: &Plan) -> Grid {
+        let f32_x = DTYPE_BYTES[self.pair.x] == 4;
+        let every_row = match plan.variant {
+            Variant::FwdResidualPipelinedBlock => plan.threads == 256 || (f32_x && plan.threads == 512),
+            Variant::FwdResidualBlock => {
+                f32_x && plan.threads == 512 && self.aligned && self.fits(self.n, 512, FWD_HELD)
+            }
+            _ => false,
+        };
+        if self.limits.arch == Arch::Sm90 && every_row {
+            Grid::EveryRow
+        } else {
+            Grid::Resident
+        }
     }
 
     /// A forward among its (warp, block) `general` kernels and its `pipelined` ones: rows

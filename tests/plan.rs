@@ -264,9 +264,51 @@ fn forward_grid_every_row_where_measured_faster() {
     // sm_80, unmeasured there, and the other passes keep the resident grid.
     let p = plan::<f16, f16>(Norm::Layer, MANY, 8192, Pass::Forward, true, DeviceLimits::A100).unwrap();
     assert_eq!(shape(p), (block, 256, Grid::Resident));
-    for pass in [Pass::ForwardResidual, Pass::Backward] {
-        let p = plan::<f32, f32>(Norm::Layer, MANY, 4096, pass, true, h).unwrap();
-        assert_eq!(p.grid, Grid::Resident);
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 4096, Pass::Backward, true, h).unwrap();
+    assert_eq!(p.grid, Grid::Resident);
+}
+
+/// The residual forward's grid (docs/PERF.md v34): a block for every row for pipelined
+/// teams of 256 ranks, and for teams of 512 over f32 x that hold their row; resident for
+/// the team sizes that lost that way, 16-bit x on 512 ranks, staged f32 rows, unaligned
+/// rows and sm_80.
+#[test]
+fn residual_forward_grid_every_row_where_measured_faster() {
+    let h = DeviceLimits::H100;
+    let res = Pass::ForwardResidual;
+    let f16 = |norm, n| plan::<f16, f16>(norm, MANY, n, res, true, h).unwrap();
+    let f32 = |norm, n| plan::<f32, f32>(norm, MANY, n, res, true, h).unwrap();
+    let stream = |norm, n| plan_f32_stream::<bf16, bf16>(norm, MANY, n, res, true, h).unwrap();
+    let shape = |p: Plan| (p.variant, p.threads, p.grid);
+    let (pipelined, general) = (Variant::FwdResidualPipelinedBlock, Variant::FwdResidualBlock);
+    for norm in [Norm::Layer, Norm::Rms] {
+        // 256 ranks, whatever the types (the stream in f32: rows of f32 s).
+        for p in [f16(norm, 8192), f32(norm, 4096), stream(norm, 4096)] {
+            assert_eq!(shape(p), (pipelined, 256, Grid::EveryRow));
+        }
+        // 512 ranks over f32 x: pipelined at 8192, the general kernel's held rows beyond.
+        assert_eq!(shape(f32(norm, 8192)), (pipelined, 512, Grid::EveryRow));
+        for n in [8200, 12288, 16384] {
+            assert_eq!(shape(f32(norm, n)), (general, 512, Grid::EveryRow));
+        }
+        // 16-bit x on 512 ranks (f16 15872, the stream in f32 at 8192 and 12288), f32
+        // rows staged (32768), other team sizes: resident.
+        assert_eq!(shape(f16(norm, 15872)), (pipelined, 512, Grid::Resident));
+        assert_eq!(shape(stream(norm, 8192)), (pipelined, 512, Grid::Resident));
+        assert_eq!(shape(stream(norm, 12288)), (general, 512, Grid::Resident));
+        assert_eq!(shape(f32(norm, 32768)), (general, 512, Grid::Resident));
+        assert_eq!(shape(f16(norm, 4096)), (pipelined, 128, Grid::Resident));
+        assert_eq!(shape(f16(norm, 12288)), (pipelined, 384, Grid::Resident));
+        assert_eq!(shape(f32(norm, 6144)), (pipelined, 384, Grid::Resident));
+        assert_eq!(
+            shape(f16(norm, 1024)),
+            (Variant::FwdResidualPipelinedWarp, 256, Grid::Resident)
+        );
+        // Unaligned rows, and sm_80 (unmeasured there).
+        let p = plan::<f32, f32>(norm, MANY, 12288, res, false, h).unwrap();
+        assert_eq!(shape(p), (general, 512, Grid::Resident));
+        let p = plan::<f32, f32>(norm, MANY, 4096, res, true, DeviceLimits::A100).unwrap();
+        assert_eq!(shape(p), (pipelined, 256, Grid::Resident));
     }
 }
 

@@ -290,6 +290,23 @@ fn gpu_residual_long_rows_match_the_reference() {
     }
 }
 
+/// A block for every row (`plan::Grid::EveryRow`, sm_90): the residual forward's pipelined
+/// teams of 256 ranks (f16 N = 8192, f32 4096, and bf16 4096 with the stream in f32) and
+/// its f32 teams of 512 holding their row (pipelined at 8192, the general kernel at 12288),
+/// each block one row, both norms, the backward after them.
+#[test]
+fn gpu_residual_grid_of_every_row() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let mode = BackwardMode::Deterministic;
+    for (norm, seed) in [(Norm::Layer, 1100), (Norm::Rms, 1110)] {
+        check::<f16, f16>(&gpu, norm, mode, 300, 8192, seed);
+        check::<f32, f32>(&gpu, norm, mode, 301, 4096, seed + 1);
+        check::<f32, f32>(&gpu, norm, mode, 302, 8192, seed + 2);
+        check::<f32, f32>(&gpu, norm, mode, 303, 12288, seed + 3);
+        check_f32_stream::<bf16, bf16>(&gpu, norm, mode, 304, 4096, seed + 4);
+    }
+}
+
 /// CPU and GPU agree on s to the bit (the same f32 sum, rounded once), and the GPU's y is
 /// the CPU's within the dtype's rounding.
 #[test]
