@@ -199,13 +199,15 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
         (Variant::FwdPipelinedBlock, 512, 512)
     );
     // 3072 packs of f32: 512 ranks of 6 (two teams a multiprocessor, where 768 ranks of 4
-    // fit one), each with 6 slots; RMSNorm's stay 768 ranks of 4, in registers.
+    // fit one), each with 6 slots; RMSNorm's stay 768 ranks of 4, in registers (on sm_80;
+    // on sm_90 the general kernel takes them, `rms_long_rows_every_row_on_the_general_kernel`).
     let p = plan::<f32, f32>(Norm::Layer, MANY, 12288, Pass::Forward, true, h).unwrap();
     assert_eq!(
         (p.variant, p.threads, p.smem),
         (Variant::FwdPipelinedBlock, 512, 512 + 512 * 6 * 16)
     );
-    let p = plan::<f32, f32>(Norm::Rms, MANY, 12288, Pass::Forward, true, h).unwrap();
+    let a100 = DeviceLimits::A100;
+    let p = plan::<f32, f32>(Norm::Rms, MANY, 12288, Pass::Forward, true, a100).unwrap();
     assert_eq!(
         (p.variant, p.threads, p.smem),
         (Variant::FwdPipelinedBlock, 768, 512)
@@ -221,6 +223,41 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
     // Warp rows keep theirs in registers too.
     let p = plan::<f16, f16>(Norm::Layer, MANY, 1024, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.smem), (Variant::FwdPipelinedWarp, 512));
+}
+
+/// RMSNorm's rows of 2049 to 8192 packs, weights of x's type, take the general kernel at 8
+/// packs a rank with a block for every row on sm_90 (docs/PERF.md v35); shorter and longer
+/// rows, f32 weights beside 16-bit x, few rows, unaligned rows, sm_80 and LayerNorm do not.
+#[test]
+fn rms_long_rows_every_row_on_the_general_kernel() {
+    let h = DeviceLimits::H100;
+    let rms = |n| plan::<f32, f32>(Norm::Rms, MANY, n, Pass::Forward, true, h).unwrap();
+    let rms16 = |n| plan::<bf16, bf16>(Norm::Rms, MANY, n, Pass::Forward, true, h).unwrap();
+    let shape = |p: Plan| (p.variant, p.threads, p.smem, p.grid);
+    let every_row = |threads| (Variant::FwdBlock, threads, 512, Grid::EveryRow);
+    // f32: 2049 packs (N = 8196) on 288 ranks, 3072 on 384, 8192 (32768) on 1024.
+    assert_eq!(shape(rms(8196)), every_row(288));
+    assert_eq!(shape(rms(12288)), every_row(384));
+    assert_eq!(shape(rms(32768)), every_row(1024));
+    // 16-bit: 2560 packs (N = 20480) on 320 ranks, 8192 (65536) on 1024.
+    assert_eq!(shape(rms16(20480)), every_row(320));
+    assert_eq!(shape(rms16(65536)), every_row(1024));
+    // 2048 packs and fewer: the pipelined block (f32 8192 and f16 16384 on 512 ranks).
+    assert_eq!(shape(rms(8192)).0, Variant::FwdPipelinedBlock);
+    assert_eq!(shape(rms16(16384)).0, Variant::FwdPipelinedBlock);
+    // Past 8192 packs: resident (f32 N = 32772 stages on 1024 ranks).
+    assert_eq!(shape(rms(32772)).3, Grid::Resident);
+    // f32 weights, few rows, unaligned rows, sm_80, LayerNorm: as before.
+    let p = plan::<bf16, f32>(Norm::Rms, MANY, 32768, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.grid), (Variant::FwdPipelinedBlock, Grid::Resident));
+    let p = plan::<f32, f32>(Norm::Rms, 8, 12288, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedBlock, 1024));
+    let p = plan::<f32, f32>(Norm::Rms, MANY, 12288, Pass::Forward, false, h).unwrap();
+    assert_eq!(p.grid, Grid::Resident);
+    let p = plan::<f32, f32>(Norm::Rms, MANY, 12288, Pass::Forward, true, DeviceLimits::A100).unwrap();
+    assert_eq!((p.variant, p.grid), (Variant::FwdPipelinedBlock, Grid::Resident));
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 12288, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.grid), (Variant::FwdPipelinedBlock, Grid::Resident));
 }
 
 /// The plain forward on sm_90 launches a block for every row where its pipelined block

@@ -126,6 +126,11 @@ fn gpu_rms_norm_matches_reference() {
     // A forward block for every row (`plan::Grid::EveryRow`): 256 and 512 ranks.
     check::<f16>(&gpu, BackwardMode::Deterministic, 200, 8192, 4402);
     check::<f32>(&gpu, BackwardMode::Deterministic, 201, 8192, 4403);
+    // Rows of 2049-8192 packs: the general kernel at 8 packs a rank, a block for every row
+    // (f16 32768 above too): 384, 320 and 1024 ranks.
+    check::<f32>(&gpu, BackwardMode::Deterministic, 202, 12288, 4404);
+    check::<bf16>(&gpu, BackwardMode::Deterministic, 203, 20480, 4405);
+    check::<f32>(&gpu, BackwardMode::Deterministic, 204, 32768, 4406);
 }
 
 /// Without weight, on a `[2, 3, n]` input: y = x * rstd row by row, the output keeps the
