@@ -20,8 +20,8 @@
 //!   block teams take a block for every row ([`Grid::EveryRow`]): the plain forward's
 //!   pipelined teams of 256 ranks, or 512 that hold their next row; the residual forward's
 //!   pipelined teams of 256 ranks, and its teams of 512 over f32 x that hold their row;
-//!   RMSNorm's rows of 2049 to 8192 packs, which take the general kernel at 8 packs a rank
-//!   there. Every other launch takes a resident grid whose teams loop over the rows.
+//!   RMSNorm's 16-bit rows of 2049 to 8192 packs, and its f32 rows of as many that a team
+//!   of 512 or 1024 ranks holds at 8 packs a rank, which take the general kernel there. Every other launch takes a resident grid whose teams loop over the rows.
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
@@ -291,23 +291,26 @@ impl<T: Element> Planner<T> {
         }
     }
 
-    /// RMSNorm's forward over rows of 2049 to 8192 packs (f32 N = 8196-32768, f16 and bf16
-    /// 16392-65536), weights of x's type, on sm_90: the general kernel's held rows at 8
+    /// RMSNorm's forward over rows of 2049 to 8192 packs (16-bit N = 16392-65536, f32
+    /// 8196-32768), weights of x's type, on sm_90: the general kernel's held rows at 8
     /// packs a rank, a block for every row, rather than the pipelined block (up to 4096
-    /// packs) or a resident grid of 1024-rank teams (H200, docs/PERF.md v35: +2.1 to +5.0%
-    /// at f16 N = 20480-32768, +1.5 to +3.8% at most f32 N of 9216-32768, -3.0% at 11264).
-    /// Its teams of 288-1024 ranks at 64 registers run 1-3 blocks a multiprocessor, each
-    /// block one row. Shorter rows lost that way (-1.5 to -3.8% at f16 N = 8192 and
-    /// 15872-16384, f32 8192), and so did LayerNorm's (which stage their next row).
+    /// packs) or a resident grid of 1024-rank teams. 16-bit rows take it at any such length
+    /// (H200, docs/PERF.md v35: +2.1 to +5.0% at N = 20480-65536); f32 rows where the team
+    /// has 512 or 1024 ranks, whose blocks (64 registers) fill a multiprocessor's 1024
+    /// threads (+2.7 to +3.0% at N = 15872, 16384 and 32768): f32 teams of 352-768 ranks
+    /// lost 0.8-3.7% that way. Rows of 2048 packs or fewer gained nothing (f16 15872 and
+    /// 16384, f32 8192), and LayerNorm's, which stage their next row, lost.
     fn rms_long_rows(&self) -> Option<Plan> {
         let packs = self.n / pack_len::<T>();
+        let threads = self.block_threads(Variant::FwdBlock, self.n, FWD_HELD);
+        let fills = size_of::<T>() == 2 || threads == 512 || threads == 1024;
         let takes = self.norm == Norm::Rms
             && self.limits.arch == Arch::Sm90
             && self.aligned
             && !self.few_rows
             && self.pair.weights == self.pair.x
-            && (2049..=8192).contains(&packs);
-        let threads = self.block_threads(Variant::FwdBlock, self.n, FWD_HELD);
+            && (2049..=8192).contains(&packs)
+            && fills;
         (takes && self.fits(self.n, threads, FWD_HELD)).then_some(Plan {
             variant: Variant::FwdBlock,
             threads,

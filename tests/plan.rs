@@ -199,15 +199,13 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
         (Variant::FwdPipelinedBlock, 512, 512)
     );
     // 3072 packs of f32: 512 ranks of 6 (two teams a multiprocessor, where 768 ranks of 4
-    // fit one), each with 6 slots; RMSNorm's stay 768 ranks of 4, in registers (on sm_80;
-    // on sm_90 the general kernel takes them, `rms_long_rows_every_row_on_the_general_kernel`).
+    // fit one), each with 6 slots; RMSNorm's stay 768 ranks of 4, in registers.
     let p = plan::<f32, f32>(Norm::Layer, MANY, 12288, Pass::Forward, true, h).unwrap();
     assert_eq!(
         (p.variant, p.threads, p.smem),
         (Variant::FwdPipelinedBlock, 512, 512 + 512 * 6 * 16)
     );
-    let a100 = DeviceLimits::A100;
-    let p = plan::<f32, f32>(Norm::Rms, MANY, 12288, Pass::Forward, true, a100).unwrap();
+    let p = plan::<f32, f32>(Norm::Rms, MANY, 12288, Pass::Forward, true, h).unwrap();
     assert_eq!(
         (p.variant, p.threads, p.smem),
         (Variant::FwdPipelinedBlock, 768, 512)
@@ -225,8 +223,9 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
     assert_eq!((p.variant, p.smem), (Variant::FwdPipelinedWarp, 512));
 }
 
-/// RMSNorm's rows of 2049 to 8192 packs, weights of x's type, take the general kernel at 8
-/// packs a rank with a block for every row on sm_90 (docs/PERF.md v35); shorter and longer
+/// RMSNorm's 16-bit rows of 2049 to 8192 packs, and its f32 rows of as many on teams of 512
+/// or 1024 ranks at 8 packs a rank, weights of x's type, take the general kernel with a
+/// block for every row on sm_90 (docs/PERF.md v35); other team sizes, shorter and longer
 /// rows, f32 weights beside 16-bit x, few rows, unaligned rows, sm_80 and LayerNorm do not.
 #[test]
 fn rms_long_rows_every_row_on_the_general_kernel() {
@@ -235,13 +234,23 @@ fn rms_long_rows_every_row_on_the_general_kernel() {
     let rms16 = |n| plan::<bf16, bf16>(Norm::Rms, MANY, n, Pass::Forward, true, h).unwrap();
     let shape = |p: Plan| (p.variant, p.threads, p.smem, p.grid);
     let every_row = |threads| (Variant::FwdBlock, threads, 512, Grid::EveryRow);
-    // f32: 2049 packs (N = 8196) on 288 ranks, 3072 on 384, 8192 (32768) on 1024.
-    assert_eq!(shape(rms(8196)), every_row(288));
-    assert_eq!(shape(rms(12288)), every_row(384));
-    assert_eq!(shape(rms(32768)), every_row(1024));
-    // 16-bit: 2560 packs (N = 20480) on 320 ranks, 8192 (65536) on 1024.
+    // 16-bit: 2049 packs (N = 16392) on 288 ranks, 2560 (20480) on 320, 8192 (65536) on
+    // 1024.
+    assert_eq!(shape(rms16(16392)), every_row(288));
     assert_eq!(shape(rms16(20480)), every_row(320));
     assert_eq!(shape(rms16(65536)), every_row(1024));
+    // f32: 3968 packs (N = 15872) and 4096 on 512 ranks, 8192 (32768) on 1024.
+    assert_eq!(shape(rms(15872)), every_row(512));
+    assert_eq!(shape(rms(16384)), every_row(512));
+    assert_eq!(shape(rms(32768)), every_row(1024));
+    // f32 teams of other sizes keep their launch: 2304 packs (N = 9216, 288 ranks) and
+    // 3072 (12288, 384) the pipelined block, 6144 (24576, 768) the general one resident.
+    assert_eq!(shape(rms(9216)).0, Variant::FwdPipelinedBlock);
+    assert_eq!(
+        shape(rms(12288)),
+        (Variant::FwdPipelinedBlock, 768, 512, Grid::Resident)
+    );
+    assert_eq!(shape(rms(24576)).3, Grid::Resident);
     // 2048 packs and fewer: the pipelined block (f32 8192 and f16 16384 on 512 ranks).
     assert_eq!(shape(rms(8192)).0, Variant::FwdPipelinedBlock);
     assert_eq!(shape(rms16(16384)).0, Variant::FwdPipelinedBlock);
@@ -250,13 +259,13 @@ fn rms_long_rows_every_row_on_the_general_kernel() {
     // f32 weights, few rows, unaligned rows, sm_80, LayerNorm: as before.
     let p = plan::<bf16, f32>(Norm::Rms, MANY, 32768, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.grid), (Variant::FwdPipelinedBlock, Grid::Resident));
-    let p = plan::<f32, f32>(Norm::Rms, 8, 12288, Pass::Forward, true, h).unwrap();
+    let p = plan::<f32, f32>(Norm::Rms, 8, 16384, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedBlock, 1024));
-    let p = plan::<f32, f32>(Norm::Rms, MANY, 12288, Pass::Forward, false, h).unwrap();
+    let p = plan::<f32, f32>(Norm::Rms, MANY, 16384, Pass::Forward, false, h).unwrap();
     assert_eq!(p.grid, Grid::Resident);
-    let p = plan::<f32, f32>(Norm::Rms, MANY, 12288, Pass::Forward, true, DeviceLimits::A100).unwrap();
+    let p = plan::<f32, f32>(Norm::Rms, MANY, 16384, Pass::Forward, true, DeviceLimits::A100).unwrap();
     assert_eq!((p.variant, p.grid), (Variant::FwdPipelinedBlock, Grid::Resident));
-    let p = plan::<f32, f32>(Norm::Layer, MANY, 12288, Pass::Forward, true, h).unwrap();
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 16384, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.grid), (Variant::FwdPipelinedBlock, Grid::Resident));
 }
 
