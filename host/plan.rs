@@ -21,7 +21,8 @@
 //!   pipelined teams of 256 ranks, or 512 that hold their next row; the residual forward's
 //!   pipelined teams of 256 ranks, and its teams of 512 over f32 x that hold their row;
 //!   RMSNorm's 16-bit rows of 2049 to 8192 packs, and its f32 rows of as many that a team
-//!   of 512 or 1024 ranks holds at 8 packs a rank, which take the general kernel there. Every other launch takes a resident grid whose teams loop over the rows.
+//!   of 512 or 1024 ranks holds at 8 packs a rank, which take the general kernel there.
+//!   Every other launch takes a resident grid whose teams loop over the rows.
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
@@ -333,7 +334,13 @@ impl<T: Element> Planner<T> {
     fn forward_grid(&self, plan: &Plan) -> Grid {
         let staged = pipeline_stages(self.norm, size_of::<T>(), self.n / pack_len::<T>());
         let fills = plan.threads == 256 || (plan.threads == 512 && !staged);
-        if self.limits.arch == Arch::Sm90 && plan.variant == Variant::FwdPipelinedBlock && fills {
+        self.every_row_on_sm90(plan.variant == Variant::FwdPipelinedBlock && fills)
+    }
+
+    /// A team for every row where `measured_faster` on sm_90, the only architecture the
+    /// grids were measured on; else the resident grid.
+    fn every_row_on_sm90(&self, measured_faster: bool) -> Grid {
+        if self.limits.arch == Arch::Sm90 && measured_faster {
             Grid::EveryRow
         } else {
             Grid::Resident
@@ -359,7 +366,7 @@ impl<T: Element> Planner<T> {
 
     /// The residual forward's grid: a team for every row, on sm_90, for pipelined block
     /// teams of 256 ranks, and, where x itself is f32, for block teams of 512 ranks that
-    /// hold their row (pipelined, or the general kernel's held rows: f32 N = 8193-16384)
+    /// hold their row (pipelined, or the general kernel's held rows: f32 N = 8196-16384)
     /// (H200, docs/PERF.md v34: +3.7 to +4.5% at f16 N = 8192 and f32 4096, +0.2 to +6.3%
     /// over f32 8192-16384). These kernels take up to 128 registers, so a multiprocessor
     /// runs 16 of their warps (4 on each of its quarters), which such blocks fill whole.
@@ -375,11 +382,7 @@ impl<T: Element> Planner<T> {
             }
             _ => false,
         };
-        if self.limits.arch == Arch::Sm90 && every_row {
-            Grid::EveryRow
-        } else {
-            Grid::Resident
-        }
+        self.every_row_on_sm90(every_row)
     }
 
     /// A forward among its (warp, block) `general` kernels and its `pipelined` ones: rows
