@@ -6,7 +6,7 @@
 
 use crate::layout::params::{self, BackwardRows, In, KernelParams, Out, Partials, Reduce};
 use cudarc::driver::{
-    CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
+    CudaView, CudaViewMut, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop, sys,
 };
 
 use super::Gpu;
@@ -542,10 +542,66 @@ pub(crate) fn backward_reduce<W: Element>(
         rows,
         n,
     });
-    let mut b = gpu.stream.launch_builder(f.func());
-    b.arg(&p);
     // SAFETY: `layer_norm_bwd_reduce_<W>` in kernels-gpu/src/backward/mod.rs takes one
-    // `Reduce`, and every buffer holds what the kernel indexes.
-    unsafe { b.launch(cfg) }.during("launching backward stage 2")?;
-    Ok(())
+    // `Reduce`, every buffer holds what the kernel indexes, and the kernel waits for stage
+    // 1 (`griddepcontrol.wait`) before its first access to memory.
+    unsafe { launch_dependent(gpu, f, cfg, &p) }.during("launching backward stage 2")
+}
+
+/// Queues `f`, whose one parameter is `p`, as the programmatic dependent of the kernel
+/// queued before it on the stream, where the device and driver allow it
+/// (`Gpu::kernels.dependent_launch`), else as a plain launch. A dependent's blocks may
+/// start once every block of the kernel before it has run `griddepcontrol.launch_dependents`
+/// (stage 1 does, first thing): its launch then overlaps that kernel's last rows rather
+/// than following its end. A kernel before it that gives no such signal lets it start as
+/// its blocks end.
+///
+/// # Safety
+/// `f` takes exactly one `P`; `config` gives it the grid and shared memory it indexes; it
+/// runs `griddepcontrol.wait` before any access to global memory.
+unsafe fn launch_dependent<P: KernelParams>(
+    gpu: &Gpu,
+    f: &Kernel,
+    config: LaunchConfig,
+    p: &ByValue<P>,
+) -> std::result::Result<(), cudarc::driver::DriverError> {
+    if !gpu.kernels.dependent_launch {
+        let mut b = gpu.stream.launch_builder(f.func());
+        b.arg(p);
+        // SAFETY: the caller's guarantee.
+        return unsafe { b.launch(config) }.map(|_| ());
+    }
+    gpu.stream.context().bind_to_thread()?;
+    let mut value = sys::CUlaunchAttributeValue { pad: [0; 64] };
+    value.programmaticStreamSerializationAllowed = 1;
+    let mut attribute = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value,
+    };
+    let launch = sys::CUlaunchConfig {
+        gridDimX: config.grid_dim.0,
+        gridDimY: config.grid_dim.1,
+        gridDimZ: config.grid_dim.2,
+        blockDimX: config.block_dim.0,
+        blockDimY: config.block_dim.1,
+        blockDimZ: config.block_dim.2,
+        sharedMemBytes: config.shared_mem_bytes,
+        hStream: gpu.stream.cu_stream(),
+        attrs: &mut attribute,
+        numAttrs: 1,
+    };
+    // The driver reads the parameter's bytes through this pointer during the call.
+    let mut params = [p as *const ByValue<P> as *mut std::ffi::c_void];
+    // SAFETY: `launch` and `params` outlive the call, which copies them; `f` belongs to the
+    // stream's context (bound above); the kernel's side is the caller's guarantee.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &launch,
+            f.func().cu_function(),
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()
 }

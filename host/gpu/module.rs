@@ -7,7 +7,7 @@
 
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig};
 use cudarc::nvrtc::Ptx;
 
@@ -117,6 +117,24 @@ pub(crate) struct KernelTable {
     /// What the planner needs of this device: its module, the dynamic shared memory a
     /// block may have (the opt-in maximum), and its multiprocessors.
     pub(crate) limits: DeviceLimits,
+    /// Stage 2 launches as stage 1's programmatic dependent (gpu/launch.rs,
+    /// `launch_dependent`): sm_90 (whose PTX has `griddepcontrol`) under a driver of CUDA
+    /// 12.3 or later (the first whose graph capture takes such launches).
+    pub(crate) dependent_launch: bool,
+}
+
+/// The first driver version (CUDA 12.3) whose stream capture takes programmatic dependent
+/// launches.
+const DEPENDENT_LAUNCH_DRIVER: i32 = 12030;
+
+/// The installed driver's CUDA version, as 1000 * major + 10 * minor.
+fn driver_version() -> Result<i32> {
+    let mut version = 0;
+    // SAFETY: the driver writes one int through the pointer, which outlives the call.
+    unsafe { sys::cuDriverGetVersion(&mut version) }
+        .result()
+        .during("reading the driver version")?;
+    Ok(version)
 }
 
 /// One loaded module's kernels, by variant (`Variant::ALL` order); None where the device's
@@ -134,6 +152,7 @@ impl KernelTable {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .during("reading the shared memory limit")? as u32;
         let arch = if major >= 9 { Arch::Sm90 } else { Arch::Sm80 };
+        let dependent_launch = arch == Arch::Sm90 && driver_version()? >= DEPENDENT_LAUNCH_DRIVER;
         Ok(KernelTable {
             ctx: ctx.clone(),
             modules: Default::default(),
@@ -143,6 +162,7 @@ impl KernelTable {
                 max_smem,
                 sm_count,
             },
+            dependent_launch,
         })
     }
 

@@ -53,6 +53,34 @@ pub fn grid_dim() -> u32 {
     unsafe { nvptx::_grid_dim_x() as u32 }
 }
 
+/// Lets the stream's next kernel, where the host launched it as this one's programmatic
+/// dependent (stage 2 after stage 1, sm_90), start its blocks as this grid's blocks reach
+/// here rather than after the last of them ends (`griddepcontrol.launch_dependents`): its
+/// launch overlaps this grid's work. It orders no memory: the dependent reads nothing of
+/// this grid's before [`wait_for_prerequisite_grid`]. Nothing on sm_80, which has no such
+/// launch.
+#[inline(always)]
+pub fn allow_dependent_launch() {
+    #[cfg(layernorm_sm90)]
+    // SAFETY: a scheduling hint; it touches no memory and is valid in any thread.
+    unsafe {
+        asm!("griddepcontrol.launch_dependents;", options(nostack, nomem))
+    }
+}
+
+/// Waits until the grid this one was launched as a programmatic dependent of has ended and
+/// its memory writes are visible (`griddepcontrol.wait`); returns at once for a grid
+/// launched without that attribute. Kernels launched that way call it before they touch
+/// global memory. Nothing on sm_80.
+#[inline(always)]
+pub fn wait_for_prerequisite_grid() {
+    #[cfg(layernorm_sm90)]
+    // SAFETY: a wait; no `nomem`, so the compiler keeps every memory access after it.
+    unsafe {
+        asm!("griddepcontrol.wait;", options(nostack))
+    }
+}
+
 /// Block-wide barrier (`bar.sync 0`). Every thread of the block must reach it; global and
 /// shared memory writes made before it are visible to the block's threads after it.
 #[inline(always)]

@@ -62,7 +62,10 @@
 //!   In locked mode with G groups (by default 256 for n <= 1024, 128 to 4096, 96 to 8192,
 //!   64 beyond, the tutorial's counts; never more than the blocks or clusters).
 //! - stage 2, both modes: `layer_norm_bwd_reduce_<W>` ([`stage2`]), W the type of the
-//!   weights and their gradients.
+//!   weights and their gradients. On sm_90 the host launches it as stage 1's programmatic
+//!   dependent: every stage 1 lets it launch from its first instruction, and it waits for
+//!   stage 1's end and writes before its first load, so its launch and the start of its
+//!   blocks overlap stage 1's last rows instead of following them.
 //!
 //! The general kernels (owned, `cluster8`) take each row as its pointers and length
 //! allow (`streamed::backward_row_any`): x and dy held in registers where the row is aligned and
@@ -313,6 +316,7 @@ macro_rules! backward_kernels {
         /// Launched by the host with buffers of the documented sizes.
         #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
         pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w, $x>, out: Partials, local: u32) {
+            device::allow_dependent_launch();
             let out = Destination::of(out, p.n, 0, device::block_idx(), 1, 0);
             let r = Rows::of(p, $centered);
             // SAFETY: the host sizes every buffer as `stage1_owned` requires.
@@ -328,6 +332,7 @@ macro_rules! backward_kernels {
         /// Launched by the host with buffers of the documented sizes, on rows that hold.
         #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
         pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w, $x>, out: Partials) {
+            device::allow_dependent_launch();
             let out = Destination::of(out, p.n, 0, device::block_idx(), 1, 0);
             let r = Rows::of(p, $centered);
             // SAFETY: the host launches this kernel only as `stage1_held` requires.
@@ -346,6 +351,8 @@ macro_rules! reduce_kernel {
         /// Launched by the host with buffers of the documented sizes.
         #[unsafe(no_mangle)]
         pub unsafe extern "ptx-kernel" fn $reduce(p: Reduce<$t>) {
+            // Stage 1's partials: on sm_90 this grid may start while stage 1 runs.
+            device::wait_for_prerequisite_grid();
             let (dgamma, dbeta) = (p.dgamma.ptr(), p.dbeta.ptr());
             // SAFETY: the host sizes every buffer as `stage2` requires.
             unsafe {

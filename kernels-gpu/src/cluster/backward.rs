@@ -122,6 +122,7 @@ macro_rules! cluster_kernels {
         /// takes (`$stage`'s safety section).
         #[unsafe(export_name = concat!($prefix, "_bwd_", stringify!($kind), "_", $types))]
         pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w, $x>, out: Partials) {
+            crate::device::allow_dependent_launch();
             // SAFETY: the host launches this kernel only as `$stage` requires.
             unsafe { $stage::<$x, $t, $w, { $c }>(Rows::of(p, $centered), out) }
         }
