@@ -601,3 +601,84 @@ fn f32_stream_plans() {
         plan_of::<f16, f16>(MANY, 4096, Pass::Forward, DeviceLimits::H100)
     );
 }
+
+/// Each kernel's body in `ptx`, by name: from its `.entry` line to the next.
+fn kernel_bodies(ptx: &str) -> BTreeMap<String, String> {
+    let mut out = BTreeMap::new();
+    let mut current: Option<String> = None;
+    for line in ptx.lines() {
+        if let Some(entry) = line.strip_prefix(".visible .entry ") {
+            current = Some(entry.split('(').next().unwrap().to_string());
+        }
+        if let Some(name) = &current {
+            let body: &mut String = out.entry(name.clone()).or_default();
+            body.push_str(line);
+            body.push('\n');
+        }
+    }
+    out
+}
+
+/// The host launches stage 2 as stage 1's programmatic dependent on sm_90 (gpu/launch.rs,
+/// `launch_dependent`), which is sound only if stage 2 waits for stage 1 before it touches
+/// global memory: in the sm_90 module every stage 2 kernel runs `griddepcontrol.wait` before
+/// its first global load, store or atomic, and every stage 1 kernel signals
+/// (`launch_dependents`), without which stage 2 would start only as stage 1's blocks end.
+/// No forward kernel and nothing in the sm_80 module (which has no such instruction) does
+/// either.
+#[test]
+fn stage2_waits_for_stage1_in_the_sm90_module() {
+    let touches_global = |line: &str| {
+        let op = line.trim_start();
+        [
+            "ld.global",
+            "st.global",
+            "atom.global",
+            "red.global",
+            "cp.async",
+            "ld.volatile.global",
+        ]
+        .iter()
+        .any(|prefix| op.starts_with(prefix))
+    };
+    use layout::registry::Variant as V;
+    for (arch, ptx) in [(Arch::Sm80, SM80), (Arch::Sm90, SM90)] {
+        let bodies = kernel_bodies(ptx);
+        for (norm, v, pair) in layout::registry::kernels(layout_arch(arch)) {
+            let name = layout::registry::KernelName(norm, v, pair).to_string();
+            let body = &bodies[&name];
+            let waits = body.find("griddepcontrol.wait;");
+            let signals = body.contains("griddepcontrol.launch_dependents;");
+            let stage1 = v.cluster() > 1
+                || matches!(
+                    v,
+                    V::BwdOwnedWarp | V::BwdOwnedBlock | V::BwdHeldWarp | V::BwdHeldBlock
+                );
+            match (arch, v) {
+                (Arch::Sm90, V::BwdReduce) => {
+                    let wait = waits.unwrap_or_else(|| panic!("{name} does not wait"));
+                    let (mut at, mut first_global) = (0, None);
+                    for line in body.lines() {
+                        if touches_global(line) {
+                            first_global = Some(line);
+                            break;
+                        }
+                        at += line.len() + 1;
+                    }
+                    let line = first_global.unwrap_or_else(|| panic!("{name}: no global access"));
+                    assert!(
+                        wait < at,
+                        "{name} reaches `{}` before griddepcontrol.wait",
+                        line.trim()
+                    );
+                    assert!(!signals, "{name}");
+                }
+                (Arch::Sm90, _) => {
+                    assert_eq!(signals, stage1, "{name}: launch_dependents");
+                    assert!(waits.is_none(), "{name} waits");
+                }
+                (Arch::Sm80, _) => assert!(!body.contains("griddepcontrol"), "{name}"),
+            }
+        }
+    }
+}
