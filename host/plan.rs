@@ -4,9 +4,10 @@
 //! sm_80 and sm_90 limits). The launch then sizes the grid from the device's occupancy.
 //!
 //! The rules, in order:
-//! - Rows of up to 1024 elements go one warp per row (8 warps a block); longer rows one block
-//!   per row, about 4 packs a thread, or one pack a thread in launches of at most one row a
-//!   multiprocessor (`DeviceLimits::sm_count`). There each multiprocessor has one row and
+//! - Rows of up to 1024 elements go one warp per row (8 warps a block), but in the held
+//!   backward those of more packs than a warp holds at 4 a lane (f32 N = 513-1024); longer
+//!   rows one block per row, about 4 packs a thread, or one pack a thread in launches of at
+//!   most one row a multiprocessor (`DeviceLimits::sm_count`). There each multiprocessor has one row and
 //!   threads to spare, and the launch takes as long as one rank's chain of dependent
 //!   instructions: at 4 packs a rank, about 790 instructions a warp in a bf16 forward of
 //!   N = 4096 (ncu), where the peers' kernels run about 320.
@@ -528,7 +529,10 @@ impl<T: Element> Planner<T> {
     /// fewer partial rows to write and for stage 2 to read (f16 N = 4096: 128 rows of 16 KB,
     /// not 512).
     fn held(&self) -> Option<Plan> {
-        let warp = warp_rows(self.n);
+        // Rows of warp length with more packs than a warp holds at `BWD_HELD` a lane (f32 N =
+        // 513-1024) go a block team, held, rather than a warp, streamed (the owned kernel):
+        // H200, docs/PERF.md v37, 20-44% faster at f32 N = 544-1024 and with a stream in f32.
+        let warp = warp_rows(self.n) && self.n / pack_len::<T>() <= 32 * BWD_HELD;
         let variant = if warp {
             Variant::BwdHeldWarp
         } else {

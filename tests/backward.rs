@@ -171,7 +171,7 @@ fn gpu_backward_locked_matches_reference() {
     check_all_shapes::<bf16>(&gpu, LOCKED, 1200);
 }
 
-/// Many rows per team, warp- and block-per-row, both modes.
+/// Many rows per team, warp- and block-per-row (f32 rows of warp length too), both modes.
 #[test]
 fn gpu_backward_many_rows() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -182,6 +182,12 @@ fn gpu_backward_many_rows() {
         let p = Problem::<f16>::random(rows, n, 1300 + i as u64);
         p.check(&gpu, BackwardMode::Deterministic, "many rows");
         p.check(&gpu, LOCKED, "many rows");
+    }
+    // f32 rows of warp length past what a warp holds: held block teams stacked along y.
+    for (i, &(rows, n)) in [(4096, 1024), (3000, 544)].iter().enumerate() {
+        let p = Problem::<f32>::random(rows, n, 1310 + i as u64);
+        p.check(&gpu, BackwardMode::Deterministic, "many f32 rows");
+        p.check(&gpu, LOCKED, "many f32 rows");
     }
 }
 

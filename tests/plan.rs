@@ -397,6 +397,52 @@ fn few_rows_take_a_pack_a_rank() {
     assert_eq!(p.variant, Variant::FwdPipelinedWarp);
 }
 
+/// The backward's rows of warp length with more packs than a warp holds at 4 a lane (f32 N
+/// = 513-1024, whole packs) take held block teams, not the owned warp kernel (docs/PERF.md
+/// v37): 64 ranks of 4 packs stacked along y at many rows, a pack a rank at few; on both
+/// architectures, and with the residual stream in f32 (rows of f32) too. Rows a warp holds
+/// (f32 N = 512, f16 N = 1024) stay held warp rows; rows that are not whole packs stay on
+/// the owned warp kernel.
+#[test]
+fn backward_warp_length_rows_past_a_held_warp_take_block_teams() {
+    for limits in [DeviceLimits::A100, DeviceLimits::H100] {
+        for n in [544, 768, 1024] {
+            for pass in [Pass::Backward, Pass::BackwardResidual] {
+                let p = plan_of::<f32, f32>(MANY, n, pass, limits);
+                assert_eq!(
+                    (p.variant, p.threads),
+                    (Variant::BwdHeldBlock, 64),
+                    "n = {n}: {p:?}"
+                );
+                assert!(p.stacked > 1, "n = {n}: {p:?}");
+                let p = stream_plan_of::<bf16, bf16>(MANY, n, pass, limits);
+                assert_eq!(
+                    (p.variant, p.threads),
+                    (Variant::BwdHeldBlock, 64),
+                    "n = {n}: {p:?}"
+                );
+            }
+            let p = plan_of::<f32, f32>(1, n, Pass::Backward, limits);
+            assert_eq!(
+                (p.variant, p.threads, p.stacked),
+                (Variant::BwdHeldBlock, (n / 4).next_multiple_of(32), 1)
+            );
+        }
+        assert_eq!(
+            plan_of::<f32, f32>(MANY, 512, Pass::Backward, limits).variant,
+            Variant::BwdHeldWarp
+        );
+        assert_eq!(
+            plan_of::<f16, f16>(MANY, 1024, Pass::Backward, limits).variant,
+            Variant::BwdHeldWarp
+        );
+        assert_eq!(
+            plan_of::<f32, f32>(MANY, 1023, Pass::Backward, limits).variant,
+            Variant::BwdOwnedWarp
+        );
+    }
+}
+
 const SM80: &str = include_str!("../kernels-gpu/layernorm_kernels.ptx");
 const SM90: &str = include_str!("../kernels-gpu/layernorm_kernels_sm90.ptx");
 
