@@ -7,10 +7,10 @@
 //! - Rows of up to 1024 elements go one warp per row (8 warps a block), but in the held
 //!   backward those of more packs than a warp holds at 4 a lane (f32 N = 513-1024); longer
 //!   rows one block per row, about 4 packs a thread, or one pack a thread in launches of at
-//!   most one row a multiprocessor (`DeviceLimits::sm_count`). There each multiprocessor has one row and
-//!   threads to spare, and the launch takes as long as one rank's chain of dependent
-//!   instructions: at 4 packs a rank, about 790 instructions a warp in a bf16 forward of
-//!   N = 4096 (ncu), where the peers' kernels run about 320.
+//!   most one row a multiprocessor (`DeviceLimits::sm_count`). There each multiprocessor
+//!   has one row and threads to spare, and the launch takes as long as one rank's chain of
+//!   dependent instructions: at 4 packs a rank, about 790 instructions a warp in a bf16
+//!   forward of N = 4096 (ncu), where the peers' kernels run about 320.
 //! - Forward: rows all of aligned packs that fit 4 packs a thread take the pipelined kernel
 //!   (two rows in flight a team; LayerNorm's block teams over f32 rows of more than 2048
 //!   packs stage their next row and hold 6 packs a thread of this one, so that two teams
@@ -531,7 +531,7 @@ impl<T: Element> Planner<T> {
     fn held(&self) -> Option<Plan> {
         // Rows of warp length with more packs than a warp holds at `BWD_HELD` a lane (f32 N =
         // 513-1024) go a block team, held, rather than a warp, streamed (the owned kernel):
-        // H200, docs/PERF.md v37, 20-44% faster at f32 N = 544-1024 and with a stream in f32.
+        // H200, docs/PERF.md v37, 19-44% faster at f32 N = 544-1024 and with a stream in f32.
         let warp = warp_rows(self.n) && self.n / pack_len::<T>() <= 32 * BWD_HELD;
         let variant = if warp {
             Variant::BwdHeldWarp
