@@ -279,7 +279,7 @@ impl<T: Element> Planner<T> {
     }
 
     fn forward(&self) -> Plan {
-        if let Some(plan) = self.rms_long_rows() {
+        if let Some(plan) = self.few_rows_forward().or_else(|| self.rms_long_rows()) {
             return plan;
         }
         let plan = self.forward_of(
@@ -291,6 +291,25 @@ impl<T: Element> Planner<T> {
             grid: self.forward_grid(&plan),
             ..plan
         }
+    }
+
+    /// The few-rows forward, a block a row, for launches of at most one row a
+    /// multiprocessor over block-team rows, all aligned whole packs that fit
+    /// `few_rows_held` packs a rank (16 elements): its ranks load x, gamma and beta together,
+    /// one DRAM round trip, where the pipelined kernel loads the weights after the
+    /// reductions (docs/PERF.md, "The one-row forward against Liger's").
+    fn few_rows_forward(&self) -> Option<Plan> {
+        let held = crate::layout::few_rows_held(size_of::<T>() as u32);
+        let threads = self.block_threads(Variant::FwdFewRows, self.n, held);
+        let takes = self.few_rows && !warp_rows(self.n) && self.aligned && self.fits(self.n, threads, held);
+        takes.then_some(Plan {
+            variant: Variant::FwdFewRows,
+            threads,
+            stacked: 1,
+            smem: SCRATCH_BYTES,
+            local: false,
+            grid: Grid::EveryRow,
+        })
     }
 
     /// RMSNorm's forward over rows of 2049 to 8192 packs (16-bit N = 16392-65536, f32

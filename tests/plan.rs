@@ -20,11 +20,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use layernorm_cuda::plan::{Arch, DeviceLimits, Grid, Norm, Pass, Plan, Variant, plan, plan_f32_stream};
 use layernorm_cuda::{Element, F32Stream, Weight, bf16, f16};
 
-/// (type pair, pass, n) the GPU tests run on whole tensors (aligned where n is whole
+/// (type pair, pass, rows, n) the GPU tests run on whole tensors (aligned where n is whole
 /// packs): every shape of `common::SHAPES` in every type pair (tests/weights.rs runs the
-/// f32 weights), pass (both backward modes run the same kernels; tests/residual.rs the residual passes), and the long rows of tests/forward.rs and tests/backward.rs
-/// in the types they use.
-fn test_cases() -> Vec<(usize, Pass, u32)> {
+/// f32 weights), pass (both backward modes run the same kernels; tests/residual.rs the
+/// residual passes), at its own rows (at most one a multiprocessor: the few-rows plans),
+/// and the long rows of tests/forward.rs and tests/backward.rs and the many-row forwards of
+/// tests/forward.rs in the types they use.
+fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
     let passes = [
         Pass::Forward,
         Pass::Backward,
@@ -32,27 +34,40 @@ fn test_cases() -> Vec<(usize, Pass, u32)> {
         Pass::BackwardResidual,
     ];
     let mut cases = Vec::new();
-    for &(_, n) in common::SHAPES {
+    for &(rows, n) in common::SHAPES {
         for dtype in 0..layout::registry::TYPE_PAIRS.len() {
             for pass in passes {
-                cases.push((dtype, pass, n as u32));
+                cases.push((dtype, pass, rows as u32, n as u32));
             }
         }
     }
     let (f32, f16, bf16) = (0, 1, 2);
     for n in [32768, 65536, 40000] {
-        cases.push((f16, Pass::Backward, n));
+        cases.push((f16, Pass::Backward, MANY, n));
     }
     for n in [15872, 32768, 65536] {
-        cases.push((f32, Pass::Backward, n));
+        cases.push((f32, Pass::Backward, MANY, n));
     }
-    cases.push((bf16, Pass::Backward, 100001));
+    cases.push((bf16, Pass::Backward, MANY, 100001));
     for n in [65536, 40000, 100000] {
-        cases.push((f32, Pass::Forward, n));
+        cases.push((f32, Pass::Forward, MANY, n));
     }
-    cases.push((f16, Pass::Forward, 131072));
-    cases.push((f16, Pass::Forward, 262144));
-    cases.push((bf16, Pass::Forward, 98304));
+    cases.push((f16, Pass::Forward, MANY, 131072));
+    cases.push((f16, Pass::Forward, MANY, 262144));
+    cases.push((bf16, Pass::Forward, MANY, 98304));
+    // `gpu_forward_many_rows` and `gpu_forward_grid_of_every_row`.
+    for (dtype, rows, n) in [
+        (f16, 3000, 2048),
+        (f32, 3000, 2048),
+        (f16, 300, 8192),
+        (bf16, 301, 8192),
+        (f32, 302, 4096),
+        (f32, 303, 8192),
+        (f32, 600, 12288),
+        (f32, 300, 24576),
+    ] {
+        cases.push((dtype, Pass::Forward, rows, n));
+    }
     cases
 }
 
@@ -73,17 +88,17 @@ const MANY: u32 = 4096;
 fn reached(limits: DeviceLimits) -> BTreeSet<String> {
     test_cases()
         .into_iter()
-        .map(|(dtype, pass, n)| {
+        .map(|(dtype, pass, rows, n)| {
             let p = match layout::registry::TYPE_PAIRS[dtype].name {
-                "f32" => plan_of::<f32, f32>(MANY, n, pass, limits),
-                "f16" => plan_of::<f16, f16>(MANY, n, pass, limits),
-                "bf16" => plan_of::<bf16, bf16>(MANY, n, pass, limits),
-                "f16_f32w" => plan_of::<f16, f32>(MANY, n, pass, limits),
-                "bf16_f32w" => plan_of::<bf16, f32>(MANY, n, pass, limits),
-                "f16_f32s" => stream_plan_of::<f16, f16>(MANY, n, pass, limits),
-                "bf16_f32s" => stream_plan_of::<bf16, bf16>(MANY, n, pass, limits),
-                "f16_f32w_f32s" => stream_plan_of::<f16, f32>(MANY, n, pass, limits),
-                "bf16_f32w_f32s" => stream_plan_of::<bf16, f32>(MANY, n, pass, limits),
+                "f32" => plan_of::<f32, f32>(rows, n, pass, limits),
+                "f16" => plan_of::<f16, f16>(rows, n, pass, limits),
+                "bf16" => plan_of::<bf16, bf16>(rows, n, pass, limits),
+                "f16_f32w" => plan_of::<f16, f32>(rows, n, pass, limits),
+                "bf16_f32w" => plan_of::<bf16, f32>(rows, n, pass, limits),
+                "f16_f32s" => stream_plan_of::<f16, f16>(rows, n, pass, limits),
+                "bf16_f32s" => stream_plan_of::<bf16, bf16>(rows, n, pass, limits),
+                "f16_f32w_f32s" => stream_plan_of::<f16, f32>(rows, n, pass, limits),
+                "bf16_f32w_f32s" => stream_plan_of::<bf16, f32>(rows, n, pass, limits),
                 other => panic!("a type pair this test does not know: {other}"),
             };
             format!("{:?}", p.variant)
@@ -358,23 +373,43 @@ fn residual_forward_grid_every_row_where_measured_faster() {
     }
 }
 
-/// Launches of at most one row a multiprocessor spread each block-team row over a pack a
-/// rank, up to the kernel's thread limit, with no stacked teams; one more row and the
-/// throughput plans come back.
+/// Launches of at most one row a multiprocessor over block-team rows of aligned packs that
+/// fit 16 elements a rank on 512 ranks take the few-rows forward (x, gamma and beta loaded
+/// together), a block a row; others, and one more row, the plans they took before.
+#[test]
+fn few_rows_forward_holds_16_columns_a_rank() {
+    let h = DeviceLimits::H100;
+    for limits in [h, DeviceLimits::A100] {
+        let fwd = |rows| plan::<bf16, bf16>(Norm::Rms, rows, 4096, Pass::Forward, true, limits).unwrap();
+        // 512 packs, 2 a rank.
+        assert_eq!(
+            (fwd(1).variant, fwd(1).threads, fwd(1).grid),
+            (Variant::FwdFewRows, 256, Grid::EveryRow)
+        );
+        assert_eq!(fwd(limits.sm_count), fwd(1));
+        assert_eq!(fwd(limits.sm_count + 1).variant, Variant::FwdPipelinedBlock);
+    }
+    // f32 N = 8192: 2048 packs, 4 a rank, the kernel's 512-thread bound.
+    let p = plan::<f32, f32>(Norm::Layer, 64, 8192, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdFewRows, 512));
+    // f16 beside f32 weights, N = 1032 (129 packs): 65 ranks, three warps.
+    let p = plan::<f16, f32>(Norm::Layer, 3, 1032, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdFewRows, 96));
+    // Past 512 ranks of 16 columns (f32 N = 8196), unaligned rows, and warp rows: as before.
+    let p = plan::<f32, f32>(Norm::Layer, 64, 8196, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedBlock, 1024));
+    let p = plan::<f16, f16>(Norm::Layer, 3, 4097, Pass::Forward, false, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdBlock);
+    let p = plan::<bf16, bf16>(Norm::Layer, 1, 1024, Pass::Forward, true, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdPipelinedWarp);
+}
+
+/// The other passes' launches of at most one row a multiprocessor spread each block-team
+/// row over a pack a rank, up to the kernel's thread limit, with no stacked teams; one more
+/// row and the throughput plans come back.
 #[test]
 fn few_rows_take_a_pack_a_rank() {
     let h = DeviceLimits::H100;
-    let fwd = |rows| plan::<bf16, bf16>(Norm::Layer, rows, 4096, Pass::Forward, true, h).unwrap();
-    // 512 packs: 512 ranks of one pack, not 128 of four.
-    assert_eq!(
-        (fwd(1).variant, fwd(1).threads),
-        (Variant::FwdPipelinedBlock, 512)
-    );
-    assert_eq!(fwd(h.sm_count), fwd(1));
-    assert_eq!(fwd(h.sm_count + 1).threads, 128);
-    // f32 N = 8192: 2048 packs on the 1024-thread bound, two a rank.
-    let p = plan::<f32, f32>(Norm::Layer, 64, 8192, Pass::Forward, true, h).unwrap();
-    assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedBlock, 1024));
     // The residual forward's bound is 512: f16 N = 8192 (1024 packs) at two a rank.
     let p = plan::<f16, f16>(Norm::Layer, 8, 8192, Pass::ForwardResidual, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdResidualPipelinedBlock, 512));
@@ -392,9 +427,6 @@ fn few_rows_take_a_pack_a_rank() {
     let a = DeviceLimits::A100;
     let p = plan::<bf16, bf16>(Norm::Layer, 1, 4096, Pass::Backward, true, a).unwrap();
     assert_eq!((p.variant, p.threads, p.stacked), (Variant::BwdHeldBlock, 384, 1));
-    // Warp rows stay warp rows.
-    let p = plan::<bf16, bf16>(Norm::Layer, 1, 1024, Pass::Forward, true, h).unwrap();
-    assert_eq!(p.variant, Variant::FwdPipelinedWarp);
 }
 
 /// The backward's rows of warp length with more packs than a warp holds at 4 a lane (f32 N

@@ -56,6 +56,20 @@ pub const fn pipelined_smem(norm: registry::Norm, x_bytes: usize, packs: u32, th
     }
 }
 
+/// Elements of x each rank of the few-rows forward (`registry::Variant::FwdFewRows`) holds,
+/// with their gamma and beta: 16, as Liger's one-row launches take them (8 warps at N =
+/// 4096). Where a multiprocessor has one row at most, its time is one rank's chain of
+/// dependent instructions and a block's barriers; more elements a rank means fewer warps
+/// for the reductions' barriers to wait for and each scheduler to issue.
+pub const FEW_ROWS_ELEMENTS: u32 = 16;
+
+/// Packs of x each rank of the few-rows forward holds of `bytes`-byte values: 2 of f16 or
+/// bf16, 4 of f32.
+#[inline(always)]
+pub const fn few_rows_held(bytes: u32) -> u32 {
+    FEW_ROWS_ELEMENTS / pack_len(bytes)
+}
+
 /// Packs of x each rank of the general forward holds of an aligned row too long to hold
 /// whole; the rest is staged in shared memory. (With 8, the f32 kernel spills at its 64
 /// registers.)

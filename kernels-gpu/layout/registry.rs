@@ -19,6 +19,9 @@
 //!   (384); the cluster kernels (a slice per block) fit 96 (640) in f16/bf16 and need 128
 //!   (512) when held; the general one in f32 spilled at 128 once its blocks also handed
 //!   their sums over under a lock, and has 168 (384).
+//! - The few-rows forward holds x, gamma and beta of 16 columns a thread, and spilled at 64
+//!   registers: it runs at 512 (128), which takes rows of up to N = 8192 (a block a row,
+//!   one block a multiprocessor at most, so occupancy does not matter).
 //! - The residual forward keeps the row pointers of x, the residual, s and y, and runs at
 //!   512 (128) with `.minnctapersm 1` (see `Variant::one_block_per_sm`).
 //! - f32 weights beside f16/bf16 rows cost the kernels that hold rows in registers the
@@ -288,6 +291,10 @@ pub enum Variant {
     /// LayerNorm's f32 rows of more than 2048 packs: 6): two rows in flight a team.
     FwdPipelinedWarp,
     FwdPipelinedBlock,
+    /// Forward for launches of at most one row a multiprocessor over rows of aligned packs
+    /// (a block a row): x, gamma and beta loaded together, `layout::few_rows_held` packs a
+    /// rank.
+    FwdFewRows,
     /// Forward of s = x + residual (the pre-norm residual add), which it also writes.
     FwdResidualWarp,
     FwdResidualBlock,
@@ -312,11 +319,12 @@ pub enum Variant {
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 17] = [
+    pub const ALL: [Variant; 18] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
         Variant::FwdPipelinedBlock,
+        Variant::FwdFewRows,
         Variant::FwdResidualWarp,
         Variant::FwdResidualBlock,
         Variant::FwdResidualPipelinedWarp,
@@ -339,6 +347,7 @@ impl Variant {
             Variant::FwdBlock => "fwd_block",
             Variant::FwdPipelinedWarp => "fwd_pipelined_warp",
             Variant::FwdPipelinedBlock => "fwd_pipelined_block",
+            Variant::FwdFewRows => "fwd_few_rows",
             Variant::FwdResidualWarp => "fwd_residual_warp",
             Variant::FwdResidualBlock => "fwd_residual_block",
             Variant::FwdResidualPipelinedWarp => "fwd_residual_pipelined_warp",
@@ -407,6 +416,7 @@ impl Variant {
             (Variant::FwdBlock, _) if f32_weights_of_halves => 768,
             (Variant::FwdWarp | Variant::FwdBlock | Variant::BwdReduce, _) => 1024,
             (Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock, _) => 1024,
+            (Variant::FwdFewRows, _) => 512,
             (
                 Variant::FwdResidualWarp
                 | Variant::FwdResidualBlock
@@ -474,6 +484,7 @@ impl Variant {
                     | Variant::FwdBlock
                     | Variant::FwdPipelinedWarp
                     | Variant::FwdPipelinedBlock
+                    | Variant::FwdFewRows
                     | Variant::BwdReduce
             );
         }

@@ -31,6 +31,9 @@
 //! (host/gpu/layer_norm.rs) picks per launch:
 //! - the team: a warp per row for n <= 1024, a block per row beyond (about 4 packs a
 //!   thread);
+//! - `few_rows` ([`forward_few_rows`]) for launches of at most one row a multiprocessor
+//!   over block-team rows of aligned packs that fit 16 elements a rank: x, gamma and beta
+//!   loaded into registers together, one DRAM round trip a row;
 //! - `residual_pipelined_warp`, `residual_pipelined_block`
 //!   ([`forward_rows_residual_pipelined`]) for launches with a residual whose rows all fit
 //!   as the pipelined ones (below) do: s = x + residual formed in registers as each row
@@ -67,12 +70,12 @@
 
 use crate::device::{cp_async_wait_all, fma, opaque_ptr, sqrt_rn};
 use crate::element::{
-    Element, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, read, read_cached, write,
-    write_as,
+    Element, MAX_PACK, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, read, read_cached,
+    write, write_as,
 };
 use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
-use crate::row::{FWD_HELD, Held, Staged, Widened, fits, for_each_chunk, values};
+use crate::row::{FWD_HELD, Held, Staged, Widened, each_held_slot, fits, for_each_chunk, values};
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
 
@@ -782,17 +785,35 @@ unsafe fn write_y_chunk<T: Element, Y: Element, W: Element, const CENTERED: bool
             if CENTERED {
                 let b = read_cached::<T, W>(affine.beta, j + at as u32, step);
                 for k in 0..step {
-                    out[at + k] = norm.xhat(xv[at + k]) * (g[k] + affine.gamma_offset) + b[k];
+                    out[at + k] =
+                        y_of::<CENTERED, X_CENTERED>(norm, xv[at + k], g[k] + affine.gamma_offset, b[k]);
                 }
             } else {
                 for k in 0..step {
-                    out[at + k] = norm.xhat(xv[at + k]) * (g[k] + affine.gamma_offset);
+                    out[at + k] =
+                        y_of::<CENTERED, X_CENTERED>(norm, xv[at + k], g[k] + affine.gamma_offset, 0.0);
                 }
             }
         })
     };
     // SAFETY: as above.
     unsafe { write_as::<T, Y>(y, j, len, &out) };
+}
+
+/// One element's y from its x (or the centred d_j that `norm` takes), its weight with the
+/// offset added, and beta:
+///   y_j = xhat_j * (gamma_j + gamma_offset) + beta_j
+/// RMSNorm's (`CENTERED` = false) without beta. A multiply and an add, not one fma: see the
+/// module's last paragraph.
+#[inline(always)]
+fn y_of<const CENTERED: bool, const X_CENTERED: bool>(
+    norm: RowNorm<X_CENTERED>,
+    x: f32,
+    weight: f32,
+    beta: f32,
+) -> f32 {
+    let scaled = norm.xhat(x) * weight;
+    if CENTERED { scaled + beta } else { scaled }
 }
 
 /// Packs per rank the pipelined forward holds for each of its two rows in flight.
@@ -1066,6 +1087,123 @@ unsafe fn pipeline<
     }
 }
 
+/// The forward of launches of at most one row a multiprocessor (a block a row; the host
+/// checks): there the time is one DRAM round trip and one rank's chain of dependent
+/// instructions, not the rows in flight. Each rank issues the loads of its `K` packs of x
+/// and of their columns' gamma and beta together ([`HeldAffine`]): one round trip, where
+/// the other kernels read the weights after the reductions (a second one, which for many
+/// rows L1 serves). Then the held rows' arithmetic, from registers only:
+///   mean = sum_j x_j / n,  M2 = sum_j (x_j - mean)^2   (RMSNorm: mean 0)
+///   y_j  = xhat_j * (gamma_j + gamma_offset) + beta_j
+/// No pipeline, no staging: a block's one row ends the row loop at once.
+///
+/// # Safety
+/// As for [`forward_rows`], without a residual; x, y, gamma and beta 16-byte aligned, `n`
+/// a whole number of packs that [`fits`] `K` per rank.
+#[inline(always)]
+unsafe fn forward_few_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: bool, const K: usize>(
+    p: Forward<T, W>,
+) {
+    let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
+    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
+    let packs = n / T::PACK as u32;
+    let mut row = S::id();
+    while row < rows {
+        let offset = row as usize * n as usize;
+        // SAFETY: the row lies inside x and y (row < rows), aligned whole packs that fit K
+        // a rank; gamma and beta hold its n columns, aligned (the caller's guarantee).
+        let (x_row, y_row, held, weights) = unsafe {
+            let x_row = x.add(offset);
+            let held = Held::<K>::load::<T, S>(x_row, packs);
+            (
+                x_row,
+                y.add(offset),
+                held,
+                HeldAffine::<K>::load::<T, W, S, CENTERED>(affine, packs),
+            )
+        };
+        // SAFETY: `held` holds the whole row (it fits).
+        let m = row_mean::<S, CENTERED>(|| unsafe { rank_sum::<T, S, true, K>(&held, x_row, n) }, n);
+        // SAFETY: as above.
+        let m2 = S::sum(unsafe { rank_m2::<T, S, true, K>(&held, x_row, n, m) });
+        // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
+        unsafe {
+            let norm = match RowNorm::of(m, m2, n, eps) {
+                Some(norm) => {
+                    weights.write_y::<T, S, CENTERED>(&held, y_row, packs, norm, affine.gamma_offset);
+                    norm
+                }
+                None => forward_row_huge::<T, T, W, S, CENTERED>(x_row, affine, y_row, n, eps),
+            };
+            norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
+        }
+        row += S::count();
+    }
+}
+
+/// The gamma and beta (LayerNorm's) of the columns of a rank's held packs of x, slot by
+/// slot as [`Held`] holds x, widened to f32 as they are loaded: the few-rows forward's, read
+/// together with x so that the row costs one DRAM round trip.
+struct HeldAffine<const K: usize> {
+    gamma: [Pack; K],
+    beta: [Pack; K],
+}
+
+impl<const K: usize> HeldAffine<K> {
+    /// Loads the weights of this rank's packs among the row's first `packs` packs of `T`
+    /// (f32 weights beside 16-bit x: two 16-byte loads a pack).
+    ///
+    /// # Safety
+    /// gamma and beta hold `packs` whole packs of `T`'s columns, aligned.
+    #[inline(always)]
+    unsafe fn load<T: Element, W: Element, S: Team, const CENTERED: bool>(
+        affine: Affine<W>,
+        packs: u32,
+    ) -> Self {
+        let mut weights = HeldAffine {
+            gamma: [[0.0; MAX_PACK]; K],
+            beta: [[0.0; MAX_PACK]; K],
+        };
+        each_held_slot::<S, K>(packs, |c, p| {
+            let j = p * T::PACK as u32;
+            // SAFETY: p < packs: the pack's columns lie inside gamma and beta, aligned.
+            unsafe {
+                weights.gamma[c] = read_cached::<T, W>(affine.gamma, j, T::PACK);
+                if CENTERED {
+                    weights.beta[c] = read_cached::<T, W>(affine.beta, j, T::PACK);
+                }
+            }
+        });
+        weights
+    }
+
+    /// Writes y of this rank's packs of the row (of its first `packs`) from `held`'s x and
+    /// these weights.
+    ///
+    /// # Safety
+    /// y holds `packs` whole packs, aligned; `held` and these weights are this rank's of
+    /// the same packs.
+    #[inline(always)]
+    unsafe fn write_y<T: Element, S: Team, const CENTERED: bool>(
+        &self,
+        held: &Held<K>,
+        y: *mut T,
+        packs: u32,
+        norm: RowNorm<CENTERED>,
+        gamma_offset: f32,
+    ) {
+        each_held_slot::<S, K>(packs, |c, p| {
+            let (xv, g, b) = (held.pack::<T>(c), &self.gamma[c], &self.beta[c]);
+            let mut out = xv;
+            for k in 0..T::PACK {
+                out[k] = y_of::<CENTERED, CENTERED>(norm, xv[k], g[k] + gamma_offset, b[k]);
+            }
+            // SAFETY: p < packs: the pack lies inside y, aligned.
+            unsafe { write::<T>(y, p * T::PACK as u32, T::PACK, &out) };
+        });
+    }
+}
+
 /// Exports the residual forward kernels of one norm for x and y of type `$y`, gamma and
 /// beta of `$w`, and the residual and s of `$r` (x's own type, or f32 for a residual stream
 /// kept in f32): `<norm>_fwd_residual_<kind>_<types>`.
@@ -1116,6 +1254,18 @@ macro_rules! forward_kernels {
                 "Forward, one warp per row, two rows in flight (rows of aligned packs, 4 a rank).");
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, pipelined_block, forward_rows_pipelined_block, Block,
                 "Forward, one block per row, two rows in flight (rows of aligned packs, 4 a rank, or 6 of long f32 rows).");
+            /// Forward for launches of at most one row a multiprocessor, a block per row
+            /// (rows of aligned packs, `layout::few_rows_held` a rank, with their weights).
+            ///
+            /// # Safety
+            /// Launched by the host with buffers of the documented sizes, on rows the kernel
+            /// takes (`forward_few_rows`'s safety section).
+            #[unsafe(export_name = concat!($prefix, "_fwd_few_rows_", $types))]
+            pub unsafe extern "ptx-kernel" fn few_rows(p: Forward<$t, $w>) {
+                const K: usize = crate::layout::few_rows_held(size_of::<$t>() as u32) as usize;
+                // SAFETY: the host launches this kernel only as `forward_few_rows` requires.
+                unsafe { forward_few_rows::<$t, $w, Block, $centered, K>(p) }
+            }
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, warp, forward_rows, Warp,
                 "Forward, one warp per row (short rows).");
             forward_kernels!(@one $prefix, $centered, $types, $t, $w, block, forward_rows, Block,

@@ -123,7 +123,7 @@ impl<const K: usize> Widened<K> {
 /// Calls `f(c, p)` for each slot c < `K` of a rank's held packs whose pack p = rank + c *
 /// size is among the row's first `packs`.
 #[inline(always)]
-fn each_held_slot<S: Team, const K: usize>(packs: u32, mut f: impl FnMut(usize, u32)) {
+pub fn each_held_slot<S: Team, const K: usize>(packs: u32, mut f: impl FnMut(usize, u32)) {
     each_slot::<K>(|c| {
         let p = S::rank() + c as u32 * S::size();
         if p < packs {
