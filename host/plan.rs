@@ -11,8 +11,11 @@
 //!   has one row and threads to spare, and the launch takes as long as one rank's chain of
 //!   dependent instructions: at 4 packs a rank, about 790 instructions a warp in a bf16
 //!   forward of N = 4096 (ncu), where the peers' kernels run about 320.
-//! - Forward: rows all of aligned packs that fit 4 packs a thread take the pipelined kernel
-//!   (two rows in flight a team; LayerNorm's block teams over f32 rows of more than 2048
+//! - Forward: launches of at most one row a multiprocessor over block-team rows all of
+//!   aligned packs that 512 threads hold at 16 elements each (N <= 8192) take the few-rows
+//!   kernel, a block a row, which loads x, gamma and beta together (one DRAM round trip).
+//!   Otherwise, rows all of aligned packs that fit 4 packs a thread take the pipelined
+//!   kernel (two rows in flight a team; LayerNorm's block teams over f32 rows of more than 2048
 //!   packs stage their next row and hold 6 packs a thread of this one, so that two teams
 //!   fit a multiprocessor up to N = 12288, and rows up to N = 24576 fit); the others the
 //!   general one, which holds rows of up to 8 packs a thread and stages longer aligned rows
