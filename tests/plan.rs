@@ -680,23 +680,6 @@ fn f32_stream_plans() {
     );
 }
 
-/// Each kernel's body in `ptx`, by name: from its `.entry` line to the next.
-fn kernel_bodies(ptx: &str) -> BTreeMap<String, String> {
-    let mut out = BTreeMap::new();
-    let mut current: Option<String> = None;
-    for line in ptx.lines() {
-        if let Some(entry) = line.strip_prefix(".visible .entry ") {
-            current = Some(entry.split('(').next().unwrap().to_string());
-        }
-        if let Some(name) = &current {
-            let body: &mut String = out.entry(name.clone()).or_default();
-            body.push_str(line);
-            body.push('\n');
-        }
-    }
-    out
-}
-
 /// The host launches stage 2 as stage 1's programmatic dependent on sm_90 (gpu/launch.rs,
 /// `launch_dependent`), which is sound only if stage 2 waits for stage 1 before it touches
 /// global memory: in the sm_90 module every stage 2 kernel runs `griddepcontrol.wait` before
@@ -721,10 +704,10 @@ fn stage2_waits_for_stage1_in_the_sm90_module() {
     };
     use layout::registry::Variant as V;
     for (arch, ptx) in [(Arch::Sm80, SM80), (Arch::Sm90, SM90)] {
-        let bodies = kernel_bodies(ptx);
         for (norm, v, pair) in layout::registry::kernels(layout_arch(arch)) {
             let name = layout::registry::KernelName(norm, v, pair).to_string();
-            let body = &bodies[&name];
+            // The module's header (no instructions) and this kernel's text.
+            let body = layout::registry::ptx_part(ptx, std::iter::once(name.as_str())).unwrap();
             let waits = body.find("griddepcontrol.wait;");
             let signals = body.contains("griddepcontrol.launch_dependents;");
             let stage1 = v.cluster() > 1
