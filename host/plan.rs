@@ -27,6 +27,10 @@
 //!   RMSNorm's 16-bit rows of 2049 to 8192 packs, and its f32 rows of as many that a team
 //!   of 512 or 1024 ranks holds at 8 packs a rank, which take the general kernel there.
 //!   Every other launch takes a resident grid whose teams loop over the rows.
+//! - Residual forward of more rows than multiprocessors over rows all of aligned packs too
+//!   long for a block of 512 to hold at 8 packs a rank (16-bit N > 32768, f32 > 16384):
+//!   the streamed residual kernel, 512 ranks, which forms and sums s in one pass and reads
+//!   it back from L2 for y (a block for every row on sm_90).
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
@@ -373,6 +377,9 @@ impl<T: Element> Planner<T> {
     /// The residual add's kernels, chosen as the plain forward's: their staging takes room
     /// for the residual's packs beside x's.
     fn forward_residual(&self) -> Plan {
+        if let Some(plan) = self.residual_streamed() {
+            return plan;
+        }
         let plan = self.forward_of(
             (Variant::FwdResidualWarp, Variant::FwdResidualBlock),
             (
@@ -385,6 +392,28 @@ impl<T: Element> Planner<T> {
             grid: self.forward_residual_grid(&plan),
             ..plan
         }
+    }
+
+    /// The streamed residual forward, 512 ranks, for launches of more rows than
+    /// multiprocessors whose rows are all aligned packs too long for the general kernel's
+    /// block to hold ([`FWD_HELD`] packs a rank of 512: 16-bit N > 32768, f32 rows, a
+    /// stream in f32 included, past 16384), which it would stage or stream at one block a
+    /// multiprocessor; a team for every row on sm_90. H200, docs/PERF.md v39: +53 to +59% at
+    /// f32 N = 65536 (too long to stage), +3 to +6% at f32 32768 and f16 65536 (staged).
+    /// Launches of few rows keep the staged kernel, which has each row's loads in flight at
+    /// once.
+    fn residual_streamed(&self) -> Option<Plan> {
+        let ranks = self.max_threads(Variant::FwdResidualBlock);
+        let takes =
+            self.aligned && !self.few_rows && !warp_rows(self.n) && !self.fits(self.n, ranks, FWD_HELD);
+        takes.then(|| Plan {
+            variant: Variant::FwdResidualStreamed,
+            threads: ranks,
+            stacked: 1,
+            smem: SCRATCH_BYTES,
+            local: false,
+            grid: self.every_row_on_sm90(true),
+        })
     }
 
     /// The residual forward's grid: a team for every row, on sm_90, for pipelined block

@@ -68,6 +68,15 @@ fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
     ] {
         cases.push((dtype, Pass::Forward, rows, n));
     }
+    // tests/residual.rs, `gpu_residual_streamed_rows_match_the_reference`.
+    let bf16_f32w_f32s = 8;
+    assert_eq!(
+        layout::registry::TYPE_PAIRS[bf16_f32w_f32s].name,
+        "bf16_f32w_f32s"
+    );
+    for (dtype, n) in [(f32, 16388), (f16, 32776), (bf16_f32w_f32s, 16388)] {
+        cases.push((dtype, Pass::ForwardResidual, 140, n));
+    }
     cases
 }
 
@@ -161,13 +170,22 @@ fn known_choices() {
     // 2048 packs at 4 a thread on 512 threads: pipelined, as the plain forward.
     let p = plan::<f32, f32>(Norm::Layer, MANY, 8192, Pass::ForwardResidual, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdResidualPipelinedBlock, 512));
-    // 8192 packs on 512 threads: 4 a thread held, the other 6144 staged twice (x's and the
-    // residual's) after the 512-byte scratch.
+    // 8192 packs, more than 512 threads hold at 8 a thread: streamed over many rows, a
+    // block for every row on sm_90; over few rows, 4 a thread held and the other 6144 staged
+    // twice (x's and the residual's) after the 512-byte scratch.
     let p = plan::<f32, f32>(Norm::Layer, MANY, 32768, Pass::ForwardResidual, true, h).unwrap();
+    assert_eq!(
+        (p.variant, p.threads, p.smem, p.grid),
+        (Variant::FwdResidualStreamed, 512, 512, Grid::EveryRow)
+    );
+    let p = plan::<f32, f32>(Norm::Layer, 100, 32768, Pass::ForwardResidual, true, h).unwrap();
     assert_eq!(
         (p.variant, p.threads, p.smem),
         (Variant::FwdResidualBlock, 512, 512 + 2 * 6144 * 16)
     );
+    // 4096 packs fit 512 threads at 8: held by the general kernel.
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 32768, Pass::ForwardResidual, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdResidualBlock, 512));
     // With dsum, long f16 rows take the general cluster kernel (the held ones of f16 rows and
     // weights take no dsum), and f32 rows or weights the held one, as without.
     let p = plan::<f16, f16>(Norm::Layer, MANY, 32768, Pass::Backward, true, h).unwrap();
@@ -352,12 +370,17 @@ fn residual_forward_grid_every_row_where_measured_faster() {
         for n in [8200, 12288, 16384] {
             assert_eq!(shape(f32(norm, n)), (general, 512, Grid::EveryRow));
         }
-        // 16-bit x on 512 ranks (f16 15872, the stream in f32 at 8192 and 12288), f32
-        // rows staged (32768), other team sizes: resident.
+        // 16-bit x on 512 ranks (f16 15872 and 32768, the stream in f32 at 8192 and 12288),
+        // other team sizes: resident.
         assert_eq!(shape(f16(norm, 15872)), (pipelined, 512, Grid::Resident));
+        assert_eq!(shape(f16(norm, 32768)), (general, 512, Grid::Resident));
         assert_eq!(shape(stream(norm, 8192)), (pipelined, 512, Grid::Resident));
         assert_eq!(shape(stream(norm, 12288)), (general, 512, Grid::Resident));
-        assert_eq!(shape(f32(norm, 32768)), (general, 512, Grid::Resident));
+        // Rows too long to hold at 8 packs a rank, streamed: a block for every row.
+        let streamed = (Variant::FwdResidualStreamed, 512, Grid::EveryRow);
+        for p in [f32(norm, 32768), f16(norm, 65536), stream(norm, 32768)] {
+            assert_eq!(shape(p), streamed);
+        }
         assert_eq!(shape(f16(norm, 4096)), (pipelined, 128, Grid::Resident));
         assert_eq!(shape(f16(norm, 12288)), (pipelined, 384, Grid::Resident));
         assert_eq!(shape(f32(norm, 6144)), (pipelined, 384, Grid::Resident));
@@ -637,9 +660,15 @@ fn f32_stream_plans() {
             for pass in [Pass::ForwardResidual, Pass::Backward, Pass::BackwardResidual] {
                 let p = stream_plan_of::<bf16, f32>(MANY, n, pass, limits);
                 if pass == Pass::ForwardResidual {
-                    let staged = n == 32768 && limits.arch == Arch::Sm90;
-                    let smem = if staged { 512 + 2 * 6144 * 16 } else { 512 };
-                    assert_eq!(p.smem, smem, "n = {n}, {limits:?}: {p:?}");
+                    // Past 4096 f32 packs (512 ranks at 8), the streamed kernel, which
+                    // stages nothing.
+                    let streamed = n > 16384;
+                    assert_eq!(p.smem, 512, "n = {n}, {limits:?}: {p:?}");
+                    assert_eq!(
+                        p.variant == Variant::FwdResidualStreamed,
+                        streamed,
+                        "n = {n}: {p:?}"
+                    );
                     continue;
                 }
                 let cluster = match (limits.arch, n) {

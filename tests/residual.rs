@@ -307,6 +307,22 @@ fn gpu_residual_grid_of_every_row() {
     }
 }
 
+/// The streamed residual forward: launches of more rows than multiprocessors (140: an
+/// H100's or H200's 132, an A100's 108) whose rows are all aligned packs too long for a
+/// block of 512 to hold at 8 packs a rank (4097 packs: f32 N = 16388, f16 32776, and bf16
+/// beside a stream in f32 at 16388), both norms, with a dsum and without, the backward after
+/// them.
+#[test]
+fn gpu_residual_streamed_rows_match_the_reference() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let mode = BackwardMode::Deterministic;
+    for (norm, seed) in [(Norm::Layer, 1200), (Norm::Rms, 1211)] {
+        check::<f32, f32>(&gpu, norm, mode, 140, 16388, seed);
+        check::<f16, f16>(&gpu, norm, mode, 140, 32776, seed + 1);
+        check_f32_stream::<bf16, f32>(&gpu, norm, mode, 140, 16388, seed + 2);
+    }
+}
+
 /// CPU and GPU agree on s to the bit (the same f32 sum, rounded once), and the GPU's y is
 /// the CPU's within the dtype's rounding.
 #[test]

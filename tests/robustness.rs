@@ -392,9 +392,8 @@ fn one_column_rows_have_zero_dx() {
 /// backward's dgamma and dbeta (sums of dy * xhat, of ordinary size) stay correct.
 #[test]
 fn rows_near_the_f32_limit_normalize_as_in_f64() {
-    fn check<T: Element>(device: &Device, n: usize) {
+    fn check<T: Element>(device: &Device, rows: usize, n: usize) {
         let mut rng = Rng::new(89 + n as u64);
-        let rows = 6;
         let x = Array2::from_shape_fn((rows, n), |(i, j)| {
             let u = rng.uniform();
             let v = match i % 3 {
@@ -471,10 +470,11 @@ fn rows_near_the_f32_limit_normalize_as_in_f64() {
     }
     for device in devices() {
         // One element at a time (odd n), warp rows, held block rows, streamed block rows;
-        // for the residual forward also rows it holds (12288) and stages (bf16 40000).
-        for n in [7, 1024, 4096, 12288, 40000] {
-            check::<f32>(&device, n);
-            check::<bf16>(&device, n);
+        // for the residual forward also rows it holds (12288) and stages (bf16 40000), and,
+        // in a launch of more rows than multiprocessors, its streamed kernel's (40000).
+        for (rows, n) in [(6, 7), (6, 1024), (6, 4096), (6, 12288), (6, 40000), (140, 40000)] {
+            check::<f32>(&device, rows, n);
+            check::<bf16>(&device, rows, n);
         }
     }
 }

@@ -301,6 +301,10 @@ pub enum Variant {
     /// The same for rows all of aligned packs that fit 4 a rank: two rows in flight a team.
     FwdResidualPipelinedWarp,
     FwdResidualPipelinedBlock,
+    /// The same over rows of aligned packs too long for `FwdResidualBlock` to hold, a
+    /// block per row at 64 registers: s formed and summed as it streams in, y from s read
+    /// back from L2.
+    FwdResidualStreamed,
     /// Backward stage 1, owned (deterministic) mode, rows streamed or held.
     BwdOwnedWarp,
     BwdOwnedBlock,
@@ -319,7 +323,7 @@ pub enum Variant {
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 18] = [
+    pub const ALL: [Variant; 19] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
@@ -329,6 +333,7 @@ impl Variant {
         Variant::FwdResidualBlock,
         Variant::FwdResidualPipelinedWarp,
         Variant::FwdResidualPipelinedBlock,
+        Variant::FwdResidualStreamed,
         Variant::BwdOwnedWarp,
         Variant::BwdOwnedBlock,
         Variant::BwdHeldWarp,
@@ -352,6 +357,7 @@ impl Variant {
             Variant::FwdResidualBlock => "fwd_residual_block",
             Variant::FwdResidualPipelinedWarp => "fwd_residual_pipelined_warp",
             Variant::FwdResidualPipelinedBlock => "fwd_residual_pipelined_block",
+            Variant::FwdResidualStreamed => "fwd_residual_streamed",
             Variant::BwdOwnedWarp => "bwd_owned_warp",
             Variant::BwdOwnedBlock => "bwd_owned_block",
             Variant::BwdHeldWarp => "bwd_held_warp",
@@ -414,7 +420,9 @@ impl Variant {
         let f32_weights_of_halves = pair.weights == 0 && !f32;
         match (self, arch) {
             (Variant::FwdBlock, _) if f32_weights_of_halves => 768,
-            (Variant::FwdWarp | Variant::FwdBlock | Variant::BwdReduce, _) => 1024,
+            (Variant::FwdWarp | Variant::FwdBlock | Variant::FwdResidualStreamed | Variant::BwdReduce, _) => {
+                1024
+            }
             (Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock, _) => 1024,
             (Variant::FwdFewRows, _) => 512,
             (

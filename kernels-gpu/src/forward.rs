@@ -38,6 +38,9 @@
 //!   ([`forward_rows_residual_pipelined`]) for launches with a residual whose rows all fit
 //!   as the pipelined ones (below) do: s = x + residual formed in registers as each row
 //!   comes up, written out, and normalized from there;
+//! - `residual_streamed` ([`forward_rows_residual_streamed`]) for launches of many rows
+//!   with a residual whose rows are all aligned packs too long for a block team to hold:
+//!   s summed as it is formed, then read back from L2 for y, at 64 registers;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -389,6 +392,112 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
         }
         row += S::count();
     }
+}
+
+/// As [`forward_rows_residual`] for rows of whole aligned packs too long for its block
+/// team to hold (past `FWD_HELD` packs a rank), in two passes over memory at 64 registers:
+/// - s formed `SUM_BATCH` packs a rank at a time, written to `sum`, and taken into this
+///   rank's statistics as it goes ([`add_residual_stats`]: each pack's exact mean and M2,
+///   Chan's merges), then merged over the team;
+/// - y from s read back: from L2 (the rows in flight fit there), only the packs this rank
+///   wrote, so no barrier.
+/// DRAM sees x, the residual, s and y once each, and shared memory only the reductions'
+/// scratch. The general kernel stages such rows in shared memory (a block a
+/// multiprocessor, the whole row's loads at once) or, past what shared memory holds,
+/// streams them at its 128 registers and reads s back twice; here two blocks of 512 share a
+/// multiprocessor, and each row's tail overlaps another block's loads (docs/PERF.md, v39).
+///
+/// # Safety
+/// As for [`forward_rows_residual`]; every row is whole packs, and x, y, the residual, s,
+/// gamma and beta are aligned to a pack of `T`'s columns (the host launches it only on
+/// such rows).
+#[inline(always)]
+unsafe fn forward_rows_residual_streamed<
+    T: Element,
+    Y: Element,
+    W: Element,
+    S: StatsTeam,
+    const CENTERED: bool,
+>(
+    p: Forward<Y, W, T>,
+) {
+    let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
+    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
+    let mut row = S::id();
+    while row < rows {
+        let offset = row as usize * n as usize;
+        // SAFETY: the row lies inside x and y (row < rows); the caller sized gamma and beta.
+        let (x_row, y_row) = unsafe { (x.add(offset), y.add(offset)) };
+        let (residual_row, sum_row) = (
+            p.residual.ptr().wrapping_add(offset),
+            p.sum.ptr().wrapping_add(offset),
+        );
+        // SAFETY: residual and sum hold the row too, whole packs, aligned.
+        let stats = S::reduce_stats(unsafe {
+            add_residual_stats::<T, Y, S>(x_row, residual_row, sum_row, n / T::PACK as u32)
+        });
+        let s_row = sum_row.cast_const();
+        // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd. y's pass
+        // reads back only this rank's packs of s.
+        unsafe {
+            let (row_mean, m2) = uncentered::<CENTERED>(stats.mean, stats.m2, n);
+            let norm = match RowNorm::of(row_mean, m2, n, eps) {
+                Some(norm) => {
+                    write_y::<T, Y, W, S, CENTERED, true, 0>(
+                        &Held::load::<T, S>(s_row, 0),
+                        s_row,
+                        affine,
+                        y_row,
+                        n,
+                        norm,
+                    );
+                    norm
+                }
+                None => {
+                    // The huge path walks the row element by element: the s other ranks
+                    // wrote must be visible first (the branch is the team's).
+                    S::sync();
+                    forward_row_huge::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, eps)
+                }
+            };
+            norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
+        }
+        row += S::count();
+    }
+}
+
+/// As [`add_residual`] over a row of `packs` whole packs, returning this rank's statistics
+/// of the s it formed (its values as stored, rounded to `T`): each pack's exact (mean, M2),
+/// merged by Chan's formula.
+///
+/// # Safety
+/// x, residual and sum hold `packs` whole packs, aligned.
+#[inline(always)]
+unsafe fn add_residual_stats<T: Element, Y: Element, S: Team>(
+    x: *const Y,
+    residual: *const T,
+    sum: *mut T,
+    packs: u32,
+) -> Stats {
+    let mut stats = Stats::EMPTY;
+    let mut first = 0;
+    while first < packs {
+        let (left, at) = (packs - first, first as usize * T::PACK);
+        // SAFETY: the packs from `first` on are whole and aligned.
+        let (xs, rs) = unsafe {
+            (
+                Held::<SUM_BATCH>::load_as::<T, Y, S>(x.add(at), left),
+                Held::<SUM_BATCH>::load::<T, S>(residual.add(at), left),
+            )
+        };
+        // SAFETY: as above (held slot c is pack rank + c * size past `first`).
+        let s = unsafe { store_sum::<T, Y, S, SUM_BATCH>(xs, rs, sum.add(at), left) };
+        each_held_slot::<S, SUM_BATCH>(left, |c, _| {
+            stats = stats.merge(Stats::of(&s.pack::<T>(c)[..T::PACK]))
+        });
+        first += SUM_BATCH as u32 * S::size();
+    }
+    stats
 }
 
 /// The residual add of this rank's held packs of a row (`xs` and `rs`, x's and the
@@ -1219,6 +1328,9 @@ macro_rules! residual_kernels {
         residual_kernels!(@one $prefix, $centered, $types, $y, $w, $r, residual_pipelined_block,
             forward_rows_residual_pipelined, Block,
             "Forward of x + residual, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
+        residual_kernels!(@one $prefix, $centered, $types, $y, $w, $r, residual_streamed,
+            forward_rows_residual_streamed, Block,
+            "Forward of x + residual, one block per row, streamed (rows of aligned packs too long to hold).");
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $rows:ident,
      $team:ty, $doc:literal) => {
