@@ -24,6 +24,8 @@
 //!   one block a multiprocessor at most, so occupancy does not matter).
 //! - The residual forward keeps the row pointers of x, the residual, s and y, and runs at
 //!   512 (128) with `.minnctapersm 1` (see `Variant::one_block_per_sm`).
+//!   Its streamed kernel holds nothing across a row's reduction and runs at 1024 (64,
+//!   57-64 used): two of its blocks of 512 share a multiprocessor.
 //! - f32 weights beside f16/bf16 rows cost the kernels that hold rows in registers the
 //!   weights' extra words: the general block forward needs 80 (768), and the held cluster
 //!   kernels 168 (384).
