@@ -323,19 +323,14 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
 unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     p: Forward<Y, W, T>,
 ) {
-    let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
+    let affine = Affine::of(p);
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let (x_staged, residual_staged) = Staged::<PART_HELD>::halves_after(SCRATCH_BYTES);
     let packs = n / T::PACK as u32;
     let mut row = S::id();
     while row < rows {
-        let offset = row as usize * n as usize;
-        // SAFETY: the row lies inside x and y (row < rows); the caller sized gamma and beta.
-        let (x_row, y_row) = unsafe { (x.add(offset), y.add(offset)) };
-        let (residual_row, sum_row) = (
-            p.residual.ptr().wrapping_add(offset),
-            p.sum.ptr().wrapping_add(offset),
-        );
+        // SAFETY: row < rows.
+        let (x_row, y_row, residual_row, sum_row) = unsafe { residual_row(&p, row) };
         let packed = is_pack_aligned_as::<T, _>(x_row)
             && is_pack_aligned_as::<T, _>(y_row)
             && is_pack_aligned(affine.gamma)
@@ -421,17 +416,12 @@ unsafe fn forward_rows_residual_streamed<
 >(
     p: Forward<Y, W, T>,
 ) {
-    let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
+    let affine = Affine::of(p);
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let mut row = S::id();
     while row < rows {
-        let offset = row as usize * n as usize;
-        // SAFETY: the row lies inside x and y (row < rows); the caller sized gamma and beta.
-        let (x_row, y_row) = unsafe { (x.add(offset), y.add(offset)) };
-        let (residual_row, sum_row) = (
-            p.residual.ptr().wrapping_add(offset),
-            p.sum.ptr().wrapping_add(offset),
-        );
+        // SAFETY: row < rows.
+        let (x_row, y_row, residual_row, sum_row) = unsafe { residual_row(&p, row) };
         // SAFETY: residual and sum hold the row too, whole packs, aligned.
         let stats = S::reduce_stats(unsafe {
             add_residual_stats::<T, Y, S>(x_row, residual_row, sum_row, n / T::PACK as u32)
@@ -480,24 +470,36 @@ unsafe fn add_residual_stats<T: Element, Y: Element, S: Team>(
     packs: u32,
 ) -> Stats {
     let mut stats = Stats::EMPTY;
-    let mut first = 0;
-    while first < packs {
-        let (left, at) = (packs - first, first as usize * T::PACK);
-        // SAFETY: the packs from `first` on are whole and aligned.
-        let (xs, rs) = unsafe {
-            (
-                Held::<SUM_BATCH>::load_as::<T, Y, S>(x.add(at), left),
-                Held::<SUM_BATCH>::load::<T, S>(residual.add(at), left),
-            )
-        };
-        // SAFETY: as above (held slot c is pack rank + c * size past `first`).
-        let s = unsafe { store_sum::<T, Y, S, SUM_BATCH>(xs, rs, sum.add(at), left) };
-        each_held_slot::<S, SUM_BATCH>(left, |c, _| {
-            stats = stats.merge(Stats::of(&s.pack::<T>(c)[..T::PACK]))
-        });
-        first += SUM_BATCH as u32 * S::size();
-    }
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        each_sum_batch::<T, Y, S>(x, residual, sum, packs, |s, left| {
+            each_held_slot::<S, SUM_BATCH>(left, |c, _| {
+                stats = stats.merge(Stats::of(&s.pack::<T>(c)[..T::PACK]))
+            });
+        })
+    };
     stats
+}
+
+/// Row `row`'s start in a residual forward's x, y, residual and sum.
+///
+/// # Safety
+/// row < `p.rows`: the row lies inside x and y (and inside the residual and sum, which the
+/// callers' safety sections size alike).
+#[inline(always)]
+unsafe fn residual_row<T: Element, Y: Element, W: Element>(
+    p: &Forward<Y, W, T>,
+    row: u32,
+) -> (*const Y, *mut Y, *const T, *mut T) {
+    let offset = row as usize * p.n as usize;
+    // SAFETY: the caller's guarantee.
+    let (x_row, y_row) = unsafe { (p.x.ptr().add(offset), p.y.ptr().add(offset)) };
+    (
+        x_row,
+        y_row,
+        p.residual.ptr().wrapping_add(offset),
+        p.sum.ptr().wrapping_add(offset),
+    )
 }
 
 /// The residual add of this rank's held packs of a row (`xs` and `rs`, x's and the
@@ -544,23 +546,42 @@ unsafe fn add_residual<T: Element, Y: Element, S: StatsTeam, const PACKED: bool>
     n: u32,
 ) {
     let packs = if PACKED { n / T::PACK as u32 } else { 0 };
+    // SAFETY: the packs before `packs` are whole and aligned (PACKED).
+    unsafe { each_sum_batch::<T, Y, S>(x, residual, sum, packs, |_, _| {}) };
+    // SAFETY: the caller's guarantee.
+    unsafe { add_residual_elements::<T, Y, S>(x, residual, sum, packs * T::PACK as u32, n) };
+}
+
+/// The residual add of a row's first `packs` whole packs, `SUM_BATCH` packs a rank at a
+/// time, every load of a batch issued before its first store: s formed and written, then
+/// `f(s, left)` with the batch's held s (slot c: pack rank + c * size of the `left` packs
+/// from the batch's first on, as for_each_chunk walks them).
+///
+/// # Safety
+/// x, residual and sum hold `packs` whole packs, aligned.
+#[inline(always)]
+unsafe fn each_sum_batch<T: Element, Y: Element, S: Team>(
+    x: *const Y,
+    residual: *const T,
+    sum: *mut T,
+    packs: u32,
+    mut f: impl FnMut(&Held<SUM_BATCH>, u32),
+) {
     let mut first = 0;
     while first < packs {
         let (left, at) = (packs - first, first as usize * T::PACK);
-        // SAFETY: the packs from `first` on are whole and aligned (PACKED).
+        // SAFETY: the packs from `first` on are whole and aligned.
         let (xs, rs) = unsafe {
             (
                 Held::<SUM_BATCH>::load_as::<T, Y, S>(x.add(at), left),
                 Held::<SUM_BATCH>::load::<T, S>(residual.add(at), left),
             )
         };
-        // SAFETY: as above: `left` whole packs from `at` on (held slot c is pack
-        // rank + c * size past `first`, as for_each_chunk walks them).
-        unsafe { store_sum::<T, Y, S, SUM_BATCH>(xs, rs, sum.add(at), left) };
+        // SAFETY: as above: `left` whole packs from `at` on.
+        let s = unsafe { store_sum::<T, Y, S, SUM_BATCH>(xs, rs, sum.add(at), left) };
+        f(&s, left);
         first += SUM_BATCH as u32 * S::size();
     }
-    // SAFETY: the caller's guarantee.
-    unsafe { add_residual_elements::<T, Y, S>(x, residual, sum, packs * T::PACK as u32, n) };
 }
 
 /// The residual add of elements `from..n` of a row, one at a time, element `from + i` by
