@@ -396,6 +396,7 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
 ///   Chan's merges), then merged over the team;
 /// - y from s read back: from L2 (the rows in flight fit there), only the packs this rank
 ///   wrote, so no barrier.
+///
 /// DRAM sees x, the residual, s and y once each, and shared memory only the reductions'
 /// scratch. The general kernel stages such rows in shared memory (a block a
 /// multiprocessor, the whole row's loads at once) or, past what shared memory holds,
