@@ -404,8 +404,7 @@ impl<T: Element> Planner<T> {
     /// once.
     fn residual_streamed(&self) -> Option<Plan> {
         let ranks = self.max_threads(Variant::FwdResidualBlock);
-        let takes =
-            self.aligned && !self.few_rows && !warp_rows(self.n) && !self.fits(self.n, ranks, FWD_HELD);
+        let takes = self.aligned && !self.few_rows && !self.fits(self.n, ranks, FWD_HELD);
         takes.then(|| Plan {
             variant: Variant::FwdResidualStreamed,
             threads: ranks,
