@@ -27,10 +27,11 @@
 //!   RMSNorm's 16-bit rows of 2049 to 8192 packs, and its f32 rows of as many that a team
 //!   of 512 or 1024 ranks holds at 8 packs a rank, which take the general kernel there.
 //!   Every other launch takes a resident grid whose teams loop over the rows.
-//! - Residual forward of more rows than multiprocessors over rows all of aligned packs too
-//!   long for a block of 512 to hold at 8 packs a rank (16-bit N > 32768, f32 > 16384):
-//!   the streamed residual kernel, 512 ranks, which forms and sums s in one pass and reads
-//!   it back from L2 for y (a block for every row on sm_90).
+//! - Residual forward of more rows than multiprocessors over rows all of aligned packs
+//!   longer than the pipelined block holds: up to 4 packs a rank of 1024 (16-bit N <=
+//!   32768, f32 16384), the held residual kernel at 64 registers; longer, the streamed
+//!   residual kernel, 512 ranks, which forms and sums s in one pass and reads it back from
+//!   L2 for y (both a block for every row on sm_90).
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
@@ -46,7 +47,8 @@
 use crate::layout::registry::pipeline_stages;
 pub use crate::layout::registry::{Arch, DTYPE_BYTES, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
-    BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PIPE_HELD, SCRATCH_BYTES,
+    BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PIPE_HELD, RESIDUAL_HELD,
+    SCRATCH_BYTES,
 };
 
 use crate::element::{Element, F32Stream, Weight, pair_of};
@@ -130,6 +132,10 @@ pub enum Grid {
 /// Rows of at most this many elements go one warp per row: a warp's 32 lanes hold a
 /// 1024-element row in 4 (f16) or 8 (f32) packs each, while a block would idle most threads.
 const WARP_ROW_MAX: u32 = 1024;
+
+/// The most threads a block has: at 64 registers each, a block of them fills a
+/// multiprocessor's register file.
+const FULL_BLOCK: u32 = 1024;
 
 /// Warps per block for warp teams: 8 rows in flight per block.
 const WARPS_PER_BLOCK: u32 = 8;
@@ -377,7 +383,7 @@ impl<T: Element> Planner<T> {
     /// The residual add's kernels, chosen as the plain forward's: their staging takes room
     /// for the residual's packs beside x's.
     fn forward_residual(&self) -> Plan {
-        if let Some(plan) = self.residual_streamed() {
+        if let Some(plan) = self.residual_held().or_else(|| self.residual_streamed()) {
             return plan;
         }
         let plan = self.forward_of(
@@ -392,6 +398,38 @@ impl<T: Element> Planner<T> {
             grid: self.forward_residual_grid(&plan),
             ..plan
         }
+    }
+
+    /// The held residual forward, for launches of more rows than multiprocessors whose rows
+    /// are all aligned packs past what the pipelined block holds (4 packs a rank of 512) and
+    /// within `RESIDUAL_HELD` packs a rank of a block of 1024 (16-bit N = 16385-32768, f32
+    /// 8193-16384, a stream in f32 included), a team for every row on sm_90. At 64
+    /// registers such a block fills a multiprocessor's register file with 32 warps, where
+    /// the general kernel held these rows at 8 packs a rank of 512 and 128 registers, 16
+    /// warps (H200, docs/PERF.md v40: +10% at f16 N = 32768, +6.4% at 20000, +2.2% at f32
+    /// 16384). Its blocks of 640 and 768 ranks lost 4-12% (a quarter of the register file
+    /// idle), so the block is always [`FULL_BLOCK`], and types whose bound is lower (f32
+    /// weights beside 16-bit rows, 768) keep the general kernel.
+    fn residual_held(&self) -> Option<Plan> {
+        let variant = Variant::FwdResidualHeld;
+        let pipelined = self.fits(
+            self.n,
+            self.max_threads(Variant::FwdResidualPipelinedBlock),
+            PIPE_HELD,
+        );
+        let takes = self.max_threads(variant) == FULL_BLOCK
+            && self.aligned
+            && !self.few_rows
+            && !pipelined
+            && self.fits(self.n, FULL_BLOCK, RESIDUAL_HELD);
+        takes.then(|| Plan {
+            variant,
+            threads: FULL_BLOCK,
+            stacked: 1,
+            smem: SCRATCH_BYTES,
+            local: false,
+            grid: self.every_row_on_sm90(true),
+        })
     }
 
     /// The streamed residual forward, 512 ranks, for launches of more rows than

@@ -77,6 +77,12 @@ fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
     for (dtype, n) in [(f32, 16388), (f16, 32776), (bf16_f32w_f32s, 16388)] {
         cases.push((dtype, Pass::ForwardResidual, 140, n));
     }
+    // And `gpu_residual_held_rows_match_the_reference`.
+    let f16_f32s = 5;
+    assert_eq!(layout::registry::TYPE_PAIRS[f16_f32s].name, "f16_f32s");
+    for (dtype, n) in [(f16, 32768), (bf16, 20000), (f32, 16384), (f16_f32s, 12288)] {
+        cases.push((dtype, Pass::ForwardResidual, 140, n));
+    }
     cases
 }
 
@@ -183,8 +189,11 @@ fn known_choices() {
         (p.variant, p.threads, p.smem),
         (Variant::FwdResidualBlock, 512, 512 + 2 * 6144 * 16)
     );
-    // 4096 packs fit 512 threads at 8: held by the general kernel.
+    // 4096 packs fit 1024 threads at 4: the held kernel; beside f32 weights (a 768-thread
+    // bound), held by the general kernel at 8 a thread on 512.
     let p = plan::<f16, f16>(Norm::Layer, MANY, 32768, Pass::ForwardResidual, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdResidualHeld, 1024));
+    let p = plan::<f16, f32>(Norm::Layer, MANY, 32768, Pass::ForwardResidual, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdResidualBlock, 512));
     // With dsum, long f16 rows take the general cluster kernel (the held ones of f16 rows and
     // weights take no dsum), and f32 rows or weights the held one, as without.
@@ -348,9 +357,9 @@ fn forward_grid_every_row_where_measured_faster() {
 }
 
 /// The residual forward's grid (docs/PERF.md v34): a block for every row for pipelined
-/// teams of 256 ranks, and for teams of 512 over f32 x that hold their row; resident for
-/// the team sizes that lost that way, 16-bit x on 512 ranks, staged f32 rows, unaligned
-/// rows and sm_80.
+/// teams of 256 ranks, for teams of 512 over f32 x that hold their row, and for the held
+/// and streamed kernels' blocks; resident for the team sizes that lost that way, 16-bit x
+/// on 512 ranks, staged f32 rows, unaligned rows and sm_80.
 #[test]
 fn residual_forward_grid_every_row_where_measured_faster() {
     let h = DeviceLimits::H100;
@@ -365,17 +374,24 @@ fn residual_forward_grid_every_row_where_measured_faster() {
         for p in [f16(norm, 8192), f32(norm, 4096), stream(norm, 4096)] {
             assert_eq!(shape(p), (pipelined, 256, Grid::EveryRow));
         }
-        // 512 ranks over f32 x: pipelined at 8192, the general kernel's held rows beyond.
+        // 512 ranks over f32 x: pipelined at 8192; past it (rows of up to 4 packs a rank of
+        // 1024), the held kernel, a block of 1024 for every row, in every type.
         assert_eq!(shape(f32(norm, 8192)), (pipelined, 512, Grid::EveryRow));
-        for n in [8200, 12288, 16384] {
-            assert_eq!(shape(f32(norm, n)), (general, 512, Grid::EveryRow));
+        let held = (Variant::FwdResidualHeld, 1024, Grid::EveryRow);
+        for p in [
+            f32(norm, 8200),
+            f32(norm, 16384),
+            f16(norm, 16392),
+            f16(norm, 32768),
+            stream(norm, 12288),
+            stream(norm, 16384),
+        ] {
+            assert_eq!(shape(p), held);
         }
-        // 16-bit x on 512 ranks (f16 15872 and 32768, the stream in f32 at 8192 and 12288),
-        // other team sizes: resident.
+        // 16-bit x on 512 ranks (f16 15872, the stream in f32 at 8192), other team sizes:
+        // resident.
         assert_eq!(shape(f16(norm, 15872)), (pipelined, 512, Grid::Resident));
-        assert_eq!(shape(f16(norm, 32768)), (general, 512, Grid::Resident));
         assert_eq!(shape(stream(norm, 8192)), (pipelined, 512, Grid::Resident));
-        assert_eq!(shape(stream(norm, 12288)), (general, 512, Grid::Resident));
         // Rows too long to hold at 8 packs a rank, streamed: a block for every row.
         let streamed = (Variant::FwdResidualStreamed, 512, Grid::EveryRow);
         for p in [f32(norm, 32768), f16(norm, 65536), stream(norm, 32768)] {
@@ -388,9 +404,13 @@ fn residual_forward_grid_every_row_where_measured_faster() {
             shape(f16(norm, 1024)),
             (Variant::FwdResidualPipelinedWarp, 256, Grid::Resident)
         );
-        // Unaligned rows, and sm_80 (unmeasured there).
+        // Unaligned rows, few rows, and sm_80 (unmeasured there).
         let p = plan::<f32, f32>(norm, MANY, 12288, res, false, h).unwrap();
         assert_eq!(shape(p), (general, 512, Grid::Resident));
+        let p = plan::<f32, f32>(norm, h.sm_count, 12288, res, true, h).unwrap();
+        assert_eq!(p.variant, general);
+        let p = plan::<f16, f16>(norm, MANY, 32768, res, true, DeviceLimits::A100).unwrap();
+        assert_eq!(shape(p), (Variant::FwdResidualHeld, 1024, Grid::Resident));
         let p = plan::<f32, f32>(norm, MANY, 4096, res, true, DeviceLimits::A100).unwrap();
         assert_eq!(shape(p), (pipelined, 256, Grid::Resident));
     }

@@ -26,6 +26,11 @@ pub const FWD_HELD: u32 = 8;
 /// Packs of x each rank of the pipelined forward holds for each of its two rows in flight.
 pub const PIPE_HELD: u32 = 4;
 
+/// Packs of x, and of the residual, each rank of the held residual forward
+/// (`registry::Variant::FwdResidualHeld`) loads together: 2 * 4 packs are 32 registers of
+/// its 64, and a block of 1024 ranks holds a 16-bit row of N = 32768 (f32: 16384).
+pub const RESIDUAL_HELD: u32 = 4;
+
 /// Packs of x each rank of LayerNorm's pipelined forward block team holds of the f32 rows
 /// whose next row it stages (`registry::pipeline_stages`): with one row in registers, 6 fit
 /// the 64 of its thread limit (8 spilled), and rows of up to 6144 packs (N = 24576) fit

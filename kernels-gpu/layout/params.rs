@@ -167,6 +167,7 @@ pub const fn param_bytes(variant: Variant) -> &'static [usize] {
         | Variant::FwdPipelinedWarp
         | Variant::FwdPipelinedBlock
         | Variant::FwdFewRows
+        | Variant::FwdResidualHeld
         | Variant::FwdResidualStreamed
         | Variant::FwdResidualWarp
         | Variant::FwdResidualBlock

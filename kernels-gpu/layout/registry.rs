@@ -24,10 +24,12 @@
 //!   one block a multiprocessor at most, so occupancy does not matter).
 //! - The residual forward keeps the row pointers of x, the residual, s and y, and runs at
 //!   512 (128) with `.minnctapersm 1` (see `Variant::one_block_per_sm`).
-//!   Its streamed kernel holds nothing across a row's reduction and runs at 1024 (64,
-//!   57-64 used): two of its blocks of 512 share a multiprocessor.
+//!   Its held kernel loads 4 packs of x and of the residual a rank, and its streamed kernel
+//!   holds nothing across a row's reduction: both run at 1024 (64), so that a
+//!   multiprocessor runs a block of 1024, or two of 512.
 //! - f32 weights beside f16/bf16 rows cost the kernels that hold rows in registers the
-//!   weights' extra words: the general block forward needs 80 (768), and the held cluster
+//!   weights' extra words: the general block forward and the held residual forward (which
+//!   spilled 8 bytes at 64 in LayerNorm on sm_90) need 80 (768), and the held cluster
 //!   kernels 168 (384).
 //! - A residual stream in f32 beside f16/bf16 x: the held stage 1 on sm_80 spilled 12 bytes
 //!   at 168 (384) in LayerNorm and has 255 (256). Its cluster kernels walk rows of f32 as
@@ -303,9 +305,12 @@ pub enum Variant {
     /// The same for rows all of aligned packs that fit 4 a rank: two rows in flight a team.
     FwdResidualPipelinedWarp,
     FwdResidualPipelinedBlock,
-    /// The same over rows of aligned packs too long for `FwdResidualBlock` to hold, a
-    /// block per row at 64 registers: s formed and summed as it streams in, y from s read
-    /// back from L2.
+    /// The same over rows of aligned packs past what `FwdResidualPipelinedBlock` holds, a
+    /// block per row at 64 registers: held at `RESIDUAL_HELD` packs a rank by up to 1024
+    /// ranks,
+    FwdResidualHeld,
+    /// or, too long for that, s formed and summed as it streams in, y from s read back from
+    /// L2.
     FwdResidualStreamed,
     /// Backward stage 1, owned (deterministic) mode, rows streamed or held.
     BwdOwnedWarp,
@@ -325,7 +330,7 @@ pub enum Variant {
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 19] = [
+    pub const ALL: [Variant; 20] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
@@ -335,6 +340,7 @@ impl Variant {
         Variant::FwdResidualBlock,
         Variant::FwdResidualPipelinedWarp,
         Variant::FwdResidualPipelinedBlock,
+        Variant::FwdResidualHeld,
         Variant::FwdResidualStreamed,
         Variant::BwdOwnedWarp,
         Variant::BwdOwnedBlock,
@@ -359,6 +365,7 @@ impl Variant {
             Variant::FwdResidualBlock => "fwd_residual_block",
             Variant::FwdResidualPipelinedWarp => "fwd_residual_pipelined_warp",
             Variant::FwdResidualPipelinedBlock => "fwd_residual_pipelined_block",
+            Variant::FwdResidualHeld => "fwd_residual_held",
             Variant::FwdResidualStreamed => "fwd_residual_streamed",
             Variant::BwdOwnedWarp => "bwd_owned_warp",
             Variant::BwdOwnedBlock => "bwd_owned_block",
@@ -422,9 +429,15 @@ impl Variant {
         let f32_weights_of_halves = pair.weights == 0 && !f32;
         match (self, arch) {
             (Variant::FwdBlock, _) if f32_weights_of_halves => 768,
-            (Variant::FwdWarp | Variant::FwdBlock | Variant::FwdResidualStreamed | Variant::BwdReduce, _) => {
-                1024
-            }
+            (Variant::FwdResidualHeld, _) if f32_weights_of_halves && !f32_rows => 768,
+            (
+                Variant::FwdWarp
+                | Variant::FwdBlock
+                | Variant::FwdResidualHeld
+                | Variant::FwdResidualStreamed
+                | Variant::BwdReduce,
+                _,
+            ) => 1024,
             (Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock, _) => 1024,
             (Variant::FwdFewRows, _) => 512,
             (

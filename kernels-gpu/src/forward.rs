@@ -38,9 +38,10 @@
 //!   ([`forward_rows_residual_pipelined`]) for launches with a residual whose rows all fit
 //!   as the pipelined ones (below) do: s = x + residual formed in registers as each row
 //!   comes up, written out, and normalized from there;
-//! - `residual_streamed` ([`forward_rows_residual_streamed`]) for launches of many rows
-//!   with a residual whose rows are all aligned packs too long for a block team to hold:
-//!   s summed as it is formed, then read back from L2 for y, at 64 registers;
+//! - `residual_held` and `residual_streamed` ([`forward_rows_residual_aligned`]) for
+//!   launches of many rows with a residual whose rows are all aligned packs past what the
+//!   pipelined block holds: held 4 packs a rank by up to 1024 ranks, or, too long for
+//!   that, s summed as it is formed and read back from L2 for y, both at 64 registers;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -86,6 +87,10 @@ use core::f64::math::sqrt as sqrt_f64;
 /// rest is [`Staged`] in shared memory. f32 N = 65536 on 1024 threads: 64 KB in registers,
 /// 192 KB in shared memory (a block gets at most 227 KB).
 const PART_HELD: usize = crate::layout::PART_HELD as usize;
+
+/// Packs a rank of the held residual kernel (`residual_held`): x's and the residual's
+/// loaded together fit its 64 registers.
+const RESIDUAL_HELD: usize = crate::layout::RESIDUAL_HELD as usize;
 
 /// The factor on x of rows whose f32 sums overflow: n <= 2^31 values up to 2^128 sum to at
 /// most 2^159, and their squared deviations (each at most 2^258) to 2^289; times 2^-81 and
@@ -344,14 +349,15 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
         // the packed paths read or write, and `fits` or `holds` for the held and staged.
         let norm = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
-                let held = store_sum::<T, Y, S, FWD_HELD>(
-                    Held::load_as::<T, Y, S>(x_row, packs),
-                    Held::load::<T, S>(residual_row, packs),
+                residual_held_row::<T, Y, W, S, CENTERED, FWD_HELD>(
+                    x_row,
+                    residual_row,
                     sum_row,
-                    packs,
-                );
-                add_residual_elements::<T, Y, S>(x_row, residual_row, sum_row, packs * T::PACK as u32, n);
-                normalize_row::<T, Y, W, S, CENTERED, true, FWD_HELD>(&held, s_row, affine, y_row, n, eps)
+                    affine,
+                    y_row,
+                    n,
+                    eps,
+                )
             } else if packed && S::HOLDS_PART_OF_LONG_ROWS && x_staged.holds::<T, S>(n) {
                 // Every load of the row in flight at once: the held packs' and both copies.
                 let (xs, rs) = (
@@ -389,31 +395,39 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
     }
 }
 
-/// As [`forward_rows_residual`] for rows of whole aligned packs too long for its block
-/// team to hold (past `FWD_HELD` packs a rank), in two passes over memory at 64 registers:
-/// - s formed `SUM_BATCH` packs a rank at a time, written to `sum`, and taken into this
-///   rank's statistics as it goes ([`add_residual_stats`]: each pack's exact mean and M2,
-///   Chan's merges), then merged over the team;
-/// - y from s read back: from L2 (the rows in flight fit there), only the packs this rank
-///   wrote, so no barrier.
+/// As [`forward_rows_residual`] for rows of whole aligned packs only, at 64 registers
+/// (teams of up to 1024 ranks), without the general kernel's other paths:
+/// - `HELD` > 0 (`residual_held`): rows that fit `HELD` packs a rank
+///   (`layout::RESIDUAL_HELD`, 4: 16-bit N <= 32768, f32 16384 on 1024 ranks), which the
+///   general kernel would hold at 8 packs a rank of at most 512 ranks and 128 registers,
+///   one block a multiprocessor. x's and the residual's packs are loaded together, s formed,
+///   stored and normalized from registers ([`residual_held_row`]);
+/// - `HELD` = 0 (`residual_streamed`): rows too long to hold (past `FWD_HELD` packs a rank
+///   of 512), in two passes over memory: s formed `SUM_BATCH` packs a rank at a time,
+///   written to `sum`, and taken into this rank's statistics as it goes
+///   ([`add_residual_stats`]: each pack's exact mean and M2, Chan's merges), then merged
+///   over the team; then y from s read back from L2 (the rows in flight fit there), only the
+///   packs this rank wrote, so no barrier. The general kernel stages such rows in shared
+///   memory (a block a multiprocessor, the whole row's loads at once) or, past what shared
+///   memory holds, streams them at its 128 registers and reads s back twice; here two
+///   blocks of 512 share a multiprocessor, and each row's tail overlaps another block's
+///   loads (docs/PERF.md, v39).
 ///
 /// DRAM sees x, the residual, s and y once each, and shared memory only the reductions'
-/// scratch. The general kernel stages such rows in shared memory (a block a
-/// multiprocessor, the whole row's loads at once) or, past what shared memory holds,
-/// streams them at its 128 registers and reads s back twice; here two blocks of 512 share a
-/// multiprocessor, and each row's tail overlaps another block's loads (docs/PERF.md, v39).
+/// scratch.
 ///
 /// # Safety
 /// As for [`forward_rows_residual`]; every row is whole packs, and x, y, the residual, s,
 /// gamma and beta are aligned to a pack of `T`'s columns (the host launches it only on
-/// such rows).
+/// such rows); with `HELD` > 0, every row fits `HELD` packs a rank.
 #[inline(always)]
-unsafe fn forward_rows_residual_streamed<
+unsafe fn forward_rows_residual_aligned<
     T: Element,
     Y: Element,
     W: Element,
     S: StatsTeam,
     const CENTERED: bool,
+    const HELD: usize,
 >(
     p: Forward<Y, W, T>,
 ) {
@@ -423,17 +437,29 @@ unsafe fn forward_rows_residual_streamed<
     while row < rows {
         // SAFETY: row < rows.
         let (x_row, y_row, residual_row, sum_row) = unsafe { residual_row(&p, row) };
-        // SAFETY: residual and sum hold the row too, whole packs, aligned.
-        let stats = S::reduce_stats(unsafe {
-            add_residual_stats::<T, Y, S>(x_row, residual_row, sum_row, n / T::PACK as u32)
-        });
         let s_row = sum_row.cast_const();
-        // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd. y's pass
-        // reads back only this rank's packs of s.
-        unsafe {
-            let (row_mean, m2) = uncentered::<CENTERED>(stats.mean, stats.m2, n);
-            let norm = match RowNorm::of(row_mean, m2, n, eps) {
-                Some(norm) => {
+        // SAFETY: residual and sum hold the row too, whole packs, aligned; held rows fit.
+        // y's pass reads back only this rank's packs of s.
+        let norm = unsafe {
+            if HELD > 0 {
+                residual_held_row::<T, Y, W, S, CENTERED, HELD>(
+                    x_row,
+                    residual_row,
+                    sum_row,
+                    affine,
+                    y_row,
+                    n,
+                    eps,
+                )
+            } else {
+                let stats = S::reduce_stats(add_residual_stats::<T, Y, S>(
+                    x_row,
+                    residual_row,
+                    sum_row,
+                    n / T::PACK as u32,
+                ));
+                let (row_mean, m2) = uncentered::<CENTERED>(stats.mean, stats.m2, n);
+                RowNorm::of(row_mean, m2, n, eps).inspect(|&norm| {
                     write_y::<T, Y, W, S, CENTERED, true, 0>(
                         &Held::load::<T, S>(s_row, 0),
                         s_row,
@@ -441,19 +467,61 @@ unsafe fn forward_rows_residual_streamed<
                         y_row,
                         n,
                         norm,
-                    );
-                    norm
-                }
-                None => {
-                    // The huge path walks the row element by element: the s other ranks
-                    // wrote must be visible first (the branch is the team's).
-                    S::sync();
-                    forward_row_huge::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, eps)
-                }
-            };
+                    )
+                })
+            }
+        };
+        // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
+        unsafe {
+            let norm = norm.unwrap_or_else(|| {
+                // The huge path walks the row element by element: the s other ranks wrote
+                // must be visible first (the branch is the team's).
+                S::sync();
+                forward_row_huge::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, eps)
+            });
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         row += S::count();
+    }
+}
+
+/// One residual row held in registers, `HELD` packs a rank: x's and the residual's packs
+/// loaded together (every load in flight at once), s formed, written to `sum` and
+/// normalized from registers ([`store_sum`]); the elements after the last whole pack one
+/// by one. Returns the row's normalization, or None where its statistics overflowed (as
+/// [`normalize_row`]).
+///
+/// # Safety
+/// As for [`forward_row`] over x, residual, sum and y, all 16-byte aligned; the row fits
+/// `HELD` packs a rank.
+#[inline(always)]
+unsafe fn residual_held_row<
+    T: Element,
+    Y: Element,
+    W: Element,
+    S: StatsTeam,
+    const CENTERED: bool,
+    const HELD: usize,
+>(
+    x: *const Y,
+    residual: *const T,
+    sum: *mut T,
+    affine: Affine<W>,
+    y: *mut Y,
+    n: u32,
+    eps: f32,
+) -> Option<RowNorm<CENTERED>> {
+    let packs = n / T::PACK as u32;
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        let held = store_sum::<T, Y, S, HELD>(
+            Held::load_as::<T, Y, S>(x, packs),
+            Held::load::<T, S>(residual, packs),
+            sum,
+            packs,
+        );
+        add_residual_elements::<T, Y, S>(x, residual, sum, packs * T::PACK as u32, n);
+        normalize_row::<T, Y, W, S, CENTERED, true, HELD>(&held, sum.cast_const(), affine, y, n, eps)
     }
 }
 
@@ -1350,9 +1418,24 @@ macro_rules! residual_kernels {
         residual_kernels!(@one $prefix, $centered, $types, $y, $w, $r, residual_pipelined_block,
             forward_rows_residual_pipelined, Block,
             "Forward of x + residual, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
-        residual_kernels!(@one $prefix, $centered, $types, $y, $w, $r, residual_streamed,
-            forward_rows_residual_streamed, Block,
+        residual_kernels!(@aligned $prefix, $types, $y, $w, $r, residual_held, $centered, RESIDUAL_HELD,
+            "Forward of x + residual, one block per row, held at 64 registers (rows of aligned packs, 4 a rank).");
+        residual_kernels!(@aligned $prefix, $types, $y, $w, $r, residual_streamed, $centered, 0,
             "Forward of x + residual, one block per row, streamed (rows of aligned packs too long to hold).");
+    };
+    (@aligned $prefix:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $centered:literal, $held:expr,
+     $doc:literal) => {
+        #[doc = $doc]
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes, on rows the kernel
+        /// takes (`forward_rows_residual_aligned`'s safety section).
+        #[unsafe(export_name = concat!($prefix, "_fwd_", stringify!($kind), "_", $types))]
+        pub unsafe extern "ptx-kernel" fn $kind(p: Forward<$y, $w, $r>) {
+            // SAFETY: the host launches this kernel only as `forward_rows_residual_aligned`
+            // requires.
+            unsafe { forward_rows_residual_aligned::<$r, $y, $w, Block, $centered, { $held }>(p) }
+        }
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $rows:ident,
      $team:ty, $doc:literal) => {
