@@ -28,10 +28,11 @@
 //!   of 512 or 1024 ranks holds at 8 packs a rank, which take the general kernel there.
 //!   Every other launch takes a resident grid whose teams loop over the rows.
 //! - Residual forward of more rows than multiprocessors over rows all of aligned packs
-//!   longer than the pipelined block holds: up to 4 packs a rank of 1024 (16-bit N <=
-//!   32768, f32 16384), the held residual kernel at 64 registers; longer, the streamed
-//!   residual kernel, 512 ranks, which forms and sums s in one pass and reads it back from
-//!   L2 for y (both a block for every row on sm_90).
+//!   longer than the pipelined block holds: 16-bit rows of up to 4 packs a rank of 1024
+//!   (N <= 32768) with weights of their type, the held residual kernel at 64 registers;
+//!   rows too long for a block of 512 to hold at 8 packs a rank (16-bit N > 32768, f32 >
+//!   16384), the streamed residual kernel, 512 ranks, which forms and sums s in one pass
+//!   and reads it back from L2 for y (both a block for every row on sm_90).
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
@@ -401,15 +402,15 @@ impl<T: Element> Planner<T> {
     }
 
     /// The held residual forward, for launches of more rows than multiprocessors whose rows
-    /// are all aligned packs past what the pipelined block holds (4 packs a rank of 512) and
-    /// within `RESIDUAL_HELD` packs a rank of a block of 1024 (16-bit N = 16385-32768, f32
-    /// 8193-16384, a stream in f32 included), a team for every row on sm_90. At 64
-    /// registers such a block fills a multiprocessor's register file with 32 warps, where
-    /// the general kernel held these rows at 8 packs a rank of 512 and 128 registers, 16
-    /// warps (H200, docs/PERF.md v40: +10% at f16 N = 32768, +6.4% at 20000, +2.2% at f32
-    /// 16384). Its blocks of 640 and 768 ranks lost 4-12% (a quarter of the register file
-    /// idle), so the block is always [`FULL_BLOCK`], and types whose bound is lower (f32
-    /// weights beside 16-bit rows, 768) keep the general kernel.
+    /// are all aligned 16-bit packs past what the pipelined block holds (4 packs a rank of
+    /// 512) and within `RESIDUAL_HELD` packs a rank of a block of 1024 (N = 16385-32768),
+    /// with weights of x's type, a team for every row on sm_90. At 64 registers such a
+    /// block fills a multiprocessor's register file with 32 warps, where the general kernel
+    /// held these rows at 8 packs a rank of 512 and 128 registers, 16 warps (H200,
+    /// docs/PERF.md v40: +6.6 to +12.3% at N = 20000-32768, RMSNorm +4.8 to +14.9% at
+    /// 32768). Its blocks of 640 and 768 ranks lost 4-6%, so the block is always
+    /// [`FULL_BLOCK`]; over f32 rows (x, or a stream in f32) it gained 2% at N = 16384 and
+    /// lost 17% at 12288, and the registry has it for 16-bit rows only.
     fn residual_held(&self) -> Option<Plan> {
         let variant = Variant::FwdResidualHeld;
         let pipelined = self.fits(
@@ -417,7 +418,7 @@ impl<T: Element> Planner<T> {
             self.max_threads(Variant::FwdResidualPipelinedBlock),
             PIPE_HELD,
         );
-        let takes = self.max_threads(variant) == FULL_BLOCK
+        let takes = variant.has_pair(self.pair)
             && self.aligned
             && !self.few_rows
             && !pipelined

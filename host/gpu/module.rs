@@ -230,7 +230,8 @@ impl<'a> TypeKernels<'a> {
         self.module.kernels[v as usize].as_ref()
     }
 
-    /// A kernel every module has.
+    /// A kernel the module has: any but the held residual forward, which the planner plans
+    /// only for the type pairs that have it (`Variant::has_pair`).
     pub(crate) fn any(self, v: Variant) -> &'a Kernel {
         self.get(v)
             .unwrap_or_else(|| panic!("layernorm-cuda bug: {v:?} asked of a module that lacks it"))

@@ -28,8 +28,7 @@
 //!   holds nothing across a row's reduction: both run at 1024 (64), so that a
 //!   multiprocessor runs a block of 1024, or two of 512.
 //! - f32 weights beside f16/bf16 rows cost the kernels that hold rows in registers the
-//!   weights' extra words: the general block forward and the held residual forward (which
-//!   spilled 8 bytes at 64 in LayerNorm on sm_90) need 80 (768), and the held cluster
+//!   weights' extra words: the general block forward needs 80 (768), and the held cluster
 //!   kernels 168 (384).
 //! - A residual stream in f32 beside f16/bf16 x: the held stage 1 on sm_80 spilled 12 bytes
 //!   at 168 (384) in LayerNorm and has 255 (256). Its cluster kernels walk rows of f32 as
@@ -240,12 +239,13 @@ pub fn kernels(arch: Arch) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
 /// The kernels that `norm`'s ops on `pair` launch on `arch`, one per variant of the module,
 /// as (norm, variant, type pair) of the kernel's name: `norm`'s own kernel of `pair` where
 /// there is one, else the one that serves it (stage 2: LayerNorm's, of the weights' own
-/// type; for a residual stream in f32, the plain forward of x's pair). What one lazily
-/// loaded module of the host holds.
+/// type; for a residual stream in f32, the plain forward of x's pair), but the held
+/// residual forward, which only its own pairs have (the planner takes it only there). What
+/// one lazily loaded module of the host holds.
 pub fn kernels_of(arch: Arch, norm: Norm, pair: TypePair) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
     Variant::ALL
         .into_iter()
-        .filter(move |&v| v.in_module(arch))
+        .filter(move |&v| v.in_module(arch) && (v.has_pair(pair) || !matches!(v, Variant::FwdResidualHeld)))
         .map(move |v| {
             let owner = if norm.has(v) { norm } else { Norm::Layer };
             let served = if v.has_pair(pair) {
@@ -306,8 +306,8 @@ pub enum Variant {
     FwdResidualPipelinedWarp,
     FwdResidualPipelinedBlock,
     /// The same over rows of aligned packs past what `FwdResidualPipelinedBlock` holds, a
-    /// block per row at 64 registers: held at `RESIDUAL_HELD` packs a rank by up to 1024
-    /// ranks,
+    /// block per row at 64 registers: 16-bit rows held at `RESIDUAL_HELD` packs a rank by
+    /// up to 1024 ranks,
     FwdResidualHeld,
     /// or, too long for that, s formed and summed as it streams in, y from s read back from
     /// L2.
@@ -429,7 +429,6 @@ impl Variant {
         let f32_weights_of_halves = pair.weights == 0 && !f32;
         match (self, arch) {
             (Variant::FwdBlock, _) if f32_weights_of_halves => 768,
-            (Variant::FwdResidualHeld, _) if f32_weights_of_halves && !f32_rows => 768,
             (
                 Variant::FwdWarp
                 | Variant::FwdBlock
@@ -497,9 +496,17 @@ impl Variant {
     }
 
     /// Whether the kernel comes in type pair `pair`: stage 2, which reads f32 partials and
-    /// writes the weights' gradients, only in pairs of one type; with a residual stream in
-    /// f32, only the kernels that read or write it: the residual forward and stage 1.
+    /// writes the weights' gradients, only in pairs of one type; the held residual forward
+    /// only over f16 and bf16 rows with weights and stream of their type; with a residual
+    /// stream in f32, only the kernels that read or write it: the residual forward and
+    /// stage 1.
     pub const fn has_pair(self, pair: TypePair) -> bool {
+        if matches!(self, Variant::FwdResidualHeld) {
+            // Where it was measured faster (H200, docs/PERF.md v40: f32 rows, a stream in
+            // f32 included, gained 2% or lost up to 17%; f32 weights beside 16-bit rows
+            // spilled it at 64 registers).
+            return DTYPE_BYTES[pair.x] == 2 && pair.weights == pair.x && pair.stream == pair.x;
+        }
         if pair.wide_stream() {
             return !matches!(
                 self,

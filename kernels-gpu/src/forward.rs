@@ -40,8 +40,9 @@
 //!   comes up, written out, and normalized from there;
 //! - `residual_held` and `residual_streamed` ([`forward_rows_residual_aligned`]) for
 //!   launches of many rows with a residual whose rows are all aligned packs past what the
-//!   pipelined block holds: held 4 packs a rank by up to 1024 ranks, or, too long for
-//!   that, s summed as it is formed and read back from L2 for y, both at 64 registers;
+//!   pipelined block holds: 16-bit rows held 4 packs a rank by up to 1024 ranks, or, too
+//!   long for that, s summed as it is formed and read back from L2 for y, both at 64
+//!   registers;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -397,11 +398,11 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
 
 /// As [`forward_rows_residual`] for rows of whole aligned packs only, at 64 registers
 /// (teams of up to 1024 ranks), without the general kernel's other paths:
-/// - `HELD` > 0 (`residual_held`): rows that fit `HELD` packs a rank
-///   (`layout::RESIDUAL_HELD`, 4: 16-bit N <= 32768, f32 16384 on 1024 ranks), which the
-///   general kernel would hold at 8 packs a rank of at most 512 ranks and 128 registers,
-///   one block a multiprocessor. x's and the residual's packs are loaded together, s formed,
-///   stored and normalized from registers ([`residual_held_row`]);
+/// - `HELD` > 0 (`residual_held`, 16-bit rows): rows that fit `HELD` packs a rank
+///   (`layout::RESIDUAL_HELD`, 4: N <= 32768 on 1024 ranks), which the general kernel
+///   would hold at 8 packs a rank of at most 512 ranks and 128 registers, one block a
+///   multiprocessor. x's and the residual's packs are loaded together, s formed, stored
+///   and normalized from registers ([`residual_held_row`]);
 /// - `HELD` = 0 (`residual_streamed`): rows too long to hold (past `FWD_HELD` packs a rank
 ///   of 512), in two passes over memory: s formed `SUM_BATCH` packs a rank at a time,
 ///   written to `sum`, and taken into this rank's statistics as it goes
@@ -1418,8 +1419,6 @@ macro_rules! residual_kernels {
         residual_kernels!(@one $prefix, $centered, $types, $y, $w, $r, residual_pipelined_block,
             forward_rows_residual_pipelined, Block,
             "Forward of x + residual, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
-        residual_kernels!(@aligned $prefix, $types, $y, $w, $r, residual_held, $centered, RESIDUAL_HELD,
-            "Forward of x + residual, one block per row, held at 64 registers (rows of aligned packs, 4 a rank).");
         residual_kernels!(@aligned $prefix, $types, $y, $w, $r, residual_streamed, $centered, 0,
             "Forward of x + residual, one block per row, streamed (rows of aligned packs too long to hold).");
     };
@@ -1449,6 +1448,29 @@ macro_rules! residual_kernels {
             // SAFETY: the host launches this kernel only as `$rows` requires.
             unsafe { $rows::<$r, $y, $w, $team, $centered>(p) }
         }
+    };
+}
+
+/// Exports the held residual forward kernels (`<norm>_fwd_residual_held_<type>`) of both
+/// norms for 16-bit x with weights and a residual stream of its own type, the only pairs
+/// the host plans them for (`layout::registry::Variant::has_pair`).
+macro_rules! residual_held_kernels {
+    ($module:ident, $types:literal, $t:ty) => {
+        mod $module {
+            use super::*;
+            mod layer {
+                use super::*;
+                residual_held_kernels!(@one "layer_norm", true, $types, $t);
+            }
+            mod rms {
+                use super::*;
+                residual_held_kernels!(@one "rms_norm", false, $types, $t);
+            }
+        }
+    };
+    (@one $prefix:literal, $centered:literal, $types:literal, $t:ty) => {
+        residual_kernels!(@aligned $prefix, $types, $t, $t, $t, residual_held, $centered, RESIDUAL_HELD,
+            "Forward of x + residual, one block per row, held at 64 registers (rows of aligned packs, 4 a rank).");
     };
 }
 
@@ -1510,6 +1532,8 @@ forward_kernels!(f16_f16, "f16", crate::element::F16, crate::element::F16);
 forward_kernels!(bf16_bf16, "bf16", crate::element::Bf16, crate::element::Bf16);
 forward_kernels!(f16_f32, "f16_f32w", crate::element::F16, f32);
 forward_kernels!(bf16_f32, "bf16_f32w", crate::element::Bf16, f32);
+residual_held_kernels!(f16_held, "f16", crate::element::F16);
+residual_held_kernels!(bf16_held, "bf16", crate::element::Bf16);
 
 /// Exports the residual forward kernels of 16-bit x whose residual stream is kept in f32,
 /// for both norms.
