@@ -408,7 +408,7 @@ impl<T: Element> Planner<T> {
     /// block fills a multiprocessor's register file with 32 warps, where the general kernel
     /// held these rows at 8 packs a rank of 512 and 128 registers, 16 warps (H200,
     /// docs/PERF.md v40: +6.6 to +12.3% at N = 20000-32768, RMSNorm +4.8 to +14.9% at
-    /// 32768). Its blocks of 640 and 768 ranks lost 4-6%, so the block is always
+    /// 32768). Its blocks of 640 and 768 ranks lost 3-6%, so the block is always
     /// [`FULL_BLOCK`]; over f32 rows (x, or a stream in f32) it gained 2% at N = 16384 and
     /// lost 17% at 12288, and the registry has it for 16-bit rows only.
     fn residual_held(&self) -> Option<Plan> {
