@@ -471,8 +471,18 @@ fn rows_near_the_f32_limit_normalize_as_in_f64() {
     for device in devices() {
         // One element at a time (odd n), warp rows, held block rows, streamed block rows;
         // for the residual forward also rows it holds (12288) and stages (bf16 40000), and,
-        // in a launch of more rows than multiprocessors, its streamed kernel's (40000).
-        for (rows, n) in [(6, 7), (6, 1024), (6, 4096), (6, 12288), (6, 40000), (140, 40000)] {
+        // in a launch of more rows than multiprocessors, its held kernel's (bf16 20000, by
+        // blocks of 1024) and its streamed kernel's (40000).
+        let shapes = [
+            (6, 7),
+            (6, 1024),
+            (6, 4096),
+            (6, 12288),
+            (6, 40000),
+            (140, 20000),
+            (140, 40000),
+        ];
+        for (rows, n) in shapes {
             check::<f32>(&device, rows, n);
             check::<bf16>(&device, rows, n);
         }
