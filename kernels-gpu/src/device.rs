@@ -304,6 +304,25 @@ pub unsafe fn load_16(p: *const u32) -> [u32; 4] {
     [a, b, c, d]
 }
 
+/// As [`load_16`], for a kernel's last read of these bytes where it reads other data back
+/// from L2 (`ld.global.cs`: the line is cached evict-first, in L1 and L2), so that L2 gives
+/// up this line before that data. Only where measured: over rows held in registers the same
+/// hint on every load cost 3-5% (docs/PERF.md, v41).
+///
+/// # Safety
+/// As for [`load_16`].
+#[inline(always)]
+pub unsafe fn load_16_evict_first(p: *const u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    // SAFETY: the caller guarantees `p` is aligned and readable for 16 bytes.
+    unsafe {
+        asm!("ld.global.cs.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+             p = in(reg64) p, options(readonly, nostack));
+    }
+    [a, b, c, d]
+}
+
 /// Copies 16 bytes from global to shared memory without passing through registers
 /// (`cp.async.cg`, sm_80 and later): as many copies in flight as the thread issues, at no
 /// register cost. The data is there for this thread after [`cp_async_wait_all`].
@@ -373,6 +392,21 @@ pub unsafe fn load_8(p: *const u32) -> [u32; 2] {
     [a, b]
 }
 
+/// As [`load_8`], evict-first, as [`load_16_evict_first`] loads 16.
+///
+/// # Safety
+/// As for [`load_8`].
+#[inline(always)]
+pub unsafe fn load_8_evict_first(p: *const u32) -> [u32; 2] {
+    let (a, b): (u32, u32);
+    // SAFETY: the caller guarantees `p` is aligned and readable for 8 bytes.
+    unsafe {
+        asm!("ld.global.cs.v2.u32 {{{a}, {b}}}, [{p}];",
+             a = out(reg32) a, b = out(reg32) b, p = in(reg64) p, options(readonly, nostack));
+    }
+    [a, b]
+}
+
 /// As [`load_8`], through L1 (`ld.global.ca`), as [`load_16_cached`] reads the weights.
 ///
 /// # Safety
@@ -401,6 +435,20 @@ pub unsafe fn store_8(p: *mut u32, v: [u32; 2]) {
     }
 }
 
+/// As [`store_8`], cached evict-first (`st.global.cs`): bytes this kernel does not read
+/// again, beside data it reads back from L2 (as [`load_16_evict_first`]).
+///
+/// # Safety
+/// As for [`store_8`].
+#[inline(always)]
+pub unsafe fn store_8_evict_first(p: *mut u32, v: [u32; 2]) {
+    // SAFETY: the caller guarantees `p` is aligned and writable for 8 bytes.
+    unsafe {
+        asm!("st.global.cs.v2.u32 [{p}], {{{a}, {b}}};",
+             p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], options(nostack));
+    }
+}
+
 /// Stores 16 bytes to global memory.
 ///
 /// # Safety
@@ -410,6 +458,20 @@ pub unsafe fn store_16(p: *mut u32, v: [u32; 4]) {
     // SAFETY: the caller guarantees `p` is aligned and writable for 16 bytes.
     unsafe {
         asm!("st.global.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
+             p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2],
+             d = in(reg32) v[3], options(nostack));
+    }
+}
+
+/// As [`store_16`], cached evict-first (`st.global.cs`), as [`store_8_evict_first`].
+///
+/// # Safety
+/// As for [`store_16`].
+#[inline(always)]
+pub unsafe fn store_16_evict_first(p: *mut u32, v: [u32; 4]) {
+    // SAFETY: the caller guarantees `p` is aligned and writable for 16 bytes.
+    unsafe {
+        asm!("st.global.cs.v4.u32 [{p}], {{{a}, {b}, {c}, {d}}};",
              p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2],
              d = in(reg32) v[3], options(nostack));
     }

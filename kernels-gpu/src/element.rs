@@ -108,35 +108,44 @@ half_element!(
 
 /// The raw words of a pack of row type `G`'s columns of `T` at `p`: 16 bytes (`G` = `T`,
 /// or no narrower), or 8 (four f16/bf16 columns beside an f32 row's pack), the rest of the
-/// words zero.
+/// words zero. `EVICT_FIRST`: the kernel's last read of them, beside data it reads back
+/// from L2 ([`device::load_16_evict_first`]).
 ///
 /// # Safety
 /// The `G::PACK` values at `p` are readable and aligned to their size, 16 or 8 bytes.
 #[inline(always)]
-pub unsafe fn load_pack<G: Element, T>(p: *const T) -> [u32; 4] {
+pub unsafe fn load_pack<G: Element, T, const EVICT_FIRST: bool>(p: *const T) -> [u32; 4] {
     // SAFETY: the caller's guarantee.
     unsafe {
-        if G::PACK * size_of::<T>() == 16 {
-            device::load_16(p as *const u32)
-        } else {
-            let [a, b] = device::load_8(p as *const u32);
-            [a, b, 0, 0]
+        match (G::PACK * size_of::<T>() == 16, EVICT_FIRST) {
+            (true, false) => device::load_16(p as *const u32),
+            (true, true) => device::load_16_evict_first(p as *const u32),
+            (false, evict_first) => {
+                let [a, b] = if evict_first {
+                    device::load_8_evict_first(p as *const u32)
+                } else {
+                    device::load_8(p as *const u32)
+                };
+                [a, b, 0, 0]
+            }
         }
     }
 }
 
-/// Stores the first `G::PACK` values of `words` at `p`, as [`load_pack`] loads them.
+/// Stores the first `G::PACK` values of `words` at `p`, as [`load_pack`] loads them;
+/// `EVICT_FIRST`: bytes the kernel does not read again, beside data it reads back from L2.
 ///
 /// # Safety
 /// As for [`load_pack`], writable.
 #[inline(always)]
-pub unsafe fn store_pack<G: Element, T>(p: *mut T, words: [u32; 4]) {
+pub unsafe fn store_pack<G: Element, T, const EVICT_FIRST: bool>(p: *mut T, words: [u32; 4]) {
     // SAFETY: the caller's guarantee.
     unsafe {
-        if G::PACK * size_of::<T>() == 16 {
-            device::store_16(p as *mut u32, words)
-        } else {
-            device::store_8(p as *mut u32, [words[0], words[1]])
+        match (G::PACK * size_of::<T>() == 16, EVICT_FIRST) {
+            (true, false) => device::store_16(p as *mut u32, words),
+            (true, true) => device::store_16_evict_first(p as *mut u32, words),
+            (false, false) => device::store_8(p as *mut u32, [words[0], words[1]]),
+            (false, true) => device::store_8_evict_first(p as *mut u32, [words[0], words[1]]),
         }
     }
 }
@@ -165,7 +174,7 @@ pub unsafe fn read_as<G: Element, T: Element>(row: *const T, start: u32, len: us
     unsafe {
         let p = row.add(start as usize);
         if len == G::PACK {
-            T::unpack(load_pack::<G, T>(p))
+            T::unpack(load_pack::<G, T, false>(p))
         } else {
             let mut v = [0.0; MAX_PACK];
             v[0] = p.read().to_f32();
@@ -247,20 +256,26 @@ pub unsafe fn for_each_weight_pack<G: Element, W: Element>(
 #[inline(always)]
 pub unsafe fn write<T: Element>(row: *mut T, start: u32, len: usize, v: &Pack) {
     // SAFETY: the caller's guarantee.
-    unsafe { write_as::<T, T>(row, start, len, v) }
+    unsafe { write_as::<T, T, false>(row, start, len, v) }
 }
 
-/// As [`write`], in chunks of row type `G`, as [`read_as`] reads them.
+/// As [`write`], in chunks of row type `G`, as [`read_as`] reads them; `EVICT_FIRST` as for
+/// [`store_pack`].
 ///
 /// # Safety
 /// The elements must be in bounds, and a vector aligned to its size.
 #[inline(always)]
-pub unsafe fn write_as<G: Element, T: Element>(row: *mut T, start: u32, len: usize, v: &Pack) {
+pub unsafe fn write_as<G: Element, T: Element, const EVICT_FIRST: bool>(
+    row: *mut T,
+    start: u32,
+    len: usize,
+    v: &Pack,
+) {
     // SAFETY: the caller guarantees bounds and, for a vector, alignment.
     unsafe {
         let p = row.add(start as usize);
         if len == G::PACK {
-            store_pack::<G, T>(p, T::pack(v))
+            store_pack::<G, T, EVICT_FIRST>(p, T::pack(v))
         } else {
             p.write(T::from_f32(v[0]))
         }

@@ -75,8 +75,8 @@
 
 use crate::device::{cp_async_wait_all, fma, opaque_ptr, sqrt_rn};
 use crate::element::{
-    Element, MAX_PACK, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, read, read_cached,
-    write, write_as,
+    Element, MAX_PACK, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, load_pack, read,
+    read_cached, write, write_as,
 };
 use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
@@ -330,13 +330,10 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
     p: Forward<Y, W, T>,
 ) {
     let affine = Affine::of(p);
-    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
+    let (n, eps) = (p.n, p.eps);
     let (x_staged, residual_staged) = Staged::<PART_HELD>::halves_after(SCRATCH_BYTES);
     let packs = n / T::PACK as u32;
-    let mut row = S::id();
-    while row < rows {
-        // SAFETY: row < rows.
-        let (x_row, y_row, residual_row, sum_row) = unsafe { residual_row(&p, row) };
+    let normalize = |x_row: *const Y, residual_row: *const T, sum_row: *mut T, y_row: *mut Y| {
         let packed = is_pack_aligned_as::<T, _>(x_row)
             && is_pack_aligned_as::<T, _>(y_row)
             && is_pack_aligned(affine.gamma)
@@ -346,8 +343,9 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
         // From the stores on, the row normalized is s: each path below reads back, from
         // registers, shared memory or L2, only what this rank itself wrote.
         let s_row = sum_row.cast_const();
-        // SAFETY: residual and sum hold the row too; `packed` was checked for every pointer
-        // the packed paths read or write, and `fits` or `holds` for the held and staged.
+        // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`);
+        // `packed` was checked for every pointer the packed paths read or write, and `fits`
+        // or `holds` for the held and staged.
         let norm = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
                 residual_held_row::<T, Y, W, S, CENTERED, FWD_HELD>(
@@ -380,20 +378,10 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
                 forward_row::<T, Y, W, S, CENTERED, false, 0>(s_row, affine, y_row, n, eps)
             }
         };
-        // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
-        unsafe {
-            let norm = norm.unwrap_or_else(|| {
-                // The huge path walks the row element by element, not in this rank's packs:
-                // the s other ranks wrote must be visible first (the branch is the team's).
-                if packed {
-                    S::sync();
-                }
-                forward_row_huge::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, eps)
-            });
-            norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
-        }
-        row += S::count();
-    }
+        (norm, packed)
+    };
+    // SAFETY: the caller's guarantee; `normalize` writes s by packs exactly where `packed`.
+    unsafe { residual_rows::<T, Y, W, S, CENTERED>(p, normalize) }
 }
 
 /// As [`forward_rows_residual`] for rows of whole aligned packs only, at 64 registers
@@ -408,7 +396,8 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
 ///   written to `sum`, and taken into this rank's statistics as it goes
 ///   ([`add_residual_stats`]: each pack's exact mean and M2, Chan's merges), then merged
 ///   over the team; then y from s read back from L2 (the rows in flight fit there), only the
-///   packs this rank wrote, so no barrier. The general kernel stages such rows in shared
+///   packs this rank wrote, so no barrier ([`write_y_streamed`]). Every access but s's
+///   stores is cached evict-first, so that L2 keeps s for its read back. The general kernel stages such rows in shared
 ///   memory (a block a multiprocessor, the whole row's loads at once) or, past what shared
 ///   memory holds, streams them at its 128 registers and reads s back twice; here two
 ///   blocks of 512 share a multiprocessor, and each row's tail overlaps another block's
@@ -433,14 +422,11 @@ unsafe fn forward_rows_residual_aligned<
     p: Forward<Y, W, T>,
 ) {
     let affine = Affine::of(p);
-    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
-    let mut row = S::id();
-    while row < rows {
-        // SAFETY: row < rows.
-        let (x_row, y_row, residual_row, sum_row) = unsafe { residual_row(&p, row) };
+    let (n, eps) = (p.n, p.eps);
+    let normalize = |x_row: *const Y, residual_row: *const T, sum_row: *mut T, y_row: *mut Y| {
         let s_row = sum_row.cast_const();
-        // SAFETY: residual and sum hold the row too, whole packs, aligned; held rows fit.
-        // y's pass reads back only this rank's packs of s.
+        // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`), whole
+        // packs, aligned; held rows fit. y's pass reads back only this rank's packs of s.
         let norm = unsafe {
             if HELD > 0 {
                 residual_held_row::<T, Y, W, S, CENTERED, HELD>(
@@ -460,25 +446,46 @@ unsafe fn forward_rows_residual_aligned<
                     n / T::PACK as u32,
                 ));
                 let (row_mean, m2) = uncentered::<CENTERED>(stats.mean, stats.m2, n);
-                RowNorm::of(row_mean, m2, n, eps).inspect(|&norm| {
-                    write_y::<T, Y, W, S, CENTERED, true, 0>(
-                        &Held::load::<T, S>(s_row, 0),
-                        s_row,
-                        affine,
-                        y_row,
-                        n,
-                        norm,
-                    )
-                })
+                RowNorm::of(row_mean, m2, n, eps)
+                    .inspect(|&norm| write_y_streamed::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, norm))
             }
         };
+        (norm, true)
+    };
+    // SAFETY: the caller's guarantee; both paths write s by packs.
+    unsafe { residual_rows::<T, Y, W, S, CENTERED>(p, normalize) }
+}
+
+/// The residual forward's loop over the team's rows: `normalize(x, residual, sum, y)` (one
+/// row of each) forms the row's s, writes it to `sum` and y from it, and returns the row's
+/// normalization, or None where its statistics overflowed, and whether the team wrote s
+/// by packs; then this loop takes overflowed rows on the huge path and publishes the
+/// row's statistics.
+///
+/// # Safety
+/// As for [`forward_rows_residual`]; `normalize` is sound for one row of x, y, the
+/// residual and sum, and where it returns `true` each rank wrote s by its own packs.
+#[inline(always)]
+unsafe fn residual_rows<T: Element, Y: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+    p: Forward<Y, W, T>,
+    normalize: impl Fn(*const Y, *const T, *mut T, *mut Y) -> (Option<RowNorm<CENTERED>>, bool),
+) {
+    let affine = Affine::of(p);
+    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
+    let mut row = S::id();
+    while row < rows {
+        // SAFETY: row < rows.
+        let (x_row, y_row, residual_row, sum_row) = unsafe { residual_row(&p, row) };
+        let (norm, by_packs) = normalize(x_row, residual_row, sum_row, y_row);
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
         unsafe {
             let norm = norm.unwrap_or_else(|| {
-                // The huge path walks the row element by element: the s other ranks wrote
-                // must be visible first (the branch is the team's).
-                S::sync();
-                forward_row_huge::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, eps)
+                // The huge path walks the row element by element, not in this rank's packs:
+                // the s other ranks wrote must be visible first (the branch is the team's).
+                if by_packs {
+                    S::sync();
+                }
+                forward_row_huge::<T, Y, W, S, CENTERED>(sum_row.cast_const(), affine, y_row, n, eps)
             });
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
@@ -529,6 +536,7 @@ unsafe fn residual_held_row<
 /// As [`add_residual`] over a row of `packs` whole packs, returning this rank's statistics
 /// of the s it formed (its values as stored, rounded to `T`): each pack's exact (mean, M2),
 /// merged by Chan's formula.
+/// x and the residual are loaded evict-first: L2 is to keep s, which y's pass reads back.
 ///
 /// # Safety
 /// x, residual and sum hold `packs` whole packs, aligned.
@@ -542,7 +550,7 @@ unsafe fn add_residual_stats<T: Element, Y: Element, S: Team>(
     let mut stats = Stats::EMPTY;
     // SAFETY: the caller's guarantee.
     unsafe {
-        each_sum_batch::<T, Y, S>(x, residual, sum, packs, |s, left| {
+        each_sum_batch::<T, Y, S, true>(x, residual, sum, packs, |s, left| {
             each_held_slot::<S, SUM_BATCH>(left, |c, _| {
                 stats = stats.merge(Stats::of(&s.pack::<T>(c)[..T::PACK]))
             });
@@ -617,7 +625,7 @@ unsafe fn add_residual<T: Element, Y: Element, S: StatsTeam, const PACKED: bool>
 ) {
     let packs = if PACKED { n / T::PACK as u32 } else { 0 };
     // SAFETY: the packs before `packs` are whole and aligned (PACKED).
-    unsafe { each_sum_batch::<T, Y, S>(x, residual, sum, packs, |_, _| {}) };
+    unsafe { each_sum_batch::<T, Y, S, false>(x, residual, sum, packs, |_, _| {}) };
     // SAFETY: the caller's guarantee.
     unsafe { add_residual_elements::<T, Y, S>(x, residual, sum, packs * T::PACK as u32, n) };
 }
@@ -626,11 +634,13 @@ unsafe fn add_residual<T: Element, Y: Element, S: StatsTeam, const PACKED: bool>
 /// time, every load of a batch issued before its first store: s formed and written, then
 /// `f(s, left)` with the batch's held s (slot c: pack rank + c * size of the `left` packs
 /// from the batch's first on, as for_each_chunk walks them).
+/// `EVICT_FIRST`: x and the residual are loaded evict-first ([`load_pack`]), s stored as
+/// usual, so that L2 keeps s for the row's read back.
 ///
 /// # Safety
 /// x, residual and sum hold `packs` whole packs, aligned.
 #[inline(always)]
-unsafe fn each_sum_batch<T: Element, Y: Element, S: Team>(
+unsafe fn each_sum_batch<T: Element, Y: Element, S: Team, const EVICT_FIRST: bool>(
     x: *const Y,
     residual: *const T,
     sum: *mut T,
@@ -643,8 +653,8 @@ unsafe fn each_sum_batch<T: Element, Y: Element, S: Team>(
         // SAFETY: the packs from `first` on are whole and aligned.
         let (xs, rs) = unsafe {
             (
-                Held::<SUM_BATCH>::load_as::<T, Y, S>(x.add(at), left),
-                Held::<SUM_BATCH>::load::<T, S>(residual.add(at), left),
+                Held::<SUM_BATCH>::load_with::<T, Y, S, EVICT_FIRST>(x.add(at), left),
+                Held::<SUM_BATCH>::load_with::<T, T, S, EVICT_FIRST>(residual.add(at), left),
             )
         };
         // SAFETY: as above: `left` whole packs from `at` on.
@@ -799,7 +809,9 @@ unsafe fn forward_row_huge<T: Element, Y: Element, W: Element, S: StatsTeam, con
     let norm = RowNorm::of_scaled(mean, S::sum(m2), n, eps);
     for_each_chunk::<T, S, false, 0>(n, |j, len, _| {
         // SAFETY: as above; the caller's guarantee for y, gamma and beta.
-        unsafe { write_y_chunk::<T, _, _, CENTERED, CENTERED>(affine, y, j, len, read(x, j, len), norm) }
+        unsafe {
+            write_y_chunk::<T, _, _, CENTERED, CENTERED, false>(affine, y, j, len, read(x, j, len), norm)
+        }
     });
     norm
 }
@@ -877,7 +889,7 @@ unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, con
     unsafe {
         write_y::<T, Y, W, S, CENTERED, true, PART_HELD>(held, x, affine, y, n, norm);
         staged.for_each::<T, S>(n, |j, v| {
-            write_y_chunk::<T, _, _, CENTERED, CENTERED>(affine, y, j, T::PACK, v, norm)
+            write_y_chunk::<T, _, _, CENTERED, CENTERED, false>(affine, y, j, T::PACK, v, norm)
         });
     }
     Some(norm)
@@ -950,7 +962,7 @@ unsafe fn write_y<
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
         unsafe {
-            write_y_chunk::<T, _, _, CENTERED, CENTERED>(
+            write_y_chunk::<T, _, _, CENTERED, CENTERED, false>(
                 affine,
                 y,
                 j,
@@ -962,15 +974,52 @@ unsafe fn write_y<
     });
 }
 
+/// y of the streamed residual forward's row from s read back, only the packs this rank
+/// wrote (from L2, the rows in flight fitting there), both s's read, its last, and y's
+/// store evict-first, so that L2 keeps the other rows' s until they are read back. With
+/// x's and the residual's loads evict-first too, DRAM reads fell from 1595 to 1079 MB (x
+/// and the residual once) at f32 N = 32768, M = 4096 (ncu, docs/PERF.md v41).
+///
+/// # Safety
+/// s, y, gamma and beta (LayerNorm's) hold the row, whole packs, aligned; this rank wrote
+/// its packs of s.
+#[inline(always)]
+unsafe fn write_y_streamed<T: Element, Y: Element, W: Element, S: Team, const CENTERED: bool>(
+    s: *const T,
+    affine: Affine<W>,
+    y: *mut Y,
+    n: u32,
+    norm: RowNorm<CENTERED>,
+) {
+    let mut p = S::rank();
+    while p < n / T::PACK as u32 {
+        let j = p * T::PACK as u32;
+        // SAFETY: p is a whole pack of the row, aligned (the caller's guarantee).
+        unsafe {
+            let sv = T::unpack(load_pack::<T, T, true>(s.add(j as usize)));
+            write_y_chunk::<T, Y, W, CENTERED, CENTERED, true>(affine, y, j, T::PACK, sv, norm);
+        }
+        p += S::size();
+    }
+}
+
 /// y of chunk (`j`, `len`) of a row of type `T` from its values `xv`, whose xhat `norm`
 /// gives (x's own, or for the pipelined block's centred d_j [`RowNorm::centred`]'s), y of
-/// type `Y` (T's, or f16/bf16 beside a residual stream in f32). RMSNorm's read no beta.
+/// type `Y` (T's, or f16/bf16 beside a residual stream in f32), stored evict-first where
+/// `EVICT_FIRST` ([`write_as`]). RMSNorm's read no beta.
 ///
 /// # Safety
 /// The chunk lies inside the row; a whole pack of `T`'s columns is aligned to its size in
 /// y, gamma and beta (LayerNorm's).
 #[inline(always)]
-unsafe fn write_y_chunk<T: Element, Y: Element, W: Element, const CENTERED: bool, const X_CENTERED: bool>(
+unsafe fn write_y_chunk<
+    T: Element,
+    Y: Element,
+    W: Element,
+    const CENTERED: bool,
+    const X_CENTERED: bool,
+    const EVICT_FIRST: bool,
+>(
     affine: Affine<W>,
     y: *mut Y,
     j: u32,
@@ -997,7 +1046,7 @@ unsafe fn write_y_chunk<T: Element, Y: Element, W: Element, const CENTERED: bool
         })
     };
     // SAFETY: as above.
-    unsafe { write_as::<T, Y>(y, j, len, &out) };
+    unsafe { write_as::<T, Y, EVICT_FIRST>(y, j, len, &out) };
 }
 
 /// One element's y from its x (or the centred d_j that `norm` takes), its weight with the
@@ -1162,7 +1211,14 @@ unsafe fn pipeline_widened<T: Element, W: Element, S: StatsTeam, const CENTERED:
                 Some(norm) => {
                     let centred = norm.centred();
                     v.for_each::<T, S>(|j, d| {
-                        write_y_chunk::<T, T, W, CENTERED, false>(affine, y_row, j, T::PACK, *d, centred)
+                        write_y_chunk::<T, T, W, CENTERED, false, false>(
+                            affine,
+                            y_row,
+                            j,
+                            T::PACK,
+                            *d,
+                            centred,
+                        )
                     });
                     norm
                 }

@@ -38,12 +38,26 @@ impl<const K: usize> Held<K> {
     /// `row` is aligned to a pack's bytes and holds `packs` whole packs.
     #[inline(always)]
     pub unsafe fn load_as<G: Element, T: Element, S: Team>(row: *const T, packs: u32) -> Self {
+        // SAFETY: the caller's guarantee.
+        unsafe { Self::load_with::<G, T, S, false>(row, packs) }
+    }
+
+    /// As [`Held::load_as`]; `EVICT_FIRST`: the kernel's last read of these packs, beside
+    /// data it reads back from L2 ([`load_pack`]).
+    ///
+    /// # Safety
+    /// As for [`Held::load_as`].
+    #[inline(always)]
+    pub unsafe fn load_with<G: Element, T: Element, S: Team, const EVICT_FIRST: bool>(
+        row: *const T,
+        packs: u32,
+    ) -> Self {
         let mut words = [[0u32; 4]; K];
         for (c, w) in words.iter_mut().enumerate() {
             let p = S::rank() + c as u32 * S::size();
             if p < packs {
                 // SAFETY: p < packs, and the caller guarantees alignment and bounds.
-                *w = unsafe { load_pack::<G, T>(row.add(p as usize * G::PACK)) };
+                *w = unsafe { load_pack::<G, T, EVICT_FIRST>(row.add(p as usize * G::PACK)) };
             }
         }
         Held { words }

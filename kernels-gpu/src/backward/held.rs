@@ -224,7 +224,7 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
         }
         // SAFETY: as above; the rank's partials are its own.
         unsafe {
-            write_as::<X, T>(dx, j, X::PACK, &out);
+            write_as::<X, T, false>(dx, j, X::PACK, &out);
             if let Some(dres) = dres {
                 write(dres, j, X::PACK, &out);
             }

@@ -108,7 +108,7 @@ pub(crate) unsafe fn backward_row<
         }
         // SAFETY: as above; dres holds the row as dsum does.
         unsafe {
-            write_as::<X, T>(dx, j, len, &out);
+            write_as::<X, T, false>(dx, j, len, &out);
             if let Some(dres) = dres {
                 write(dres, j, len, &out);
             }
