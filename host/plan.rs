@@ -27,9 +27,10 @@
 //!   RMSNorm's 16-bit rows of 2049 to 8192 packs, and its f32 rows of as many that a team
 //!   of 512 or 1024 ranks holds at 8 packs a rank, which take the general kernel there.
 //!   Every other launch takes a resident grid whose teams loop over the rows.
-//! - Residual forward of more rows than multiprocessors over rows all of aligned packs
-//!   longer than the pipelined block holds: 16-bit rows of up to 4 packs a rank of 1024
-//!   (N <= 32768) with weights of their type, the held residual kernel at 64 registers;
+//! - Residual forward of more rows than multiprocessors over rows all of aligned packs:
+//!   16-bit rows with weights of their type longer than the pipelined block holds, up to 4
+//!   packs a rank of 1024 (N <= 32768), or that it holds on teams of 128, 256 or 512 ranks
+//!   (N = 3073-4096, 7169-8192, 15361-16384), the held residual kernel at 64 registers;
 //!   rows too long for a block of 512 to hold at 8 packs a rank (16-bit N > 32768, f32 >
 //!   16384), the streamed residual kernel, 512 ranks, which forms and sums s in one pass
 //!   and reads it back from L2 for y (both a block for every row on sm_90).
@@ -402,15 +403,22 @@ impl<T: Element> Planner<T> {
     }
 
     /// The held residual forward, for launches of more rows than multiprocessors whose rows
-    /// are all aligned 16-bit packs past what the pipelined block holds (4 packs a rank of
-    /// 512) and within `RESIDUAL_HELD` packs a rank of a block of 1024 (N = 16385-32768),
-    /// with weights of x's type, a team for every row on sm_90. At 64 registers such a
-    /// block fills a multiprocessor's register file with 32 warps, where the general kernel
-    /// held these rows at 8 packs a rank of 512 and 128 registers, 16 warps (H200,
-    /// docs/PERF.md v40: +6.6 to +12.3% at N = 20000-32768, RMSNorm +4.8 to +14.9% at
-    /// 32768). Its blocks of 640 and 768 ranks lost 3-6%, so the block is always
-    /// [`FULL_BLOCK`]; over f32 rows (x, or a stream in f32) it gained 2% at N = 16384 and
-    /// lost 17% at 12288, and the registry has it for 16-bit rows only.
+    /// are all aligned 16-bit packs, with weights of x's type, a team for every row on sm_90:
+    /// - past what the pipelined block holds (4 packs a rank of 512) and within
+    ///   `RESIDUAL_HELD` packs a rank of a block of 1024 (N = 16385-32768). At 64 registers
+    ///   such a block fills a multiprocessor's register file with 32 warps, where the
+    ///   general kernel held these rows at 8 packs a rank of 512 and 128 registers, 16 warps
+    ///   (H200, docs/PERF.md v40: +6.6 to +12.3% at N = 20000-32768, RMSNorm +4.8 to +14.9%
+    ///   at 32768). Its blocks of 640 and 768 ranks lost 3-6%, so the block is
+    ///   [`FULL_BLOCK`];
+    /// - rows the pipelined block holds, where the team at 4 packs a rank has 128, 256 or
+    ///   512 ranks (so that whole blocks fill a multiprocessor's 1024 threads: N = 3073-4096,
+    ///   7169-8192, 15361-16384), in place of the pipelined kernel's two rows in flight at 128
+    ///   registers (docs/PERF.md v41: +0.6 to +3.5% at N = 4096, 8192 and 16384, both norms
+    ///   and types; teams of 384 ranks, N = 12288, lost 2.7-3.3% in f16).
+    ///
+    /// Over f32 rows (x, or a stream in f32) it gained 2% at N = 16384 and lost 17% at
+    /// 12288, and the registry has it for 16-bit rows only.
     fn residual_held(&self) -> Option<Plan> {
         let variant = Variant::FwdResidualHeld;
         let pipelined = self.fits(
@@ -418,14 +426,20 @@ impl<T: Element> Planner<T> {
             self.max_threads(Variant::FwdResidualPipelinedBlock),
             PIPE_HELD,
         );
+        let threads = if pipelined {
+            self.block_threads(variant, self.n, RESIDUAL_HELD)
+        } else {
+            FULL_BLOCK
+        };
+        let fills = threads >= 128 && FULL_BLOCK.is_multiple_of(threads);
         let takes = variant.has_pair(self.pair)
             && self.aligned
             && !self.few_rows
-            && !pipelined
-            && self.fits(self.n, FULL_BLOCK, RESIDUAL_HELD);
+            && fills
+            && self.fits(self.n, threads, RESIDUAL_HELD);
         takes.then(|| Plan {
             variant,
-            threads: FULL_BLOCK,
+            threads,
             stacked: 1,
             smem: SCRATCH_BYTES,
             local: false,

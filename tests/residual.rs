@@ -326,8 +326,8 @@ fn gpu_residual_streamed_rows_match_the_reference() {
 /// The held residual forward: launches of more rows than multiprocessors (140) whose
 /// 16-bit rows are all aligned packs past what the pipelined block holds and within 4 packs
 /// a rank of 1024 (f16 N = 32768: 4 packs every rank; bf16 20000: 2 or 3; f16 16392: 3 on
-/// rank 0, 2 on the others; bf16 24576: 3), both norms, with a dsum and without, the
-/// backward after them.
+/// rank 0, 2 on the others; bf16 24576: 3), or that it holds on teams of 128, 256 or 512
+/// ranks, both norms, with a dsum and without, the backward after them.
 #[test]
 fn gpu_residual_held_rows_match_the_reference() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -337,6 +337,11 @@ fn gpu_residual_held_rows_match_the_reference() {
         check::<bf16, bf16>(&gpu, norm, mode, 140, 20000, seed + 1);
         check::<f16, f16>(&gpu, norm, mode, 140, 16392, seed + 2);
         check::<bf16, bf16>(&gpu, norm, mode, 140, 24576, seed + 3);
+        // Rows the pipelined block would hold, on teams of 128, 256 and 512 ranks (all 4
+        // packs a rank, 1023 packs on 256 ranks, 1921 on 512).
+        check::<f16, f16>(&gpu, norm, mode, 140, 4096, seed + 4);
+        check::<bf16, bf16>(&gpu, norm, mode, 140, 8184, seed + 5);
+        check::<f16, f16>(&gpu, norm, mode, 140, 15368, seed + 6);
     }
 }
 
