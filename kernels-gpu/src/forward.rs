@@ -397,11 +397,11 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
 ///   ([`add_residual_stats`]: each pack's exact mean and M2, Chan's merges), then merged
 ///   over the team; then y from s read back from L2 (the rows in flight fit there), only the
 ///   packs this rank wrote, so no barrier ([`write_y_streamed`]). Every access but s's
-///   stores is cached evict-first, so that L2 keeps s for its read back. The general kernel stages such rows in shared
-///   memory (a block a multiprocessor, the whole row's loads at once) or, past what shared
-///   memory holds, streams them at its 128 registers and reads s back twice; here two
-///   blocks of 512 share a multiprocessor, and each row's tail overlaps another block's
-///   loads (docs/PERF.md, v39).
+///   stores is cached evict-first, so that L2 keeps s for its read back. The general
+///   kernel stages such rows in shared memory (a block a multiprocessor, the whole row's
+///   loads at once) or, past what shared memory holds, streams them at its 128 registers
+///   and reads s back twice; here two blocks of 512 share a multiprocessor, and each row's
+///   tail overlaps another block's loads (docs/PERF.md, v39).
 ///
 /// DRAM sees x, the residual, s and y once each, and shared memory only the reductions'
 /// scratch.
@@ -535,8 +535,8 @@ unsafe fn residual_held_row<
 
 /// As [`add_residual`] over a row of `packs` whole packs, returning this rank's statistics
 /// of the s it formed (its values as stored, rounded to `T`): each pack's exact (mean, M2),
-/// merged by Chan's formula.
-/// x and the residual are loaded evict-first: L2 is to keep s, which y's pass reads back.
+/// merged by Chan's formula. x and the residual are loaded evict-first: L2 is to keep s,
+/// which y's pass reads back.
 ///
 /// # Safety
 /// x, residual and sum hold `packs` whole packs, aligned.
@@ -977,7 +977,7 @@ unsafe fn write_y<
 /// y of the streamed residual forward's row from s read back, only the packs this rank
 /// wrote (from L2, the rows in flight fitting there), both s's read, its last, and y's
 /// store evict-first, so that L2 keeps the other rows' s until they are read back. With
-/// x's and the residual's loads evict-first too, DRAM reads fell from 1595 to 1079 MB (x
+/// x's and the residual's loads evict-first too, DRAM reads fell from 1595 to 1080 MB (x
 /// and the residual once) at f32 N = 32768, M = 4096 (ncu, docs/PERF.md v41).
 ///
 /// # Safety
