@@ -73,7 +73,7 @@
 //! kernels spill at their 64 registers. docs/PERF.md has each version's changes and
 //! measurements.
 
-use crate::device::{cp_async_wait_all, fma, opaque_ptr, sqrt_rn};
+use crate::device::{cp_async_wait_all, fma, opaque, opaque_ptr, sqrt_rn};
 use crate::element::{
     Element, MAX_PACK, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, load_pack, read,
     read_cached, write, write_as,
@@ -534,8 +534,11 @@ unsafe fn residual_held_row<
 }
 
 /// As [`add_residual`] over a row of `packs` whole packs, returning this rank's statistics
-/// of the s it formed (its values as stored, rounded to `T`): each pack's exact (mean, M2),
-/// merged by Chan's formula. x and the residual are loaded evict-first: L2 is to keep s,
+/// of the s it formed (its values as stored, rounded to `T`): each batch's exact (mean, M2)
+/// over its `SUM_BATCH` packs together, merged by Chan's formula. One merge a batch rather
+/// than one a pack: a merge divides (`div.rn.f32`, a dozen instructions and a branch), and
+/// at f32 the merges were most of this loop's instructions, which bound it beside a peer
+/// that streams the same bytes. x and the residual are loaded evict-first: L2 is to keep s,
 /// which y's pass reads back.
 ///
 /// # Safety
@@ -551,9 +554,18 @@ unsafe fn add_residual_stats<T: Element, Y: Element, S: Team>(
     // SAFETY: the caller's guarantee.
     unsafe {
         each_sum_batch::<T, Y, S, true>(x, residual, sum, packs, |s, left| {
-            each_held_slot::<S, SUM_BATCH>(left, |c, _| {
-                stats = stats.merge(Stats::of(&s.pack::<T>(c)[..T::PACK]))
-            });
+            if S::rank() + (SUM_BATCH as u32 - 1) * S::size() < left {
+                // The whole batch is this rank's: its values side by side.
+                let mut batch = [0.0; SUM_BATCH * MAX_PACK];
+                for c in 0..SUM_BATCH {
+                    batch[c * T::PACK..][..T::PACK].copy_from_slice(&s.pack::<T>(c)[..T::PACK]);
+                }
+                stats = stats.merge(Stats::of(&batch[..SUM_BATCH * T::PACK]));
+            } else {
+                each_held_slot::<S, SUM_BATCH>(left, |c, _| {
+                    stats = stats.merge(Stats::of(&s.pack::<T>(c)[..T::PACK]))
+                });
+            }
         })
     };
     stats
@@ -649,7 +661,10 @@ unsafe fn each_sum_batch<T: Element, Y: Element, S: Team, const EVICT_FIRST: boo
 ) {
     let mut first = 0;
     while first < packs {
-        let (left, at) = (packs - first, first as usize * T::PACK);
+        // `first` through `opaque`: each batch's addresses are then the row's start plus an
+        // offset (one IMAD.WIDE each), not six 64-bit pointers carried across the loop,
+        // which ptxas rotated through moves (sm_90, f32: 36 instructions a batch against 10).
+        let (left, at) = (packs - first, opaque(first) as usize * T::PACK);
         // SAFETY: the packs from `first` on are whole and aligned.
         let (xs, rs) = unsafe {
             (
