@@ -73,7 +73,7 @@
 //! kernels spill at their 64 registers. docs/PERF.md has each version's changes and
 //! measurements.
 
-use crate::device::{cp_async_wait_all, fma, opaque, opaque_ptr, sqrt_rn};
+use crate::device::{cp_async_wait_all, fma, opaque_ptr, sqrt_rn};
 use crate::element::{
     Element, MAX_PACK, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, load_pack, read,
     read_cached, write, write_as,
@@ -394,7 +394,7 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
 /// - `HELD` = 0 (`residual_streamed`): rows too long to hold (past `FWD_HELD` packs a rank
 ///   of 512), in two passes over memory: s formed `SUM_BATCH` packs a rank at a time,
 ///   written to `sum`, and taken into this rank's statistics as it goes
-///   ([`add_residual_stats`]: each pack's exact mean and M2, Chan's merges), then merged
+///   ([`add_residual_stats`]: each batch's exact mean and M2, Chan's merges), then merged
 ///   over the team; then y from s read back from L2 (the rows in flight fit there), only the
 ///   packs this rank wrote, so no barrier ([`write_y_streamed`]). Every access but s's
 ///   stores is cached evict-first, so that L2 keeps s for its read back. The general
@@ -661,10 +661,16 @@ unsafe fn each_sum_batch<T: Element, Y: Element, S: Team, const EVICT_FIRST: boo
 ) {
     let mut first = 0;
     while first < packs {
-        // `first` through `opaque`: each batch's addresses are then the row's start plus an
-        // offset (one IMAD.WIDE each), not six 64-bit pointers carried across the loop,
-        // which ptxas rotated through moves (sm_90, f32: 36 instructions a batch against 10).
-        let (left, at) = (packs - first, opaque(first) as usize * T::PACK);
+        // On sm_90 `first` goes through `opaque`: each batch's addresses are then the row's
+        // start plus an offset (one IMAD.WIDE each), not six 64-bit pointers carried across
+        // the loop, which ptxas rotated through moves (f32: 36 instructions a batch against
+        // 10). The sm_80 module keeps the carried pointers: there ptxas gives the offset form
+        // of RMSNorm's stream-in-f32 kernels 32 registers and a spill (not measured on sm_80).
+        #[cfg(layernorm_sm90)]
+        let batch_start = crate::device::opaque(first);
+        #[cfg(not(layernorm_sm90))]
+        let batch_start = first;
+        let (left, at) = (packs - first, batch_start as usize * T::PACK);
         // SAFETY: the packs from `first` on are whole and aligned.
         let (xs, rs) = unsafe {
             (
