@@ -537,9 +537,8 @@ unsafe fn residual_held_row<
 /// of the s it formed (its values as stored, rounded to `T`): each batch's exact (mean, M2)
 /// over its `SUM_BATCH` packs together, merged by Chan's formula. One merge a batch rather
 /// than one a pack: a merge divides (`div.rn.f32`, a dozen instructions and a branch), and
-/// at f32 the merges were most of this loop's instructions, which bound it beside a peer
-/// that streams the same bytes. x and the residual are loaded evict-first: L2 is to keep s,
-/// which y's pass reads back.
+/// the stream in f32, which does the most per byte here, gained 8-11% (docs/PERF.md v42).
+/// x and the residual are loaded evict-first: L2 is to keep s, which y's pass reads back.
 ///
 /// # Safety
 /// x, residual and sum hold `packs` whole packs, aligned.
