@@ -15,9 +15,11 @@
 //!   aligned packs that 512 threads hold at 16 elements each (N <= 8192) take the few-rows
 //!   kernel, a block a row, which loads x, gamma and beta together (one DRAM round trip).
 //!   Otherwise, rows all of aligned packs that fit 4 packs a thread take the pipelined
-//!   kernel (two rows in flight a team; LayerNorm's block teams over f32 rows of more than 2048
-//!   packs stage their next row and hold 6 packs a thread of this one, so that two teams
-//!   fit a multiprocessor up to N = 12288, and rows up to N = 24576 fit); the others the
+//!   kernel (two rows in flight a team; on sm_90, LayerNorm's 16-bit rows of 2 to 4 packs a
+//!   warp lane take the widened warp kernel instead, a warp for every row with x widened
+//!   once; LayerNorm's block teams over f32 rows of more than 2048 packs stage their next
+//!   row and hold 6 packs a thread of this one, so that two teams fit a multiprocessor up
+//!   to N = 12288, and rows up to N = 24576 fit); the others the
 //!   general one, which holds rows of up to 8 packs a thread and stages longer aligned rows
 //!   in shared memory where it has room. With a residual add, the residual kernels, chosen
 //!   by the same rules (staging takes room for the residual's packs too). On sm_90 some
@@ -294,7 +296,8 @@ impl<T: Element> Planner<T> {
     }
 
     fn forward(&self) -> Plan {
-        if let Some(plan) = self.few_rows_forward().or_else(|| self.rms_long_rows()) {
+        let special = self.few_rows_forward().or_else(|| self.rms_long_rows());
+        if let Some(plan) = special.or_else(|| self.widened_warp()) {
             return plan;
         }
         let plan = self.forward_of(
@@ -350,6 +353,30 @@ impl<T: Element> Planner<T> {
         (takes && self.fits(self.n, threads, FWD_HELD)).then_some(Plan {
             variant: Variant::FwdBlock,
             threads,
+            stacked: 1,
+            smem: SCRATCH_BYTES,
+            local: false,
+            grid: Grid::EveryRow,
+        })
+    }
+
+    /// LayerNorm's f16 and bf16 rows of aligned packs that a warp holds at 2 to `PIPE_HELD`
+    /// packs a lane (N = 257-1024), on sm_90: the widened warp kernel, a warp for every row,
+    /// rather than the pipelined warp on a resident grid (H200, docs/PERF.md v43: +3 to +8%
+    /// at M = 65536, +2 to +5% at 4096, -1 to +2% at 16384). Rows of one pack a lane lost
+    /// 5% at M = 65536 that way, and RMSNorm's rows and LayerNorm's f32 ones 5-8% at M =
+    /// 16384.
+    fn widened_warp(&self) -> Option<Plan> {
+        let packs = self.n / pack_len::<T>();
+        let takes = self.norm == Norm::Layer
+            && self.limits.arch == Arch::Sm90
+            && size_of::<T>() == 2
+            && self.aligned
+            && packs > 32
+            && self.fits(self.n, 32, PIPE_HELD);
+        takes.then(|| Plan {
+            variant: Variant::FwdWidenedWarp,
+            threads: self.warp_threads(Variant::FwdWidenedWarp),
             stacked: 1,
             smem: SCRATCH_BYTES,
             local: false,

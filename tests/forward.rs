@@ -81,8 +81,11 @@ fn gpu_forward_many_rows() {
     }
 }
 
-/// A block for every row (`plan::Grid::EveryRow`): pipelined teams of 256 ranks (f16 and
-/// bf16 N = 8192, f32 4096) and of 512 holding their next row (f32 8192), each block one row.
+/// A team for every row (`plan::Grid::EveryRow`): pipelined teams of 256 ranks (f16 and
+/// bf16 N = 8192, f32 4096) and of 512 holding their next row (f32 8192), each block one row;
+/// on sm_90, the widened warp kernel over LayerNorm's 16-bit rows of 2 to 4 packs a lane,
+/// each warp one row (N = 264: 33 packs, two in lane 0 and one in the others; 768: three
+/// a lane).
 #[test]
 fn gpu_forward_grid_of_every_row() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -90,6 +93,8 @@ fn gpu_forward_grid_of_every_row() {
     check_forward::<bf16>(&gpu, 301, 8192, 521);
     check_forward::<f32>(&gpu, 302, 4096, 522);
     check_forward::<f32>(&gpu, 303, 8192, 523);
+    check_forward::<bf16>(&gpu, 3001, 264, 524);
+    check_forward::<f16>(&gpu, 2003, 768, 525);
 }
 
 /// Aligned rows longer than one block holds in registers (more than 8 packs a thread of

@@ -164,6 +164,8 @@ fn check_coverage(limits: DeviceLimits) {
 fn known_choices() {
     let h = DeviceLimits::H100;
     let p = plan::<f16, f16>(Norm::Layer, MANY, 1024, Pass::Forward, true, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdWidenedWarp, 256));
+    let p = plan::<f16, f16>(Norm::Rms, MANY, 1024, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedWarp, 256));
     let p = plan::<f16, f16>(Norm::Layer, MANY, 4096, Pass::Backward, true, h).unwrap();
     // 512 packs at 4 a thread: 128 ranks, and the 512-thread bound stacks 4 teams.
@@ -268,7 +270,7 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
     let p = plan::<f32, f32>(Norm::Rms, MANY, 24576, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.smem), (Variant::FwdBlock, 512));
     // Warp rows keep theirs in registers too.
-    let p = plan::<f16, f16>(Norm::Layer, MANY, 1024, Pass::Forward, true, h).unwrap();
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 512, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.smem), (Variant::FwdPipelinedWarp, 512));
 }
 
@@ -343,9 +345,10 @@ fn forward_grid_every_row_where_measured_faster() {
         assert_eq!(shape(p), (block, 512, Grid::EveryRow));
     }
     assert_eq!(shape(fwd(layer, 15872)), (block, 512, Grid::Resident));
-    // Warp rows, smaller and other team sizes: resident.
+    // Warp rows (but LayerNorm's 16-bit ones of 2 to 4 packs a lane: the widened warp
+    // kernel), smaller and other team sizes: resident.
     assert_eq!(
-        shape(fwd(layer, 1024)),
+        shape(fwd(rms, 1024)),
         (Variant::FwdPipelinedWarp, 256, Grid::Resident)
     );
     assert_eq!(shape(fwd(layer, 4096)), (block, 128, Grid::Resident));
@@ -457,7 +460,37 @@ fn few_rows_forward_holds_16_columns_a_rank() {
     let p = plan::<f16, f16>(Norm::Layer, 3, 4097, Pass::Forward, false, h).unwrap();
     assert_eq!(p.variant, Variant::FwdBlock);
     let p = plan::<bf16, bf16>(Norm::Layer, 1, 1024, Pass::Forward, true, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdWidenedWarp);
+    let p = plan::<bf16, bf16>(Norm::Rms, 1, 1024, Pass::Forward, true, h).unwrap();
     assert_eq!(p.variant, Variant::FwdPipelinedWarp);
+}
+
+/// LayerNorm's f16 and bf16 rows of aligned packs that a warp holds at 2 to 4 packs a lane
+/// (N = 257-1024), with weights of their type or f32, take the widened warp kernel on sm_90,
+/// a warp for every row (docs/PERF.md v43); rows of one pack a lane, longer and unaligned
+/// rows, f32 rows, RMSNorm, the residual forward and sm_80 do not.
+#[test]
+fn widened_warp_rows() {
+    let h = DeviceLimits::H100;
+    let shape = |p: Plan| (p.variant, p.threads, p.grid);
+    let widened = (Variant::FwdWidenedWarp, 256, Grid::EveryRow);
+    let layer = |n, aligned, limits| plan::<bf16, bf16>(Norm::Layer, MANY, n, Pass::Forward, aligned, limits);
+    for n in [264, 512, 768, 1024] {
+        assert_eq!(shape(layer(n, true, h).unwrap()), widened, "n = {n}");
+        let p = plan::<f16, f32>(Norm::Layer, MANY, n, Pass::Forward, true, h).unwrap();
+        assert_eq!(shape(p), widened, "f16 with f32 weights, n = {n}");
+    }
+    let pipelined = (Variant::FwdPipelinedWarp, 256, Grid::Resident);
+    assert_eq!(shape(layer(256, true, h).unwrap()), pipelined);
+    assert_eq!(shape(layer(1024, true, DeviceLimits::A100).unwrap()), pipelined);
+    assert_eq!(layer(1024, false, h).unwrap().variant, Variant::FwdWarp);
+    assert_eq!(layer(1032, true, h).unwrap().variant, Variant::FwdPipelinedBlock);
+    let p = plan::<bf16, bf16>(Norm::Rms, MANY, 1024, Pass::Forward, true, h).unwrap();
+    assert_eq!(shape(p), pipelined);
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 512, Pass::Forward, true, h).unwrap();
+    assert_eq!(shape(p), pipelined);
+    let p = plan::<bf16, bf16>(Norm::Layer, MANY, 1024, Pass::ForwardResidual, true, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdResidualPipelinedWarp);
 }
 
 /// The other passes' launches of at most one row a multiprocessor spread each block-team

@@ -169,9 +169,17 @@ impl Norm {
     }
 
     /// Whether `norm` has a kernel of `variant` of its own. Stage 2 (column sums of the
-    /// partial rows) is the same for both and exists once, as LayerNorm's.
+    /// partial rows) is the same for both and exists once, as LayerNorm's; the widened warp
+    /// forward is LayerNorm's alone (RMSNorm's rows keep the pipelined warp, which was
+    /// faster for them).
     pub const fn has(self, variant: Variant) -> bool {
-        matches!(self, Norm::Layer) || !matches!(variant, Variant::BwdReduce)
+        matches!(self, Norm::Layer) || !matches!(variant, Variant::BwdReduce | Variant::FwdWidenedWarp)
+    }
+
+    /// Whether `norm`'s ops launch `variant`: its own kernels, and stage 2, LayerNorm's
+    /// serving both norms.
+    pub const fn launches(self, variant: Variant) -> bool {
+        self.has(variant) || matches!(variant, Variant::BwdReduce)
     }
 
     /// Its index in per-norm tables.
@@ -239,13 +247,13 @@ pub fn kernels(arch: Arch) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
 /// The kernels that `norm`'s ops on `pair` launch on `arch`, one per variant of the module,
 /// as (norm, variant, type pair) of the kernel's name: `norm`'s own kernel of `pair` where
 /// there is one, else the one that serves it (stage 2: LayerNorm's, of the weights' own
-/// type; for a residual stream in f32, the plain forward of x's pair), but the held
-/// residual forward, which only its own pairs have (the planner takes it only there). What
-/// one lazily loaded module of the host holds.
+/// type; for a residual stream in f32, the plain forward of x's pair), but the kernels that
+/// only their own pairs have ([`Variant::own_pairs_only`]) and those `norm` does not launch
+/// ([`Norm::launches`]). What one lazily loaded module of the host holds.
 pub fn kernels_of(arch: Arch, norm: Norm, pair: TypePair) -> impl Iterator<Item = (Norm, Variant, TypePair)> {
     Variant::ALL
         .into_iter()
-        .filter(move |&v| v.in_module(arch) && (v.has_pair(pair) || !matches!(v, Variant::FwdResidualHeld)))
+        .filter(move |&v| v.in_module(arch) && norm.launches(v) && (v.has_pair(pair) || !v.own_pairs_only()))
         .map(move |v| {
             let owner = if norm.has(v) { norm } else { Norm::Layer };
             let served = if v.has_pair(pair) {
@@ -295,6 +303,9 @@ pub enum Variant {
     /// LayerNorm's f32 rows of more than 2048 packs: 6): two rows in flight a team.
     FwdPipelinedWarp,
     FwdPipelinedBlock,
+    /// Forward of LayerNorm's 16-bit rows that a warp holds at 2 to 4 packs a lane, a warp
+    /// for every row: x widened to f32 once, no next row in flight (sm_90).
+    FwdWidenedWarp,
     /// Forward for launches of at most one row a multiprocessor over rows of aligned packs
     /// (a block a row): x, gamma and beta loaded together, `layout::few_rows_held` packs a
     /// rank.
@@ -330,11 +341,12 @@ pub enum Variant {
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 20] = [
+    pub const ALL: [Variant; 21] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
         Variant::FwdPipelinedBlock,
+        Variant::FwdWidenedWarp,
         Variant::FwdFewRows,
         Variant::FwdResidualWarp,
         Variant::FwdResidualBlock,
@@ -360,6 +372,7 @@ impl Variant {
             Variant::FwdBlock => "fwd_block",
             Variant::FwdPipelinedWarp => "fwd_pipelined_warp",
             Variant::FwdPipelinedBlock => "fwd_pipelined_block",
+            Variant::FwdWidenedWarp => "fwd_widened_warp",
             Variant::FwdFewRows => "fwd_few_rows",
             Variant::FwdResidualWarp => "fwd_residual_warp",
             Variant::FwdResidualBlock => "fwd_residual_block",
@@ -416,9 +429,10 @@ impl Variant {
         !(held_cluster && row_bytes == 2 && weight_bytes == 2)
     }
 
-    /// Whether only the sm_90 module has the kernel (clusters exist from sm_90 on).
+    /// Whether only the sm_90 module has the kernel: clusters exist from sm_90 on, and the
+    /// widened warp forward was measured faster only there (no sm_80 device measured it).
     pub const fn sm90_only(self) -> bool {
-        self.cluster() > 1
+        self.cluster() > 1 || matches!(self, Variant::FwdWidenedWarp)
     }
 
     /// The launch bound of the kernel for type pair `pair` in `arch`'s module (the module
@@ -437,7 +451,7 @@ impl Variant {
                 | Variant::BwdReduce,
                 _,
             ) => 1024,
-            (Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock, _) => 1024,
+            (Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock | Variant::FwdWidenedWarp, _) => 1024,
             (Variant::FwdFewRows, _) => 512,
             (
                 Variant::FwdResidualWarp
@@ -483,6 +497,7 @@ impl Variant {
             self,
             Variant::FwdWarp
                 | Variant::FwdPipelinedWarp
+                | Variant::FwdWidenedWarp
                 | Variant::FwdResidualWarp
                 | Variant::FwdResidualPipelinedWarp
                 | Variant::BwdOwnedWarp
@@ -497,10 +512,14 @@ impl Variant {
 
     /// Whether the kernel comes in type pair `pair`: stage 2, which reads f32 partials and
     /// writes the weights' gradients, only in pairs of one type; the held residual forward
-    /// only over f16 and bf16 rows with weights and stream of their type; with a residual
+    /// only over f16 and bf16 rows with weights and stream of their type, the widened warp
+    /// forward only over f16 and bf16 x (with weights of its type or f32); with a residual
     /// stream in f32, only the kernels that read or write it: the residual forward and
     /// stage 1.
     pub const fn has_pair(self, pair: TypePair) -> bool {
+        if matches!(self, Variant::FwdWidenedWarp) {
+            return DTYPE_BYTES[pair.x] == 2 && !pair.wide_stream();
+        }
         if matches!(self, Variant::FwdResidualHeld) {
             // Where it was measured faster (H200, docs/PERF.md v40: f32 rows, a stream in
             // f32 included, gained 2% or lost up to 17%; f32 weights beside 16-bit rows
@@ -514,11 +533,18 @@ impl Variant {
                     | Variant::FwdBlock
                     | Variant::FwdPipelinedWarp
                     | Variant::FwdPipelinedBlock
+                    | Variant::FwdWidenedWarp
                     | Variant::FwdFewRows
                     | Variant::BwdReduce
             );
         }
         !matches!(self, Variant::BwdReduce) || pair.x == pair.weights
+    }
+
+    /// Whether only the type pairs that have the kernel launch it (the planner takes it only
+    /// there): no other pair's kernel serves a pair without one.
+    pub const fn own_pairs_only(self) -> bool {
+        matches!(self, Variant::FwdResidualHeld | Variant::FwdWidenedWarp)
     }
 
     /// The held cluster kernel over `size` blocks (one of `HELD_CLUSTER_SIZES` (layout/mod.rs)).

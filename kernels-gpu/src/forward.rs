@@ -53,6 +53,9 @@
 //!   [`forward_rows_pipelined_block`], copy the next row into shared memory instead, and
 //!   keep this one widened to f32: one widening an element rather than one a pass; f32
 //!   rows 6 packs a rank);
+//! - `widened_warp` ([`forward_rows_widened`], LayerNorm's, sm_90) where the pipelined
+//!   warp would take 16-bit rows of 2 to 4 packs a lane: a warp for every row, x widened
+//!   to f32 once and centred in place, no next row in flight;
 //! - `warp`, `block` ([`forward_rows`]) for all other launches, which take each row as
 //!   its pointers and length allow:
 //!   - held: all four row pointers 16-byte aligned and the row fits 8 packs a rank
@@ -1250,6 +1253,68 @@ unsafe fn pipeline_widened<T: Element, W: Element, S: StatsTeam, const CENTERED:
     }
 }
 
+/// LayerNorm's rows of f16 and bf16 on sm_90 that a warp holds at 2 to `PIPE_HELD` packs a
+/// lane (N = 257-1024, aligned), a warp for every row (the host's grid; the loop takes any
+/// other). Each lane loads its packs, widens them to f32 once and centres them in place, as
+/// [`pipeline_widened`] takes a block team's row:
+///   mean = sum_j x_j / n
+///   d_j  = x_j - mean,   M2 = sum_j d_j^2
+///   y_j  = (d_j * rstd) * (gamma_j + gamma_offset) + beta_j
+/// No next row in flight: while a warp waits for its row, the multiprocessor's other warps
+/// (32 at 64 registers) have theirs under way. The pipelined warp keeps two rows as raw
+/// words and widens x on each of its three passes, about twice the instructions an element,
+/// which at these lengths outweighs its second row (H200, docs/PERF.md v43: +3 to +8% at M
+/// = 65536, +2 to +5% at M = 4096). RMSNorm's rows, one pass and no centring lighter, lost
+/// 5-8% at M = 16384 this way, and 16-bit rows of one pack a lane 5% at M = 65536: those
+/// keep the pipeline.
+///
+/// # Safety
+/// As for [`forward_rows`], without a residual; x, y, gamma and beta 16-byte aligned, `n`
+/// a whole number of packs that [`fits`] `K` per rank.
+#[inline(always)]
+unsafe fn forward_rows_widened<T: Element, W: Element, S: StatsTeam, const K: usize>(p: Forward<T, W>) {
+    let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
+    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
+    let packs = n / T::PACK as u32;
+    let mut row = S::id();
+    while row < rows {
+        let offset = row as usize * n as usize;
+        // SAFETY: the row lies inside x and y (row < rows), aligned whole packs that fit K
+        // a rank (the caller's guarantee).
+        let (x_row, y_row, held) = unsafe {
+            let x_row = x.add(offset);
+            (x_row, y.add(offset), Held::<K>::load::<T, S>(x_row, packs))
+        };
+        let mut v = Widened::of::<T, S>(&held, packs);
+        let mut sum = 0.0;
+        v.for_each::<T, S>(|_, x| sum += x[..T::PACK].iter().sum::<f32>());
+        let m = row_mean::<S, true>(|| sum, n);
+        let mut m2 = 0.0;
+        v.for_each::<T, S>(|_, x| {
+            for d in &mut x[..T::PACK] {
+                *d -= m;
+                m2 = fma(*d, *d, m2);
+            }
+        });
+        // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd, and its
+        // packs are whole and aligned in gamma and beta.
+        unsafe {
+            let norm = match RowNorm::<true>::of(m, S::sum(m2), n, eps) {
+                Some(norm) => {
+                    let centred = norm.centred();
+                    v.for_each::<T, S>(|j, d| {
+                        write_y_chunk::<T, T, W, true, false, false>(affine, y_row, j, T::PACK, *d, centred)
+                    });
+                    norm
+                }
+                None => forward_row_huge::<T, T, W, S, true>(x_row, affine, y_row, n, eps),
+            };
+            norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
+        }
+        row += S::count();
+    }
+}
+
 /// As [`forward_rows_pipelined`], the rows normalized being s = x + residual, formed as
 /// [`forward_rows_residual`]'s held rows form it: the next row's x and residual are loaded
 /// after this row's first sum, and s is added, stored and kept in registers as the row
@@ -1610,6 +1675,37 @@ forward_kernels!(f16_f32, "f16_f32w", crate::element::F16, f32);
 forward_kernels!(bf16_f32, "bf16_f32w", crate::element::Bf16, f32);
 residual_held_kernels!(f16_held, "f16", crate::element::F16);
 residual_held_kernels!(bf16_held, "bf16", crate::element::Bf16);
+
+/// Exports LayerNorm's widened warp forward (`layer_norm_fwd_widened_warp_<types>`) of 16-bit
+/// x, in the sm_90 module: the norm, type pairs and architecture the host plans it for
+/// (`layout::registry`: `Norm::has`, `Variant::has_pair`, `Variant::sm90_only`).
+macro_rules! widened_kernels {
+    ($module:ident, $types:literal, $t:ty, $w:ty) => {
+        mod $module {
+            use super::*;
+            /// Forward, a warp for every row, x widened once (LayerNorm's 16-bit rows of
+            /// aligned packs, 2 to 4 a lane).
+            ///
+            /// # Safety
+            /// Launched by the host with buffers of the documented sizes, on rows the kernel
+            /// takes (`forward_rows_widened`'s safety section).
+            #[unsafe(export_name = concat!("layer_norm_fwd_widened_warp_", $types))]
+            pub unsafe extern "ptx-kernel" fn widened_warp(p: Forward<$t, $w>) {
+                // SAFETY: the host launches this kernel only as `forward_rows_widened` requires.
+                unsafe { forward_rows_widened::<$t, $w, Warp, PIPE_HELD>(p) }
+            }
+        }
+    };
+}
+
+#[cfg(layernorm_sm90)]
+widened_kernels!(f16_widened, "f16", crate::element::F16, crate::element::F16);
+#[cfg(layernorm_sm90)]
+widened_kernels!(bf16_widened, "bf16", crate::element::Bf16, crate::element::Bf16);
+#[cfg(layernorm_sm90)]
+widened_kernels!(f16_f32w_widened, "f16_f32w", crate::element::F16, f32);
+#[cfg(layernorm_sm90)]
+widened_kernels!(bf16_f32w_widened, "bf16_f32w", crate::element::Bf16, f32);
 
 /// Exports the residual forward kernels of 16-bit x whose residual stream is kept in f32,
 /// for both norms.
