@@ -362,10 +362,10 @@ impl<T: Element> Planner<T> {
 
     /// LayerNorm's f16 and bf16 rows of aligned packs that a warp holds at 2 to `PIPE_HELD`
     /// packs a lane (N = 257-1024), on sm_90: the widened warp kernel, a warp for every row,
-    /// rather than the pipelined warp on a resident grid (H200, docs/PERF.md v43: +3 to +8%
-    /// at M = 65536, +2 to +5% at 4096, -1 to +2% at 16384). Rows of one pack a lane lost
-    /// 5% at M = 65536 that way, and RMSNorm's rows and LayerNorm's f32 ones 5-8% at M =
-    /// 16384.
+    /// rather than the pipelined warp on a resident grid (H200, docs/PERF.md v43: +0.3 to
+    /// +7.6% at N = 264-1024 and M = 64 to 65536; beside f32 weights -1.4 to +2.9%). Rows of
+    /// one pack a lane lost 5% at M = 65536 that way, and RMSNorm's rows and LayerNorm's
+    /// f32 ones 5-8% at M = 16384.
     fn widened_warp(&self) -> Option<Plan> {
         let packs = self.n / pack_len::<T>();
         let takes = self.norm == Norm::Layer

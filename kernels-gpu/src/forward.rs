@@ -1263,14 +1263,15 @@ unsafe fn pipeline_widened<T: Element, W: Element, S: StatsTeam, const CENTERED:
 /// No next row in flight: while a warp waits for its row, the multiprocessor's other warps
 /// (32 at 64 registers) have theirs under way. The pipelined warp keeps two rows as raw
 /// words and widens x on each of its three passes, about twice the instructions an element,
-/// which at these lengths outweighs its second row (H200, docs/PERF.md v43: +3 to +8% at M
-/// = 65536, +2 to +5% at M = 4096). RMSNorm's rows, one pass and no centring lighter, lost
-/// 5-8% at M = 16384 this way, and 16-bit rows of one pack a lane 5% at M = 65536: those
-/// keep the pipeline.
+/// which at these lengths outweighs its second row (H200, docs/PERF.md v43: +0.3 to +7.6%
+/// at N = 264-1024 and M = 64 to 65536; beside f32 weights -1.4 to +2.9%). RMSNorm's rows,
+/// one pass and no centring lighter, lost 5-8% at M = 16384 this way, and 16-bit rows of
+/// one pack a lane 5% at M = 65536: those keep the pipeline.
 ///
 /// # Safety
 /// As for [`forward_rows`], without a residual; x, y, gamma and beta 16-byte aligned, `n`
 /// a whole number of packs that [`fits`] `K` per rank.
+#[cfg(layernorm_sm90)]
 #[inline(always)]
 unsafe fn forward_rows_widened<T: Element, W: Element, S: StatsTeam, const K: usize>(p: Forward<T, W>) {
     let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
@@ -1679,6 +1680,7 @@ residual_held_kernels!(bf16_held, "bf16", crate::element::Bf16);
 /// Exports LayerNorm's widened warp forward (`layer_norm_fwd_widened_warp_<types>`) of 16-bit
 /// x, in the sm_90 module: the norm, type pairs and architecture the host plans it for
 /// (`layout::registry`: `Norm::has`, `Variant::has_pair`, `Variant::sm90_only`).
+#[cfg(layernorm_sm90)]
 macro_rules! widened_kernels {
     ($module:ident, $types:literal, $t:ty, $w:ty) => {
         mod $module {
