@@ -278,9 +278,10 @@ impl<T: Element> Planner<T> {
         if self.few_rows { 1 } else { 4 }
     }
 
-    /// `v` with the team's block (warps of 8, or a block team of [`Self::packs_per_rank`]).
-    fn team_plan(&self, warp: Variant, block: Variant) -> Plan {
-        let (variant, threads) = if warp_rows(self.n) {
+    /// `v` with the team's block (warps of 8 where `warp_team`, or a block team of
+    /// [`Self::packs_per_rank`]).
+    fn team_plan(&self, warp_team: bool, warp: Variant, block: Variant) -> Plan {
+        let (variant, threads) = if warp_team {
             (warp, self.warp_threads(warp))
         } else {
             (block, self.block_threads(block, self.n, self.packs_per_rank()))
@@ -301,6 +302,7 @@ impl<T: Element> Planner<T> {
             return plan;
         }
         let plan = self.forward_of(
+            warp_rows(self.n),
             (Variant::FwdWarp, Variant::FwdBlock),
             (Variant::FwdPipelinedWarp, Variant::FwdPipelinedBlock),
             1,
@@ -416,6 +418,7 @@ impl<T: Element> Planner<T> {
             return plan;
         }
         let plan = self.forward_of(
+            self.residual_warp_rows(),
             (Variant::FwdResidualWarp, Variant::FwdResidualBlock),
             (
                 Variant::FwdResidualPipelinedWarp,
@@ -516,15 +519,32 @@ impl<T: Element> Planner<T> {
         self.every_row_on_sm90(every_row)
     }
 
-    /// A forward among its (warp, block) `general` kernels and its `pipelined` ones: rows
-    /// that are all aligned whole packs the pipelined kernel holds ([`Self::pipelined`]) take
-    /// it; the others the general one at four packs a thread, up to eight where the block is
-    /// capped (rows to 8 packs a thread stay in registers), with room to stage rows too long
-    /// to hold where the device has it: their packs past `PART_HELD` a rank, in `copies`
-    /// areas. Rows it cannot stage whole stream, with the scratch only.
-    fn forward_of(&self, general: (Variant, Variant), pipelined: (Variant, Variant), copies: u32) -> Plan {
-        let plan = self.team_plan(general.0, general.1);
-        let warp = warp_rows(self.n);
+    /// Whether the residual forward takes its rows a warp each: rows of up to 1024 elements,
+    /// but rows of f32 (f32 x, or a residual stream kept in f32) all aligned with more packs
+    /// than a warp holds at `PIPE_HELD` a lane (N = 513-1024), which the pipelined block
+    /// takes (64 ranks of 3 or 4 packs) rather than the general warp kernel at up to 8 packs
+    /// a lane (H200, docs/PERF.md v44: +2.3 to +7.0% at M = 4096, +0.2 to +2.6% at 65536).
+    /// The plain forward's f32 rows lost up to 3.1% that way at M = 65536 and keep warps.
+    fn residual_warp_rows(&self) -> bool {
+        let over_warp = self.n / pack_len::<T>() > 32 * PIPE_HELD;
+        warp_rows(self.n) && !(size_of::<T>() == 4 && self.aligned && over_warp)
+    }
+
+    /// A forward among its (warp, block) `general` kernels and its `pipelined` ones, the
+    /// warp ones where `warp`: rows that are all aligned whole packs the pipelined kernel
+    /// holds ([`Self::pipelined`]) take it; the others the general one at four packs a
+    /// thread, up to eight where the block is capped (rows to 8 packs a thread stay in
+    /// registers), with room to stage rows too long to hold where the device has it: their
+    /// packs past `PART_HELD` a rank, in `copies` areas. Rows it cannot stage whole stream,
+    /// with the scratch only.
+    fn forward_of(
+        &self,
+        warp: bool,
+        general: (Variant, Variant),
+        pipelined: (Variant, Variant),
+        copies: u32,
+    ) -> Plan {
+        let plan = self.team_plan(warp, general.0, general.1);
         let ranks = if warp { 32 } else { plan.threads };
         let pipelined = if warp { pipelined.0 } else { pipelined.1 };
         if let Some(plan) = self.pipelined(pipelined, plan) {
@@ -548,7 +568,7 @@ impl<T: Element> Planner<T> {
     /// packs a rank, or one where there are few rows; the warp kernel keeps the general
     /// one's block (`general`).
     fn pipelined(&self, variant: Variant, general: Plan) -> Option<Plan> {
-        let warp = warp_rows(self.n);
+        let warp = variant.warp_team();
         let (packs, size) = (self.n / pack_len::<T>(), size_of::<T>());
         let block = variant == Variant::FwdPipelinedBlock;
         let held = if block {
@@ -589,7 +609,7 @@ impl<T: Element> Planner<T> {
         // Each team sums its rows' partials in its own shared memory (about 8n bytes) when
         // they fit; warp teams must (8 warps * 8.3 KB at n = 1024: every sm_80 and later
         // device has room, but one without gets an error, not a launch failure).
-        let owned = self.team_plan(Variant::BwdOwnedWarp, Variant::BwdOwnedBlock);
+        let owned = self.team_plan(warp_rows(self.n), Variant::BwdOwnedWarp, Variant::BwdOwnedBlock);
         let per_block = if warp_rows(self.n) { owned.threads / 32 } else { 1 };
         let local_smem = crate::layout::owned_local_smem(per_block, self.n);
         let local = self.smem_fits(local_smem);

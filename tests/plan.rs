@@ -493,6 +493,35 @@ fn widened_warp_rows() {
     assert_eq!(p.variant, Variant::FwdResidualPipelinedWarp);
 }
 
+/// The residual forward's rows of f32 (f32 x, or a stream in f32) of warp length with more
+/// packs than a warp holds at `PIPE_HELD` a lane (N = 513-1024), all aligned, take the
+/// pipelined block, 64 ranks (docs/PERF.md v44); shorter, unaligned and 16-bit rows, and
+/// the plain forward's f32 rows, keep warps.
+#[test]
+fn residual_f32_rows_of_warp_length_take_block_teams() {
+    let h = DeviceLimits::H100;
+    let block = (Variant::FwdResidualPipelinedBlock, 64);
+    for limits in [h, DeviceLimits::A100] {
+        for n in [516, 768, 1024] {
+            for norm in [Norm::Layer, Norm::Rms] {
+                let p = plan::<f32, f32>(norm, MANY, n, Pass::ForwardResidual, true, limits).unwrap();
+                assert_eq!((p.variant, p.threads), block, "f32 n = {n}");
+                let p =
+                    plan_f32_stream::<bf16, f32>(norm, MANY, n, Pass::ForwardResidual, true, limits).unwrap();
+                assert_eq!((p.variant, p.threads), block, "stream in f32, n = {n}");
+            }
+        }
+    }
+    let residual =
+        |n, aligned| plan::<f32, f32>(Norm::Layer, MANY, n, Pass::ForwardResidual, aligned, h).unwrap();
+    assert_eq!(residual(512, true).variant, Variant::FwdResidualPipelinedWarp);
+    assert_eq!(residual(1024, false).variant, Variant::FwdResidualWarp);
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 1024, Pass::ForwardResidual, true, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdResidualPipelinedWarp);
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 1024, Pass::Forward, true, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdWarp);
+}
+
 /// The other passes' launches of at most one row a multiprocessor spread each block-team
 /// row over a pack a rank, up to the kernel's thread limit, with no stacked teams; one more
 /// row and the throughput plans come back.

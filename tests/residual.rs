@@ -307,6 +307,22 @@ fn gpu_residual_grid_of_every_row() {
     }
 }
 
+/// Residual rows of f32 of warp length with more packs than a warp holds at 4 a lane (f32 x,
+/// or a stream in f32, N = 513-1024): pipelined block teams of 64 ranks, 3 packs a rank at
+/// N = 768 and 4 at 1024, in launches of more rows than the resident teams (about 1000 on
+/// an H100 or H200: they loop), both norms, the backward after them.
+#[test]
+fn gpu_residual_f32_rows_of_warp_length() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let mode = BackwardMode::Deterministic;
+    for (norm, seed) in [(Norm::Layer, 1120), (Norm::Rms, 1130)] {
+        check::<f32, f32>(&gpu, norm, mode, 3000, 768, seed);
+        check::<f32, f32>(&gpu, norm, mode, 2500, 1024, seed + 1);
+        check_f32_stream::<f16, f16>(&gpu, norm, mode, 2501, 1024, seed + 2);
+        check_f32_stream::<bf16, f32>(&gpu, norm, mode, 3001, 768, seed + 3);
+    }
+}
+
 /// The streamed residual forward: launches of more rows than multiprocessors (140: an
 /// H100's or H200's 132, an A100's 108) whose rows are all aligned packs too long for a
 /// block of 512 to hold at 8 packs a rank (4097 packs: f32 N = 16388, f16 32776, and bf16
