@@ -1182,13 +1182,9 @@ unsafe fn forward_rows_pipelined_block<T: Element, W: Element, S: StatsTeam, con
 /// memory: each rank copies its packs of the next row into slots of its own (`cp.async`,
 /// no registers held while they are in flight) as soon as it has read this row's, and reads
 /// them back when the row comes up. With one row in registers, that row is kept widened
-/// ([`Widened`]) and centred in place by the M2 pass:
-///   sum = sum_j x_j,  mean = sum / n
-///   d_j = x_j - mean,  M2 = sum_j d_j^2
-///   y_j = (d_j * rstd) * (gamma_j + gamma_offset) + beta_j
-/// about 10 instructions an element where widening x again for each pass took 23 (a
-/// `Held` row, docs/PERF.md v31). d_j * rstd is [`RowNorm::xhat`] to the bit: where M2 is
-/// finite, so is every d_j.
+/// ([`Widened`]) and centred in place by the M2 pass ([`normalize_widened`]): about 10
+/// instructions an element where widening x again for each pass took 23 (a `Held` row,
+/// docs/PERF.md v31).
 ///
 /// # Safety
 /// As for [`forward_rows_pipelined`], but that the rows fit `H` packs a rank; `next_row`'s
@@ -1218,38 +1214,61 @@ unsafe fn pipeline_widened<T: Element, W: Element, S: StatsTeam, const CENTERED:
         // The slots are read (their values are in the sum): the next row's copies go out.
         // SAFETY: as before the loop.
         unsafe { next_row.fill_held_async::<T, S, H>(row_at(next), row_packs(next)) };
-        let m = row_mean::<S, CENTERED>(|| sum, n);
-        let mut m2 = 0.0;
-        v.for_each::<T, S>(|_, x| {
-            for d in &mut x[..T::PACK] {
-                *d -= m;
-                m2 = fma(*d, *d, m2);
-            }
-        });
         // SAFETY: row < rows: the row lies inside x and y, its statistics inside mean and
-        // rstd; its packs are whole and aligned in y, gamma and beta.
+        // rstd; its packs are whole and aligned in y, gamma and beta, and `v` holds this
+        // rank's.
         unsafe {
             let (x_row, y_row) = (row_at(row), y.add(row as usize * n as usize));
-            let norm = match RowNorm::of(m, S::sum(m2), n, eps) {
-                Some(norm) => {
-                    let centred = norm.centred();
-                    v.for_each::<T, S>(|j, d| {
-                        write_y_chunk::<T, T, W, CENTERED, false, false>(
-                            affine,
-                            y_row,
-                            j,
-                            T::PACK,
-                            *d,
-                            centred,
-                        )
-                    });
-                    norm
-                }
-                None => forward_row_huge::<T, T, W, S, CENTERED>(x_row, affine, y_row, n, eps),
-            };
+            let norm = normalize_widened::<T, W, S, CENTERED, H>(v, sum, affine, x_row, y_row, n, eps);
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         row = next;
+    }
+}
+
+/// A row past its first pass, this rank's packs widened in `v` and their values' sum `sum`:
+/// the mean, M2 over the values centred in place, and y written from those:
+///   mean = sum_j x_j / n   (RMSNorm: 0)
+///   d_j  = x_j - mean,   M2 = sum_j d_j^2
+///   y_j  = (d_j * rstd) * (gamma_j + gamma_offset) + beta_j
+/// d_j * rstd is [`RowNorm::xhat`] to the bit: where M2 is finite, so is every d_j. Returns
+/// the row's normalization; a row whose M2 overflowed is taken on the huge path instead.
+///
+/// # Safety
+/// `v` holds this rank's packs of the row at `x_row`, whose y is at `y_row`; its packs are
+/// whole and aligned in y, gamma and beta.
+#[inline(always)]
+unsafe fn normalize_widened<T: Element, W: Element, S: StatsTeam, const CENTERED: bool, const K: usize>(
+    mut v: Widened<K>,
+    sum: f32,
+    affine: Affine<W>,
+    x_row: *const T,
+    y_row: *mut T,
+    n: u32,
+    eps: f32,
+) -> RowNorm<CENTERED> {
+    let m = row_mean::<S, CENTERED>(|| sum, n);
+    let mut m2 = 0.0;
+    v.for_each::<T, S>(|_, x| {
+        for d in &mut x[..T::PACK] {
+            *d -= m;
+            m2 = fma(*d, *d, m2);
+        }
+    });
+    match RowNorm::of(m, S::sum(m2), n, eps) {
+        Some(norm) => {
+            let centred = norm.centred();
+            v.for_each::<T, S>(|j, d| {
+                // SAFETY: the pack at j is this rank's, whole and aligned in y, gamma and
+                // beta (the caller's guarantee).
+                unsafe {
+                    write_y_chunk::<T, T, W, CENTERED, false, false>(affine, y_row, j, T::PACK, *d, centred)
+                }
+            });
+            norm
+        }
+        // SAFETY: the row at x_row and y_row is whole (the caller's guarantee).
+        None => unsafe { forward_row_huge::<T, T, W, S, CENTERED>(x_row, affine, y_row, n, eps) },
     }
 }
 
@@ -1289,27 +1308,10 @@ unsafe fn forward_rows_widened<T: Element, W: Element, S: StatsTeam, const K: us
         let mut v = Widened::of::<T, S>(&held, packs);
         let mut sum = 0.0;
         v.for_each::<T, S>(|_, x| sum += x[..T::PACK].iter().sum::<f32>());
-        let m = row_mean::<S, true>(|| sum, n);
-        let mut m2 = 0.0;
-        v.for_each::<T, S>(|_, x| {
-            for d in &mut x[..T::PACK] {
-                *d -= m;
-                m2 = fma(*d, *d, m2);
-            }
-        });
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd, and its
         // packs are whole and aligned in gamma and beta.
         unsafe {
-            let norm = match RowNorm::<true>::of(m, S::sum(m2), n, eps) {
-                Some(norm) => {
-                    let centred = norm.centred();
-                    v.for_each::<T, S>(|j, d| {
-                        write_y_chunk::<T, T, W, true, false, false>(affine, y_row, j, T::PACK, *d, centred)
-                    });
-                    norm
-                }
-                None => forward_row_huge::<T, T, W, S, true>(x_row, affine, y_row, n, eps),
-            };
+            let norm = normalize_widened::<T, W, S, true, K>(v, sum, affine, x_row, y_row, n, eps);
             norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
         }
         row += S::count();
