@@ -533,7 +533,6 @@ impl Variant {
                     | Variant::FwdBlock
                     | Variant::FwdPipelinedWarp
                     | Variant::FwdPipelinedBlock
-                    | Variant::FwdWidenedWarp
                     | Variant::FwdFewRows
                     | Variant::BwdReduce
             );

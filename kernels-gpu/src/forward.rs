@@ -1281,11 +1281,11 @@ unsafe fn normalize_widened<T: Element, W: Element, S: StatsTeam, const CENTERED
 ///   y_j  = (d_j * rstd) * (gamma_j + gamma_offset) + beta_j
 /// No next row in flight: while a warp waits for its row, the multiprocessor's other warps
 /// (32 at 64 registers) have theirs under way. The pipelined warp keeps two rows as raw
-/// words and widens x on each of its three passes, about twice the instructions an element,
-/// which at these lengths outweighs its second row (H200, docs/PERF.md v43: +0.3 to +7.6%
-/// at N = 264-1024 and M = 64 to 65536; beside f32 weights -1.4 to +2.9%). RMSNorm's rows,
-/// one pass and no centring lighter, lost 5-8% at M = 16384 this way, and 16-bit rows of
-/// one pack a lane 5% at M = 65536: those keep the pipeline.
+/// words and widens x on each of its three passes, 16-22% more instructions a row at N =
+/// 768-1024 (ncu), which at these lengths outweighs its second row (H200, docs/PERF.md
+/// v43: +0.3 to +7.6% at N = 264-1024 and M = 64 to 65536; beside f32 weights -1.4 to
+/// +2.9%). RMSNorm's rows, one pass and no centring lighter, lost 5-8% at M = 16384 this
+/// way, and 16-bit rows of one pack a lane 5% at M = 65536: those keep the pipeline.
 ///
 /// # Safety
 /// As for [`forward_rows`], without a residual; x, y, gamma and beta 16-byte aligned, `n`
