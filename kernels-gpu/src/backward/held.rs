@@ -121,8 +121,9 @@ pub(crate) struct HeldRow {
 }
 
 /// Issues the loads of row `row`'s x, dy, mean and rstd (none where `row` is past the last
-/// row, the pipeline's end: the values then stay zero and are never used). mean and rstd
-/// travel with the row: loaded when the row is used, each would cost its own DRAM round
+/// row, the pipeline's end: the values then stay zero and are never used). RMSNorm's
+/// mean is 0 (its forward wrote 0s), a constant rather than a load and a register. mean
+/// and rstd travel with the row: loaded when the row is used, each would cost its own DRAM round
 /// trip before the row's first sum. The row's dsum, where given, is prefetched into L2:
 /// held in registers too, it would spill the half-type kernels, and pass 2 then reads each
 /// pack from L2 rather than from DRAM.
@@ -149,7 +150,11 @@ pub(crate) unsafe fn load_held_row<X: Element, T: Element, W, S: Team>(
         HeldRow {
             xs: Held::load::<X, S>(r.x.wrapping_add(offset), packs),
             dys: Held::load_as::<X, T, S>(r.dy.wrapping_add(offset), packs),
-            mean: if inside { *r.mean.add(row as usize) } else { 0.0 },
+            mean: if inside && r.centered {
+                *r.mean.add(row as usize)
+            } else {
+                0.0
+            },
             rstd: if inside { *r.rstd.add(row as usize) } else { 0.0 },
         }
     }
@@ -157,11 +162,19 @@ pub(crate) unsafe fn load_held_row<X: Element, T: Element, W, S: Team>(
 
 /// dx for one row of a launch whose rows are all whole packs held in registers, and the
 /// row's partials into the rank's own [`RankPartials`]. Two passes over registers:
-///   pass 1:  s1 = sum_j xhat_j * wdy_j,  s2 = sum_j wdy_j   (c1 = s1 / n, c2 = s2 / n)
-///   pass 2:  dx_j = rstd * wdy_j + (xhat_j * a + b),  a = -rstd * c1,  b = -rstd * c2,
+///   pass 1:  xhat_j, wdy_j = w_j * dy_j       (kept in f32 for pass 2)
+///            s1 = sum_j xhat_j * wdy_j,  s2 = sum_j wdy_j   (c1 = s1 / n, c2 = s2 / n)
 ///            dgamma_j += xhat_j * dy_j,  dbeta_j += dy_j
-/// Between them, before the row's reduction, the loads of the team's next row go out
-/// (`next`): they arrive while this row is reduced, written and summed, so each block keeps
+///   pass 2:  dx_j = rstd * ((wdy_j - c2) - xhat_j * c1)
+/// Pass 1 widens x, dy and the weights once, and the partials need nothing of the row's
+/// sums, so pass 2 is three floating-point operations an element and a store: in 16-bit
+/// types, where a byte holds twice the elements, the instructions an element rather than
+/// the bytes set this kernel's pace (docs/PERF.md, v45). The kept terms take the registers
+/// the held x and dy free (16-bit: 64 f32 where they took 32 words). `TIGHT` kernels (the
+/// cluster's, whose row exchange holds registers of its own) keep xhat only in 16-bit
+/// types, and form wdy again from dy's held words and the weights: the kept wdy spilled
+/// them. Between the passes, before the row's reduction, the loads of the team's next row
+/// go out (`next`): they arrive while this row is reduced and written, so each block keeps
 /// two rows in flight and DRAM does not idle while the block works on registers. Returns
 /// the next row's registers.
 ///
@@ -171,7 +184,7 @@ pub(crate) unsafe fn load_held_row<X: Element, T: Element, W, S: Team>(
 /// rank; the [`HeldRow`] is
 /// row `row`'s; `acc` as [`RankPartials::zero`] requires.
 #[inline(always)]
-pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Team>(
+pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Team, const TIGHT: bool>(
     r: &Rows<X, T, W>,
     row: u32,
     HeldRow { xs, dys, mean, rstd }: HeldRow,
@@ -181,24 +194,36 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
     let offset = row as usize * r.n as usize;
     // SAFETY: row < rows, so this row lies inside dx.
     let dx = unsafe { r.dx.add(offset) };
-    // The held slot's (x, dy, gamma); rows of whole packs have no element-wise tail, so every
-    // chunk for_each_chunk yields is a held slot.
-    let held = |j: u32, slot: Option<usize>| {
-        let c = slot.unwrap_or(0);
+    let centering = Centering::new(mean, rstd);
+    // f32 rows hold 16 values a rank: their kept terms take the registers x and dy took.
+    let keep_wdy = !TIGHT || X::PACK * BWD_HELD <= 16;
+    // wdy_j of a held slot, from dy's held words and the weights.
+    let wdy = |j: u32, c: usize| -> Pack {
+        let dyv = dys.pack::<T>(c);
         // SAFETY: j is a pack of the row, aligned (the caller's guarantee).
         let g = unsafe { r.gamma(j, X::PACK) };
-        (c, xs.pack::<X>(c), dys.pack::<T>(c), g)
+        core::array::from_fn(|k| g[k] * dyv[k])
     };
 
-    let centering = Centering::new(mean, rstd);
-
-    // Pass 1.
+    // Pass 1. Rows of whole packs have no element-wise tail, so every chunk for_each_chunk
+    // yields is a held slot (c a constant in each copy: the kept terms stay registers).
+    let (mut xhats, mut wdys) = ([[0.0f32; MAX_PACK]; BWD_HELD], [[0.0f32; MAX_PACK]; BWD_HELD]);
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
     for_each_chunk::<X, S, true, BWD_HELD>(r.cols, |j, _, slot| {
-        let (_, xv, dyv, g) = held(j, slot);
+        let c = slot.unwrap_or(0);
+        let (xv, dyv) = (xs.pack::<X>(c), dys.pack::<T>(c));
+        // SAFETY: j is a pack of the row, aligned (the caller's guarantee).
+        let g = unsafe { r.gamma(j, X::PACK) };
         for k in 0..X::PACK {
-            (s1, s2) = add_row_sums(s1, s2, centering.xhat(xv[k]), g[k] * dyv[k]);
+            let (xhat, wdy) = (centering.xhat(xv[k]), g[k] * dyv[k]);
+            (s1, s2) = add_row_sums(s1, s2, xhat, wdy);
+            xhats[c][k] = xhat;
+            if keep_wdy {
+                wdys[c][k] = wdy;
+            }
         }
+        // SAFETY: c < BWD_HELD; the rank's partials are its own.
+        unsafe { acc.add::<X>(c, &xhats[c], &dyv) };
     });
     // SAFETY: as this function requires of every row.
     let upcoming = unsafe { load_held_row::<X, T, W, S>(r, next) };
@@ -208,11 +233,11 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
     // Pass 2.
     let (dsum, dres) = (r.dsum_row(offset), r.dres_row(offset));
     for_each_chunk::<X, S, true, BWD_HELD>(r.cols, |j, _, slot| {
-        let (c, xv, dyv, g) = held(j, slot);
-        let (mut xhat, mut out) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
+        let c = slot.unwrap_or(0);
+        let wdyv = if keep_wdy { wdys[c] } else { wdy(j, c) };
+        let mut out = [0.0; MAX_PACK];
         for k in 0..X::PACK {
-            xhat[k] = centering.xhat(xv[k]);
-            out[k] = centering.dx(g[k] * dyv[k], xhat[k], coefficients);
+            out[k] = centering.dx(wdyv[k], xhats[c][k], coefficients);
         }
         if let Some(dsum) = dsum {
             // From L2, where `load_held_row` prefetched it.
@@ -222,13 +247,12 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
                 out[k] += ds[k];
             }
         }
-        // SAFETY: as above; the rank's partials are its own.
+        // SAFETY: as above.
         unsafe {
             write_as::<X, T, false>(dx, j, X::PACK, &out);
             if let Some(dres) = dres {
                 write(dres, j, X::PACK, &out);
             }
-            acc.add::<X>(c, &xhat, &dyv);
         }
     });
     upcoming
@@ -238,7 +262,7 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
 /// host checks): team u handles rows u, u + U, ... and each rank adds its columns' partials
 /// into its own [`RankPartials`]; at the end the block sums its teams' (in team order) and
 /// hands them over to `out` for its `r.cols` columns. No barrier between rows: a rank's
-/// partials are its own.
+/// partials are its own. `TIGHT` as [`backward_row_held`] takes it.
 ///
 /// # Safety
 /// As [`backward_row_held`] requires of every row; `out` as [`Destination::hand_over`]
@@ -246,7 +270,7 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
 /// 8 * BWD_HELD * PACK * size` bytes of shared memory (`size` ranks per team), the first
 /// `scratch` for the team's reductions.
 #[inline(always)]
-pub(crate) unsafe fn stage1_held<X: Element, T: Element, W: Element, S: Team>(
+pub(crate) unsafe fn stage1_held<X: Element, T: Element, W: Element, S: Team, const TIGHT: bool>(
     r: Rows<X, T, W>,
     out: Destination,
     scratch: u32,
@@ -263,7 +287,7 @@ pub(crate) unsafe fn stage1_held<X: Element, T: Element, W: Element, S: Team>(
     while row < r.rows {
         let next = row + S::count();
         // SAFETY: as above, and row < rows.
-        held = unsafe { backward_row_held::<X, T, W, S>(&r, row, held, next, mine) };
+        held = unsafe { backward_row_held::<X, T, W, S, TIGHT>(&r, row, held, next, mine) };
         row = next;
     }
     // Each stacked team passes its own barrier before the block's. The block barrier alone

@@ -336,7 +336,7 @@ macro_rules! backward_kernels {
             let out = Destination::of(out, p.n, 0, device::block_idx(), 1, 0);
             let r = Rows::of(p, $centered);
             // SAFETY: the host launches this kernel only as `stage1_held` requires.
-            unsafe { stage1_held::<$x, $t, $w, $team>(r, out, SCRATCH_BYTES) }
+            unsafe { stage1_held::<$x, $t, $w, $team, false>(r, out, SCRATCH_BYTES) }
         }
     };
 }
