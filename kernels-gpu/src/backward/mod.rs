@@ -49,8 +49,9 @@
 //!     owned kernel, its partials in shared memory.
 //!   - `layer_norm_bwd_held_{warp,block}_<T>` ([`stage1_held`]): every row whole aligned
 //!     packs that fit 4 a rank, with room in shared memory for each rank's partials. x and
-//!     dy held in registers; dx and the partials in the same pass, into each rank's own
-//!     shared memory (16-byte accesses, no barrier between rows); each row's x, dy, mean and
+//!     dy held in registers; the row sums' pass keeps xhat and wdy in f32 and adds the
+//!     partials into each rank's own shared memory (16-byte accesses, no barrier between
+//!     rows), so the dx pass is three operations an element; each row's x, dy, mean and
 //!     rstd loaded during the previous row's reduction (two rows in flight per team). Block
 //!     teams stack along y, and all teams of a block add into one partial row.
 //!   - `layer_norm_bwd_owned_{warp,block}_<T>` ([`stage1_owned`]): all other rows. Each
