@@ -23,7 +23,7 @@ use crate::gpu::launch::{Backward, Forward};
 use crate::gpu::layer_norm as gpu;
 use crate::plan::Norm;
 use crate::stats::{ReturnTo, StatsPool};
-use crate::tensor::{Data, Tensor};
+use crate::tensor::{Data, Tensor, host_vec};
 
 /// The largest row count and row length: the kernels index rows and columns with u32 and
 /// step by up to 1024 past the end, so both stay below 2^31. Offsets are 64-bit, so
@@ -973,7 +973,8 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
 
 /// The backward of `[rows, n]` (n >= 1) on memory already checked and ordered for the
 /// stream of `dev`, with dgamma and dbeta summed as `mode` says. An absent parameter's
-/// gradient is summed into scratch and dropped (the kernels always write both sums).
+/// gradient is summed and dropped (the kernels always write both sums): on a GPU into the
+/// stream's workspace, kept between calls as the partial rows are, on the CPU into scratch.
 pub(crate) fn backward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
     dev: &Device,
     norm: Norm,
@@ -982,26 +983,22 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
     n: usize,
     o: BackwardOperands<'_, T, W, R>,
 ) -> Result<()> {
-    let (mut gamma_sums, mut beta_sums);
-    let dgamma = match o.dgamma {
-        Some(d) => d,
-        None => {
-            gamma_sums = dev.empty::<W>(&[n])?;
-            output(dev, gamma_sums.data_mut("dgamma scratch")?)?
-        }
-    };
-    let dbeta = match o.dbeta {
-        Some(d) => d,
-        None => {
-            beta_sums = dev.empty::<W>(&[n])?;
-            output(dev, beta_sums.data_mut("dbeta scratch")?)?
-        }
-    };
     if rows == 0 {
         // Sums over no rows.
-        zero(dev, dgamma)?;
-        return zero(dev, dbeta);
+        for sums in [o.dgamma, o.dbeta].into_iter().flatten() {
+            zero(dev, sums)?;
+        }
+        return Ok(());
     }
+    // The CPU path's sums of an absent parameter go to scratch; a GPU's to its workspace.
+    let (mut gamma_sums, mut beta_sums) = (Vec::new(), Vec::new());
+    let (dgamma, dbeta) = match &dev.kind {
+        Kind::Cpu => (
+            Some(o.dgamma.map_or_else(|| host_scratch(&mut gamma_sums, n), Ok)?),
+            Some(o.dbeta.map_or_else(|| host_scratch(&mut beta_sums, n), Ok)?),
+        ),
+        Kind::Cuda(_) => (o.dgamma, o.dbeta),
+    };
     match (o.x, o.dy, o.gamma, o.mean, o.rstd, o.dx, dgamma, dbeta, &dev.kind) {
         (
             In::Host(x),
@@ -1010,8 +1007,8 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
             In::Host(mean),
             In::Host(rstd),
             Out::Host(dx),
-            Out::Host(dgamma),
-            Out::Host(dbeta),
+            Some(Out::Host(dgamma)),
+            Some(Out::Host(dbeta)),
             _,
         ) => R::backward(
             rows_of(x, rows, n),
@@ -1040,10 +1037,11 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
             In::Cuda(mean),
             In::Cuda(rstd),
             Out::Cuda(dx),
-            Out::Cuda(dgamma),
-            Out::Cuda(dbeta),
+            dgamma,
+            dbeta,
             Kind::Cuda(g),
         ) => {
+            let (dgamma, dbeta) = (on_device(dgamma), on_device(dbeta));
             let dsum = o.dsum.map(|d| match d {
                 In::Cuda(d) => d,
                 In::Host(_) => unreachable!("checked: every operand lives on the op's device"),
@@ -1181,6 +1179,21 @@ pub(crate) fn check_dim(what: &'static str, value: usize) -> Result<()> {
     } else {
         Ok(())
     }
+}
+
+/// A GPU op's output, where it has one.
+fn on_device<T>(out: Option<Out<'_, T>>) -> Option<CudaViewMut<'_, T>> {
+    out.map(|o| match o {
+        Out::Cuda(o) => o,
+        Out::Host(_) => unreachable!("checked: every operand lives on the op's device"),
+    })
+}
+
+/// `n` host sums for a gradient the op drops, in `scratch`.
+fn host_scratch<W: Element>(scratch: &mut Vec<W>, n: usize) -> Result<Out<'_, W>> {
+    *scratch = host_vec(n, "allocating a dropped gradient's sums")?;
+    scratch.resize(n, W::default());
+    Ok(Out::Host(scratch))
 }
 
 /// Sets every element of an output to zero.

@@ -5,9 +5,11 @@
 mod common;
 
 use common::{Rng, gpu_or_skip, mixed_matrix, random_matrix, random_vec};
-use layernorm_cuda::cudarc::driver::DevicePtr;
-use layernorm_cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use layernorm_cuda::{Device, Error, Gradients, LayerNorm, Tensor};
+use layernorm_cuda::cudarc::driver::sys::{
+    self, CUgraphInstantiate_flags, CUgraphNodeType, CUresult, CUstreamCaptureMode,
+};
+use layernorm_cuda::cudarc::driver::{CudaGraph, DevicePtr};
+use layernorm_cuda::{Device, Error, Gradients, LayerNorm, RmsNorm, Tensor};
 
 fn devices() -> Vec<Device> {
     let mut devices = vec![Device::cpu()];
@@ -243,4 +245,101 @@ fn a_captured_forward_and_backward_replay_exactly() {
             assert_eq!(host_grads(&grads), grads_ref, "{what} replay {replay}: gradients");
         }
     }
+}
+
+/// The type of every node of a captured graph.
+fn node_types(graph: &CudaGraph) -> Vec<CUgraphNodeType> {
+    let g = graph.cu_graph();
+    let mut count = 0usize;
+    // SAFETY: `g` is the live graph of `graph`; a null array asks for the count alone.
+    let r = unsafe { sys::cuGraphGetNodes(g, std::ptr::null_mut(), &mut count) };
+    assert_eq!(r, CUresult::CUDA_SUCCESS);
+    let mut nodes = vec![std::ptr::null_mut(); count];
+    // SAFETY: the array holds `count` nodes.
+    let r = unsafe { sys::cuGraphGetNodes(g, nodes.as_mut_ptr(), &mut count) };
+    assert_eq!(r, CUresult::CUDA_SUCCESS);
+    nodes
+        .iter()
+        .map(|&node| {
+            let mut kind = CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+            // SAFETY: `node` is a node of the live graph.
+            let r = unsafe { sys::cuGraphNodeGetType(node, &mut kind) };
+            assert_eq!(r, CUresult::CUDA_SUCCESS);
+            kind
+        })
+        .collect()
+}
+
+/// The backward of an op that lacks beta (RMSNorm, LayerNorm without bias) or weights
+/// altogether allocates nothing on the device once the stream's workspace holds its shape:
+/// captured in a graph, `backward_into` records kernels and no memory node (a
+/// stream-ordered allocation or free would be one), and the replay gives the call's dx
+/// again after another call has overwritten it. The kernels sum dgamma and dbeta either
+/// way; an absent one's sums go to the workspace.
+#[test]
+fn a_backward_without_beta_or_weights_allocates_nothing() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let stream = gpu.cuda_stream().unwrap().clone();
+    let (rows, n) = (64, 1024);
+    let mut rng = Rng::new(7300);
+    let x = gpu.upload(mixed_matrix::<f32>(&mut rng, rows, n).view()).unwrap();
+    let dy = gpu
+        .upload(random_matrix::<f32>(&mut rng, rows, n).view())
+        .unwrap();
+    let dy2 = gpu
+        .upload(random_matrix::<f32>(&mut rng, rows, n).view())
+        .unwrap();
+    let gamma = gpu
+        .upload(random_vec::<f32>(&mut rng, n, 1.0, 0.5).view())
+        .unwrap();
+    let gradients = |weighted: bool| Gradients {
+        dx: gpu.zeros(&[rows, n]).unwrap(),
+        dgamma: weighted.then(|| gpu.zeros(&[n]).unwrap()),
+        dbeta: None,
+    };
+    type Call<'a> = &'a dyn Fn(&Tensor<f32>, &mut Gradients<f32>) -> Result<(), Error>;
+    let captured = |what: &str, mut grads: Gradients<f32>, backward_into: Call<'_>| {
+        // Outside the capture: the workspace for this shape.
+        backward_into(&dy, &mut grads).unwrap();
+        let dx = host(&grads.dx);
+        stream
+            .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .unwrap();
+        let call = backward_into(&dy, &mut grads);
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0));
+        call.unwrap();
+        let graph = graph.unwrap().expect("the capture recorded work");
+        let types = node_types(&graph);
+        assert!(
+            types.contains(&CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL),
+            "{what}: {types:?}"
+        );
+        assert!(
+            !types.iter().any(|t| matches!(
+                t,
+                CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_ALLOC | CUgraphNodeType::CU_GRAPH_NODE_TYPE_MEM_FREE
+            )),
+            "{what}: the backward allocates: {types:?}"
+        );
+        backward_into(&dy2, &mut grads).unwrap();
+        assert_ne!(host(&grads.dx), dx, "{what}: dy2's dx equals dy's");
+        graph.launch().unwrap();
+        assert_eq!(host(&grads.dx), dx, "{what}: the replay's dx");
+    };
+
+    let rms = RmsNorm::new(gamma.clone(), 1e-5).unwrap();
+    let (_, ctx) = rms.forward(&x).unwrap();
+    captured("RMSNorm", gradients(true), &|dy, g| {
+        rms.backward_into(&ctx, dy, g)
+    });
+    let unweighted = RmsNorm::<f32>::without_affine(&gpu, n, 1e-5).unwrap();
+    let (_, ctx) = unweighted.forward(&x).unwrap();
+    captured("RMSNorm without weights", gradients(false), &|dy, g| {
+        unweighted.backward_into(&ctx, dy, g)
+    });
+    let no_bias = LayerNorm::without_bias(gamma, 1e-5).unwrap();
+    let (_, ctx) = no_bias.forward(&x).unwrap();
+    captured("LayerNorm without bias", gradients(true), &|dy, g| {
+        no_bias.backward_into(&ctx, dy, g)
+    });
 }

@@ -110,13 +110,15 @@ pub(crate) enum Reduction {
 }
 
 /// Queues the backward of `[rows, n]` (rows, n >= 1) of rows of `R` (x, or a residual
-/// forward's s): stage 1 then stage 2.
+/// forward's s): stage 1 then stage 2. The sums of a parameter the op lacks (`None`: no
+/// beta, or no weights at all) go to the workspace, past the partial rows, and are dropped:
+/// the kernels write both sums, and a call allocates nothing for them.
 pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
     gpu: &Gpu,
     mode: Reduction,
     stage1: Backward<'_, T, W, R>,
-    mut dgamma: CudaViewMut<'_, W>,
-    mut dbeta: CudaViewMut<'_, W>,
+    dgamma: Option<CudaViewMut<'_, W>>,
+    dbeta: Option<CudaViewMut<'_, W>>,
 ) -> Result<()> {
     let (rows, n) = (stage1.rows, stage1.n);
     // Held until stage 2 is queued: the buffers are this stream's, reused call after call.
@@ -161,19 +163,37 @@ pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
     // Every unit writes every column of its partial row; in locked mode, every group gets a
     // unit (no more groups than units), and its first holder writes it (count word 0) before
     // others add to it; the blocks' own rows, where they keep them, follow the 2G group rows.
-    let (mut parts_dgamma, mut parts_dbeta, part_rows, mut locks) = match mode {
+    // Each buffer holds its rows, then n f32 of room for a dropped parameter's n sums (W is
+    // at most 4 bytes).
+    let (mut parts_dgamma, mut parts_dbeta, buffer_rows, part_rows, mut locks) = match mode {
         Reduction::Owned => {
-            let (pg, pb) = workspace.partials(&gpu.stream, units as usize * n as usize)?;
-            (pg, pb, units, None)
+            let (pg, pb) = workspace.partials(&gpu.stream, (units as usize + 1) * n as usize)?;
+            (pg, pb, units as usize, units, None)
         }
         Reduction::Locked { groups } => {
             let groups = groups.min(units);
             let buffer_rows = 2 * groups as usize + if own_rows { units as usize } else { 0 };
             let words = 2 * (groups * slices) as usize;
-            let (pg, pb, words) = workspace.locked(&gpu.stream, buffer_rows * n as usize, words)?;
+            let (pg, pb, words) = workspace.locked(&gpu.stream, (buffer_rows + 1) * n as usize, words)?;
             // Stage 2 sums the compensation rows with the sums.
-            (pg, pb, 2 * groups, Some((words, groups)))
+            (pg, pb, buffer_rows, 2 * groups, Some((words, groups)))
         }
+    };
+    let rows_len = buffer_rows * n as usize;
+    let (mut parts_dgamma, mut spare_dgamma) = parts_dgamma.split_at_mut(rows_len);
+    let (mut parts_dbeta, mut spare_dbeta) = parts_dbeta.split_at_mut(rows_len);
+    let mut dgamma = match dgamma {
+        Some(d) => d,
+        // SAFETY: f32 room for n values holds n of W (2 or 4 bytes, 4-byte aligned), which
+        // stage 2 only writes.
+        None => unsafe { spare_dgamma.transmute_mut::<W>(n as usize) }
+            .unwrap_or_else(|| unreachable!("n f32 hold n sums of W")),
+    };
+    let mut dbeta = match dbeta {
+        Some(d) => d,
+        // SAFETY: as for dgamma.
+        None => unsafe { spare_dbeta.transmute_mut::<W>(n as usize) }
+            .unwrap_or_else(|| unreachable!("n f32 hold n sums of W")),
     };
     let sums = Sums {
         dgamma: &mut parts_dgamma,
