@@ -1,8 +1,9 @@
-//! The backward's scratch, kept between calls: the f32 partial rows of stage 1 and the
-//! locked mode's lock and count words. A backward takes what it needs from here instead of
-//! allocating per call; a call that needs more replaces the buffer with a larger one (the
-//! old one is freed in stream order), so after the first call of the largest shape the
-//! backward allocates nothing.
+//! The backward's scratch, kept between calls: the f32 partial rows of stage 1 (each
+//! buffer with a row more, where stage 2 writes the sums of a parameter the op lacks) and
+//! the locked mode's lock and count words. A backward takes what it needs from here instead
+//! of allocating per call; a call that needs more replaces the buffer with a larger one
+//! (the old one is freed in stream order), so after the first call of the largest shape
+//! the backward allocates nothing.
 //!
 //! One workspace per `Gpu`, that is per stream: every use of it is queued on that stream,
 //! so a call's stage 2 has read the partials before the next call's stage 1 writes them,
