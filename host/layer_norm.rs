@@ -23,7 +23,7 @@ use crate::gpu::launch::{Backward, Forward};
 use crate::gpu::layer_norm as gpu;
 use crate::plan::Norm;
 use crate::stats::{ReturnTo, StatsPool};
-use crate::tensor::{Data, Tensor, host_vec};
+use crate::tensor::{Data, Tensor, host_filled};
 
 /// The largest row count and row length: the kernels index rows and columns with u32 and
 /// step by up to 1024 past the end, so both stay below 2^31. Offsets are 64-bit, so
@@ -1191,8 +1191,7 @@ fn on_device<T>(out: Option<Out<'_, T>>) -> Option<CudaViewMut<'_, T>> {
 
 /// `n` host sums for a gradient the op drops, in `scratch`.
 fn host_scratch<W: Element>(scratch: &mut Vec<W>, n: usize) -> Result<Out<'_, W>> {
-    *scratch = host_vec(n, "allocating a dropped gradient's sums")?;
-    scratch.resize(n, W::default());
+    *scratch = host_filled(n, W::default())?;
     Ok(Out::Host(scratch))
 }
 

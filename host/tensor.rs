@@ -441,7 +441,7 @@ impl Device {
 const ALLOC: &str = "allocating a tensor";
 
 /// `len` copies of `value` in host memory, or [`Error::OutOfMemory`].
-fn host_filled<T: Element>(len: usize, value: T) -> Result<Vec<T>> {
+pub(crate) fn host_filled<T: Element>(len: usize, value: T) -> Result<Vec<T>> {
     let mut v = host_vec(len, ALLOC)?;
     v.resize(len, value);
     Ok(v)

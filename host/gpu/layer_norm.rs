@@ -109,6 +109,21 @@ pub(crate) enum Reduction {
     Locked { groups: u32 },
 }
 
+/// `sums`, or for a parameter the op lacks, `n` sums of `W` in `spare`, the room the
+/// workspace keeps past the partial rows, which stage 2 writes and nothing reads.
+fn or_spare<'a, W>(
+    sums: Option<CudaViewMut<'a, W>>,
+    spare: &'a mut CudaViewMut<'_, f32>,
+    n: u32,
+) -> CudaViewMut<'a, W> {
+    sums.unwrap_or_else(|| {
+        // SAFETY: f32 room for n values holds n of W (2 or 4 bytes, 4-byte aligned), and
+        // stage 2 only writes them.
+        unsafe { spare.transmute_mut::<W>(n as usize) }
+            .unwrap_or_else(|| unreachable!("n f32 hold n sums of W"))
+    })
+}
+
 /// Queues the backward of `[rows, n]` (rows, n >= 1) of rows of `R` (x, or a residual
 /// forward's s): stage 1 then stage 2. The sums of a parameter the op lacks (`None`: no
 /// beta, or no weights at all) go to the workspace, past the partial rows, and are dropped:
@@ -182,19 +197,10 @@ pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
     let rows_len = buffer_rows * n as usize;
     let (mut parts_dgamma, mut spare_dgamma) = parts_dgamma.split_at_mut(rows_len);
     let (mut parts_dbeta, mut spare_dbeta) = parts_dbeta.split_at_mut(rows_len);
-    let mut dgamma = match dgamma {
-        Some(d) => d,
-        // SAFETY: f32 room for n values holds n of W (2 or 4 bytes, 4-byte aligned), which
-        // stage 2 only writes.
-        None => unsafe { spare_dgamma.transmute_mut::<W>(n as usize) }
-            .unwrap_or_else(|| unreachable!("n f32 hold n sums of W")),
-    };
-    let mut dbeta = match dbeta {
-        Some(d) => d,
-        // SAFETY: as for dgamma.
-        None => unsafe { spare_dbeta.transmute_mut::<W>(n as usize) }
-            .unwrap_or_else(|| unreachable!("n f32 hold n sums of W")),
-    };
+    let (mut dgamma, mut dbeta) = (
+        or_spare(dgamma, &mut spare_dgamma, n),
+        or_spare(dbeta, &mut spare_dbeta, n),
+    );
     let sums = Sums {
         dgamma: &mut parts_dgamma,
         dbeta: &mut parts_dbeta,
