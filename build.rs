@@ -109,11 +109,13 @@ const MODULES: &[Module] = &[
         flags: &[],
         arch: Arch::Sm80,
     },
-    // Hopper: clusters and distributed shared memory exist from sm_90 on.
+    // Hopper: clusters and distributed shared memory exist from sm_90 on. PTX 8.1 for the
+    // clusters' exchange (`st.async`, `mbarrier.arrive.expect_tx`): a driver of CUDA 12.1 or
+    // later loads it (host/gpu/module.rs takes the sm_80 module under an older one).
     Module {
         file: "layernorm_kernels_sm90.ptx",
         target_cpu: "sm_90",
-        flags: &["--cfg", "layernorm_sm90"],
+        flags: &["--cfg", "layernorm_sm90", "-C", "target-feature=+ptx81"],
         arch: Arch::Sm90,
     },
 ];

@@ -631,7 +631,7 @@ impl<T: Element> Planner<T> {
     /// block cannot hold in registers (4 packs a thread) or cannot sum in shared memory (8n
     /// bytes), as long as an eighth of the row fits. Slices held in registers where every row
     /// is aligned packs (and, with a `dsum`, where the held kernels take it), over the
-    /// fewest blocks whose slices fit: fewer blocks wait at each row's cluster barrier.
+    /// fewest blocks whose slices fit: fewer blocks wait for each row's sums.
     fn cluster(&self, dsum: bool) -> Option<Plan> {
         let n = self.n;
         if self.limits.arch != Arch::Sm90 || warp_rows(n) {

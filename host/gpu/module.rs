@@ -127,6 +127,11 @@ pub(crate) struct KernelTable {
 /// launches.
 const DEPENDENT_LAUNCH_DRIVER: i32 = 12030;
 
+/// The first driver version (CUDA 12.1) that loads PTX 8.1, the sm_90 module's version
+/// (build.rs). An sm_90 device under an older driver runs the sm_80 module, without the
+/// cluster kernels.
+const SM90_PTX_DRIVER: i32 = 12010;
+
 /// The installed driver's CUDA version, as 1000 * major + 10 * minor.
 fn driver_version() -> Result<i32> {
     let mut version = 0;
@@ -146,13 +151,18 @@ struct Module {
 impl KernelTable {
     /// The kernel table of the device of `ctx`, whose compute capability is `major`.x and
     /// which has `sm_count` multiprocessors: the sm_90 PTX (with the cluster kernels) on 9.0
-    /// and later. Loads nothing yet.
+    /// and later where the driver loads it. Loads nothing yet.
     pub(crate) fn new(ctx: &Arc<CudaContext>, major: i32, sm_count: u32) -> Result<KernelTable> {
         let max_smem = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
             .during("reading the shared memory limit")? as u32;
-        let arch = if major >= 9 { Arch::Sm90 } else { Arch::Sm80 };
-        let dependent_launch = arch == Arch::Sm90 && driver_version()? >= DEPENDENT_LAUNCH_DRIVER;
+        let driver = if major >= 9 { driver_version()? } else { 0 };
+        let arch = if driver >= SM90_PTX_DRIVER {
+            Arch::Sm90
+        } else {
+            Arch::Sm80
+        };
+        let dependent_launch = arch == Arch::Sm90 && driver >= DEPENDENT_LAUNCH_DRIVER;
         Ok(KernelTable {
             ctx: ctx.clone(),
             modules: Default::default(),

@@ -103,9 +103,14 @@ pub const fn fits(cols: u32, pack: u32, ranks: u32, held: u32) -> bool {
 /// warp of a 1024-thread block.
 pub const SCRATCH_BYTES: u32 = 32 * 16;
 
-/// Bytes a cluster block keeps after [`SCRATCH_BYTES`] for the row sums' exchange: two 8-byte
-/// slots (alternating rows) and a round count, padded to 32.
-pub const CLUSTER_EXCHANGE_BYTES: u32 = 32;
+/// 8-byte slots in each of a cluster block's two exchange buffers: one per block of the
+/// largest cluster.
+pub const EXCHANGE_SLOTS: u32 = 8;
+
+/// Bytes a cluster block keeps after [`SCRATCH_BYTES`] for the row sums' exchange: two
+/// mbarriers of 8 bytes, two buffers (alternating rows) of [`EXCHANGE_SLOTS`] slots, and a
+/// round count (16 bytes kept).
+pub const CLUSTER_EXCHANGE_BYTES: u32 = 16 + 2 * 8 * EXCHANGE_SLOTS + 16;
 
 /// A cluster block's scratch: the block reductions' and the exchange.
 pub const CLUSTER_SCRATCH_BYTES: u32 = SCRATCH_BYTES + CLUSTER_EXCHANGE_BYTES;
@@ -120,6 +125,9 @@ pub const CLUSTER_SIZE: u32 = 8;
 /// Blocks per cluster of the held cluster backward, fewest first (the host takes the fewest
 /// whose slices fit).
 pub const HELD_CLUSTER_SIZES: [u32; 3] = [2, 4, 8];
+
+// Every block of a cluster has its slot in each exchange buffer.
+const _: () = assert!(CLUSTER_SIZE <= EXCHANGE_SLOTS && HELD_CLUSTER_SIZES[2] <= EXCHANGE_SLOTS);
 
 /// Columns of each block's slice when a cluster of `c` blocks shares a row of `n`: whole
 /// packs of `pack` elements, so that every slice of an aligned row starts aligned.

@@ -273,6 +273,32 @@ pub unsafe fn load_shared_8(addr: u32) -> [u32; 2] {
     [a, b]
 }
 
+/// Loads 4 bytes from shared memory (`ld.shared`; the clusters' round count).
+///
+/// # Safety
+/// `addr` must be 4-byte aligned and inside shared memory.
+#[cfg(layernorm_sm90)]
+#[inline(always)]
+pub unsafe fn load_shared_4(addr: u32) -> u32 {
+    let a: u32;
+    // SAFETY: the caller guarantees `addr` is aligned and inside shared memory.
+    unsafe {
+        asm!("ld.shared.u32 {a}, [{p}];", a = out(reg32) a, p = in(reg32) addr, options(readonly, nostack));
+    }
+    a
+}
+
+/// Stores 4 bytes to shared memory (`st.shared`).
+///
+/// # Safety
+/// As for [`load_shared_4`].
+#[cfg(layernorm_sm90)]
+#[inline(always)]
+pub unsafe fn store_shared_4(addr: u32, v: u32) {
+    // SAFETY: the caller guarantees `addr` is aligned and inside shared memory.
+    unsafe { asm!("st.shared.u32 [{p}], {v};", p = in(reg32) addr, v = in(reg32) v, options(nostack)) }
+}
+
 /// Stores 16 bytes to shared memory (`st.shared.v4`).
 ///
 /// # Safety

@@ -5,7 +5,7 @@
 //! Every reduction hands all ranks the same bits: sums use a butterfly (a + b == b + a
 //! exactly), mean/variance use one fixed merge tree whose root is then broadcast.
 
-use crate::device::{self, shared_ptr, shfl_down, shfl_idx, shfl_xor};
+use crate::device::{self, shfl_down, shfl_idx, shfl_xor};
 
 /// Block reductions use the first `SCRATCH_BYTES` of dynamic shared memory: one 16-byte slot
 /// per warp of a 1024-thread block. The host launches every kernel with at least that much.
@@ -243,17 +243,23 @@ impl<const STACKED: bool> Blocks<STACKED> {
         let team_warps = device::block_dim() / 32;
         let first = Self::stack_index() * team_warps;
         let (warp, lane) = (first + device::thread_idx() / 32, device::thread_idx() % 32);
-        let smem = shared_ptr::<[f32; 4]>(0);
+        // Shared-window addresses (32 bits: a generic pointer would hold two registers).
+        let warp_slot = |w: u32| device::shared_addr(16 * w);
         if lane == 0 {
             // SAFETY: warp < 32 (at most 1024 threads a block) and the scratch holds 32
             // slots of 16 bytes.
-            unsafe { smem.add(warp as usize).write([slot[0], slot[1], slot[2], 0.0]) };
+            unsafe {
+                device::store_shared_16(
+                    warp_slot(warp),
+                    [slot[0], slot[1], slot[2], 0.0].map(f32::to_bits),
+                )
+            };
         }
         Self::sync();
         let out = if lane < team_warps {
             // SAFETY: first + lane is one of the team's warps, whose slot was written before
             // the barrier.
-            let v = unsafe { smem.add((first + lane) as usize).read() };
+            let v = unsafe { device::load_shared_16(warp_slot(first + lane)) }.map(f32::from_bits);
             [v[0], v[1], v[2]]
         } else {
             empty

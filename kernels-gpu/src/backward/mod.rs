@@ -41,10 +41,10 @@
 //!     block teams): rows too long for one block to hold in registers (4 packs a thread)
 //!     or to sum in shared memory (8n bytes), where an eighth of a row's partials fits. A
 //!     cluster of C blocks shares each row, block q taking its q-th slice; the row sums
-//!     come from all slices through distributed shared memory, one cluster barrier per row
-//!     (the sums alternate between two slots). Where every row is whole aligned packs,
+//!     come from all slices through distributed shared memory (`st.async` into every
+//!     block, an mbarrier a row; the sums alternate between two buffers). Where every row is whole aligned packs,
 //!     `cluster<C>_held` (`stage1_cluster_held` in crate::cluster::backward): C = 2, 4 or 8, the fewest blocks whose
-//!     slices fit 4 packs a rank (fewer blocks wait at each barrier), each slice as in
+//!     slices fit 4 packs a rank (fewer blocks wait for each row's sums), each slice as in
 //!     [`stage1_held`]; else `cluster8` (`stage1_cluster`): each slice as in the general
 //!     owned kernel, its partials in shared memory.
 //!   - `layer_norm_bwd_held_{warp,block}_<T>` ([`stage1_held`]): every row whole aligned

@@ -89,7 +89,7 @@ use crate::layout::params::BackwardRows;
 /// Exports the cluster stage 1 kernels (sm_90 module only) of one type pair (x, dy and dx
 /// of type `$t`, gamma of `$w`, the rows (s) and dsum of `$x`) for both norms: the general
 /// one over 8 blocks, and the held one over 2, 4 and 8 (the host takes the fewest blocks
-/// whose slices fit 4 packs a rank: fewer blocks wait at each row's cluster barrier).
+/// whose slices fit 4 packs a rank: fewer blocks wait for each row's sums).
 /// build.rs gives each `.reqnctapercluster C` from the registry.
 macro_rules! cluster_kernels {
     ($module:ident, $types:literal, $t:ty, $w:ty, $x:ty) => {

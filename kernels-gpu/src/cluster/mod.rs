@@ -12,7 +12,7 @@ mod backward;
 
 use core::arch::asm;
 
-use crate::device::{self, shared_ptr};
+use crate::device;
 use crate::team::{Block, SCRATCH_BYTES, Team};
 
 /// This block's rank in its cluster (`%cluster_ctarank`).
@@ -44,8 +44,9 @@ fn cluster_count() -> u32 {
 
 /// Arrives at the cluster barrier. Its default semantics are release: shared memory this
 /// thread wrote before is visible to any thread of the cluster after its matching [`wait`].
-/// (`.relaxed` arrivals need PTX 8.0, which rustc reaches only through an unstable target
-/// feature; the sm_90 module stays at PTX 7.8.)
+/// Release makes the thread wait for every load and store it has in flight (`MEMBAR.ALL.GPU`
+/// before the arrival in the SASS), so rows do not pass it: only [`Cluster::begin`] and
+/// [`Cluster::end`] do.
 #[inline(always)]
 fn arrive() {
     // SAFETY: a barrier arrival; every thread of the cluster arrives, alternating with wait.
@@ -59,34 +60,99 @@ fn wait() {
     unsafe { asm!("barrier.cluster.wait.aligned;", options(nostack)) }
 }
 
-/// The two f32 at byte `offset` of block `rank`'s dynamic shared memory (`mapa` maps the
-/// local shared address to that block's window, `ld.shared::cluster` reads it).
+/// Sets up the mbarrier at `bar` (a [`device::shared_addr`]) for one arrival a phase, and
+/// makes the setup visible to the cluster's asynchronous operations (`st.async` of other
+/// blocks) once a cluster barrier has passed.
 ///
 /// # Safety
-/// `offset` is 8-byte aligned and inside every block's shared memory; block `rank` < C
-/// wrote it before a release arrival this thread has waited for, and does not exit before
-/// this thread arrives again.
+/// `bar` is 8-byte aligned, inside the block's shared memory, and not in use as a barrier.
 #[inline(always)]
-unsafe fn read_remote_pair(offset: u32, rank: u32) -> (f32, f32) {
-    let (a, b): (f32, f32);
-    // SAFETY: the caller guarantees the address and the ordering.
+unsafe fn init_barrier(bar: u32) {
+    // SAFETY: the caller guarantees the address.
+    unsafe {
+        asm!(
+            "mbarrier.init.shared::cta.b64 [{bar}], 1;",
+            "fence.mbarrier_init.release.cluster;",
+            bar = in(reg32) bar,
+            options(nostack)
+        )
+    }
+}
+
+/// Arrives once at the mbarrier `bar`, announcing `bytes` that asynchronous stores will
+/// complete in its current phase (`mbarrier.arrive.expect_tx`; release at the block's
+/// scope, which waits for nothing in flight to global memory).
+///
+/// # Safety
+/// `bar` was set up by [`init_barrier`]; this is its phase's one arrival.
+#[inline(always)]
+unsafe fn arrive_expecting(bar: u32, bytes: u32) {
+    // SAFETY: the caller guarantees the barrier and the phase.
     unsafe {
         asm!(
             "{{",
-            ".reg .u64 %base;",
-            ".reg .u32 %local, %remote;",
-            "mov.u64 %base, dynamic_smem;",
-            "cvt.u32.u64 %local, %base;",
-            "add.u32 %local, %local, {off};",
-            "mapa.shared::cluster.u32 %remote, %local, {rank};",
-            "ld.shared::cluster.v2.f32 {{{a}, {b}}}, [%remote];",
+            ".reg .b64 %state;",
+            "mbarrier.arrive.expect_tx.shared::cta.b64 %state, [{bar}], {bytes};",
             "}}",
-            off = in(reg32) offset, rank = in(reg32) rank,
-            a = out(reg32) a, b = out(reg32) b,
-            options(readonly, nostack)
-        );
+            bar = in(reg32) bar, bytes = in(reg32) bytes,
+            options(nostack)
+        )
     }
-    (a, b)
+}
+
+/// Stores `[a, b]` at shared address `slot` of block `rank`'s shared memory and completes 8
+/// bytes of the current phase of that block's mbarrier at shared address `bar` (`mapa` maps
+/// each local address to that block's window, `st.async` writes and signals). The store is
+/// asynchronous: this thread does not wait for it, nor for anything else in flight.
+///
+/// # Safety
+/// `slot` (8-byte aligned) and `bar` are inside every block's shared memory, the barrier set
+/// up and expecting the bytes in the phase they belong to; no thread of block `rank` reads
+/// or writes the slot until that phase completes.
+#[inline(always)]
+unsafe fn send_pair(slot: u32, bar: u32, rank: u32, [a, b]: [f32; 2]) {
+    // SAFETY: the caller guarantees the addresses and the phase.
+    unsafe {
+        asm!(
+            "{{",
+            ".reg .u32 %slot, %bar;",
+            "mapa.shared::cluster.u32 %slot, {slot}, {rank};",
+            "mapa.shared::cluster.u32 %bar, {bar}, {rank};",
+            "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%slot], {{{a}, {b}}}, [%bar];",
+            "}}",
+            slot = in(reg32) slot, bar = in(reg32) bar, rank = in(reg32) rank,
+            a = in(reg32) a, b = in(reg32) b,
+            options(nostack)
+        )
+    }
+}
+
+/// Waits until the phase of parity `parity` of the mbarrier `bar` has completed (acquire at
+/// the block's scope: what completed it, the asynchronous stores into this block's shared
+/// memory among them, is visible after).
+///
+/// # Safety
+/// `bar` was set up by [`init_barrier`], and that phase will complete.
+#[inline(always)]
+unsafe fn wait_phase(bar: u32, parity: u32) {
+    loop {
+        let done: u32;
+        // SAFETY: the caller guarantees the barrier.
+        unsafe {
+            asm!(
+                "{{",
+                ".reg .pred %done;",
+                "mbarrier.try_wait.parity.shared::cta.b64 %done, [{bar}], {parity};",
+                "selp.u32 {done}, 1, 0, %done;",
+                "}}",
+                bar = in(reg32) bar, parity = in(reg32) parity, done = out(reg32) done,
+                options(nostack)
+            )
+        }
+        if done != 0 {
+            return;
+        }
+    }
 }
 
 /// The `C` blocks of a cluster sharing one row, block `rank` taking columns
@@ -94,12 +160,19 @@ unsafe fn read_remote_pair(offset: u32, rank: u32) -> (f32, f32) {
 /// [`Block`]; its `sum2` then adds the C blocks' sums in rank order, so every block of the
 /// cluster gets the same bits.
 ///
-/// Exchange protocol, one cluster barrier phase per row: each `sum2` writes its row sums
-/// into one of two slots (rows alternate), arrives (release) and waits (acquire), then reads
-/// that slot of all C blocks. A block writes a slot again only two rows later, after the
-/// wait of the row between, which every block reaches only once it has read the slot
-/// (its arrival releases its reads too). [`Cluster::end`] arrives and waits once more, so
-/// no block exits while another may still read its slots.
+/// Exchange protocol, no cluster barrier per row: each block has two exchange buffers (rows
+/// alternate: the team's k-th row, round k, takes buffer k mod 2), each C slots of 8 bytes
+/// and an mbarrier, and a count of the rounds exchanged, which every thread reads before
+/// the block's reduction and thread 0 advances after it. For its row's sums, thread 0 of
+/// block q arrives at its own buffer's mbarrier expecting 8C bytes, and stores the block's
+/// pair into slot q of that buffer in every block of the cluster (`st.async`, which
+/// completes 8 bytes of the receiver's phase); every thread waits for its buffer's phase,
+/// then reads the C slots. Nothing waits for the next row's loads, which a cluster
+/// barrier's release would (docs/PERF.md, v46). A block stores into a buffer again two
+/// rounds later, after waiting for round k + 1, which needs every block's round k + 1 pair,
+/// each sent after that block read round k's slots. [`Cluster::begin`] sets up the
+/// mbarriers before any block stores; [`Cluster::end`] arrives and waits once, so no block
+/// exits while another may still store into it.
 pub struct Cluster<const C: u32>;
 
 impl<const C: u32> Cluster<C> {
@@ -109,17 +182,25 @@ impl<const C: u32> Cluster<C> {
         cluster_rank()
     }
 
-    /// Before the first row: no row exchanged yet.
+    /// Before the first row: no round exchanged yet, and both buffers' mbarriers set up, in
+    /// every block of the cluster.
     #[inline(always)]
     pub fn begin() {
         if device::thread_idx() == 0 {
-            // SAFETY: the round counter lies in the cluster scratch the host sized; only
-            // thread 0 writes it, and the first `sum2`'s barriers order this write.
-            unsafe { shared_ptr::<u32>(ROUND_OFFSET).write(0) };
+            // SAFETY: the count lies in the cluster scratch the host sized; the cluster
+            // barrier below orders this write before every thread's first read.
+            unsafe { device::store_shared_4(device::shared_addr(ROUND_OFFSET), 0) };
+            for buffer in 0..2 {
+                // SAFETY: the mbarrier lies in the cluster scratch the host sized, and nothing
+                // uses it before the cluster barrier below.
+                unsafe { init_barrier(barrier_addr(buffer)) };
+            }
         }
+        arrive();
+        wait();
     }
 
-    /// After the last row: every block has finished reading every slot.
+    /// After the last row: every block has received every store into it.
     #[inline(always)]
     pub fn end() {
         arrive();
@@ -127,18 +208,31 @@ impl<const C: u32> Cluster<C> {
     }
 }
 
-/// Byte offset of a block's two exchange slots (a row's two sums, 8 bytes each; rows
-/// alternate between them) in dynamic shared memory: right after the block reductions'
-/// scratch.
+/// Byte offset of the exchange's two mbarriers (8 bytes each), then its two buffers of
+/// [`EXCHANGE_SLOTS`] 8-byte slots, then the count of rounds exchanged (16 bytes kept), in
+/// dynamic shared memory: right after the block reductions' scratch. (A count in shared
+/// memory, not in a register the row loop would carry: the held rows leave none.)
 const EXCHANGE_OFFSET: u32 = SCRATCH_BYTES;
 
-/// Byte offset of the block's count of rows exchanged so far (its parity picks the slot).
-const ROUND_OFFSET: u32 = EXCHANGE_OFFSET + 16;
+/// Byte offset of the count of rounds exchanged so far (its parity picks the buffer).
+const ROUND_OFFSET: u32 = EXCHANGE_OFFSET + 16 + 16 * EXCHANGE_SLOTS;
+
+/// The shared address of buffer `buffer`'s mbarrier.
+#[inline(always)]
+fn barrier_addr(buffer: u32) -> u32 {
+    device::shared_addr(EXCHANGE_OFFSET + 8 * buffer)
+}
+
+/// The byte offset of slot `q` of buffer `buffer`.
+#[inline(always)]
+fn slot_offset(buffer: u32, q: u32) -> u32 {
+    EXCHANGE_OFFSET + 16 + 8 * (EXCHANGE_SLOTS * buffer + q)
+}
 
 /// Dynamic shared memory of a cluster kernel before its partial rows: the block
-/// reductions' scratch, the two exchange slots and the round count (32 bytes, keeping the
-/// rows 16-byte aligned). Columns of each block's slice: whole packs.
-pub use crate::layout::{CLUSTER_SCRATCH_BYTES, slice_width};
+/// reductions' scratch and the exchange (keeping the rows 16-byte aligned). Columns of each
+/// block's slice: whole packs.
+pub use crate::layout::{CLUSTER_SCRATCH_BYTES, EXCHANGE_SLOTS, slice_width};
 
 impl<const C: u32> Team for Cluster<C> {
     const PREFETCH_NEXT_ROW: bool = true;
@@ -164,31 +258,50 @@ impl<const C: u32> Team for Cluster<C> {
     }
     #[inline(always)]
     fn sum2(a: f32, b: f32) -> (f32, f32) {
+        let counter = device::shared_addr(ROUND_OFFSET);
+        // SAFETY: the count lies in the cluster scratch the host sized. Thread 0 wrote it
+        // last before its arrival of the previous round, which this thread's wait acquired,
+        // and writes it again only after the barriers of `Block::sum2` below.
+        let round = unsafe { device::load_shared_4(counter) };
         let (a, b) = Block::sum2(a, b);
-        let round = shared_ptr::<u32>(ROUND_OFFSET);
+        let (buffer, parity) = (round % 2, round / 2 % 2);
+        let bar = barrier_addr(buffer);
         if device::thread_idx() == 0 {
-            // SAFETY: the counter and both slots lie in the cluster scratch the host sized.
-            // Block::sum2's barriers put this after every thread's read of the counter in
-            // the previous row; the slot was last read by the other blocks two rows ago,
-            // before their arrivals of the previous row, which this thread waited for.
+            let slot = device::shared_addr(slot_offset(buffer, cluster_rank()));
+            // SAFETY: the count as above: every thread read it before the barriers, and the
+            // arrival (release) orders this write before every thread's next read, after
+            // its wait. The mbarrier and slots lie in every block's cluster scratch, set up
+            // by `begin`; this is the buffer's phase for this round in every block (the
+            // rounds go alike in all of them), whose one arrival is this block's thread 0,
+            // and no block reads its slot q before the phase completes (see the protocol
+            // above).
             unsafe {
-                let k = round.read();
-                shared_ptr::<[f32; 2]>(EXCHANGE_OFFSET + 8 * (k % 2)).write([a, b]);
-                round.write(k + 1);
+                device::store_shared_4(counter, round + 1);
+                arrive_expecting(bar, 8 * C);
+            }
+            // A loop, not C stores unrolled: their remote addresses would all be live at
+            // once, where the held row leaves no registers.
+            let mut q = 0;
+            while q < device::opaque(C) {
+                // SAFETY: as above.
+                unsafe { send_pair(slot, bar, q, [a, b]) };
+                q += 1;
             }
         }
-        arrive();
-        wait();
-        // SAFETY: thread 0 wrote the counter before its release arrival, waited for above.
-        let slot = EXCHANGE_OFFSET + 8 * ((unsafe { round.read() } - 1) % 2);
+        // SAFETY: the phase completes once thread 0 has arrived and every block's pair has
+        // landed, which every block sends for this round.
+        unsafe { wait_phase(bar, parity) };
+        // In rank order, one slot at a time (a loop, as the stores: C slots in flight at
+        // once would take 2C registers).
         let (mut sa, mut sb) = (0.0f32, 0.0f32);
-        for q in 0..C {
-            // SAFETY: block q wrote this row's slot before its release arrival, which this
-            // thread waited for, and writes it again only after this thread's next arrival,
-            // before which it cannot exit either.
-            let (qa, qb) = unsafe { read_remote_pair(slot, q) };
-            sa += qa;
-            sb += qb;
+        let mut q = 0;
+        while q < device::opaque(C) {
+            // SAFETY: slot q of this buffer was stored by block q in this round's phase,
+            // which completed above, and is stored again only two rounds on.
+            let [qa, qb] = unsafe { device::load_shared_8(device::shared_addr(slot_offset(buffer, q))) };
+            sa += f32::from_bits(qa);
+            sb += f32::from_bits(qb);
+            q += 1;
         }
         (sa, sb)
     }
