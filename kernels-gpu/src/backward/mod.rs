@@ -42,8 +42,8 @@
 //!     or to sum in shared memory (8n bytes), where an eighth of a row's partials fits. A
 //!     cluster of C blocks shares each row, block q taking its q-th slice; the row sums
 //!     come from all slices through distributed shared memory (`st.async` into every
-//!     block, an mbarrier a row; the sums alternate between two buffers). Where every row is whole aligned packs,
-//!     `cluster<C>_held` (`stage1_cluster_held` in crate::cluster::backward): C = 2, 4 or 8, the fewest blocks whose
+//!     block, an mbarrier a row; the sums alternate between two buffers). Where every row
+//!     is whole aligned packs, `cluster<C>_held` (`stage1_cluster_held` in crate::cluster::backward): C = 2, 4 or 8, the fewest blocks whose
 //!     slices fit 4 packs a rank (fewer blocks wait for each row's sums), each slice as in
 //!     [`stage1_held`]; else `cluster8` (`stage1_cluster`): each slice as in the general
 //!     owned kernel, its partials in shared memory.

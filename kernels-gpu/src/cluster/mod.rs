@@ -217,6 +217,9 @@ const EXCHANGE_OFFSET: u32 = SCRATCH_BYTES;
 /// Byte offset of the count of rounds exchanged so far (its parity picks the buffer).
 const ROUND_OFFSET: u32 = EXCHANGE_OFFSET + 16 + 16 * EXCHANGE_SLOTS;
 
+// The exchange's mbarriers, slots and count fit the scratch the host gives a cluster block.
+const _: () = assert!(ROUND_OFFSET + 4 <= CLUSTER_SCRATCH_BYTES);
+
 /// The shared address of buffer `buffer`'s mbarrier.
 #[inline(always)]
 fn barrier_addr(buffer: u32) -> u32 {
