@@ -188,12 +188,18 @@ pub const fn cluster_held_smem(pack: u32, threads: u32) -> usize {
 /// Stage 2's tile: 32 columns, read as 8 groups of 4 (one 16-byte load per group and row).
 pub const STAGE2_GROUPS: u32 = 8;
 
-/// Slices of the partial rows a stage 2 block sums at once, a power of two: enough for
-/// `rows` partial rows, 4 at least (a warp) and 128 at most (1024 threads, each slice's few
-/// rows all loaded at once). A block of 1024 threads over one partial row would spend its
-/// time in the 7 barriers of its slices' tree, not in the loads.
+/// Partial rows a stage 2 thread loads at once: its loads of both sums (8 of 16 bytes) are
+/// in flight together, and their sums added in row order.
+pub const STAGE2_BATCH: u32 = 4;
+
+/// Slices of the partial rows a stage 2 block sums at once, a power of two: about
+/// `STAGE2_BATCH` rows a slice, so that each thread's rows are one batch of loads and the
+/// block's tree of slice sums is as short as that allows; 4 at least (a warp) and 128 at most
+/// (1024 threads). One row a slice cost a block of 1024 threads over 128 rows 7 barriers
+/// and one multiprocessor, where 32 slices take 5 and leave room for a second block (H100,
+/// docs/PERF.md v47: +1 to +4% on the whole backward at M = 4096).
 pub const fn stage2_slices(rows: u32) -> u32 {
-    let slices = rows.next_power_of_two();
+    let slices = rows.div_ceil(STAGE2_BATCH).next_power_of_two();
     if slices < 4 {
         4
     } else if slices > 128 {

@@ -3,14 +3,15 @@
 use crate::device;
 use crate::element::Element;
 
-/// Stage 2's tile of 32 columns as 8 groups of 4.
-use crate::layout::STAGE2_GROUPS;
+/// Stage 2's tile of 32 columns as 8 groups of 4, and the partial rows a thread loads at once.
+use crate::layout::{STAGE2_BATCH, STAGE2_GROUPS};
 
 /// Stage 2: dgamma_j and dbeta_j are the sums of column j over the `rows` partial rows.
 /// A block takes a tile of 32 columns, its threads `S` slices of 8 groups (S the host's
-/// `layout::stage2_slices(rows)`, a power of two from 4 to 128); thread (slice s, group q)
-/// sums columns 4q..4q+4 of rows s, s + S, ... (four rows in flight at a time, 16-byte
-/// loads where n is a whole number of 4-column groups), then the S slice sums meet in a
+/// `layout::stage2_slices(rows)`, a power of two from 4 to 128, about `rows / STAGE2_BATCH`);
+/// thread (slice s, group q) sums columns 4q..4q+4 of rows s, s + S, ... (`STAGE2_BATCH`
+/// rows in flight at a time, 16-byte loads where n is a whole number of 4-column groups,
+/// row by row in order), then the S slice sums meet in a
 /// fixed pairwise tree (slice s += slice s + h for h = S/2, ..., 1). For a given number of
 /// partial rows the order of every addition is fixed, so the owned mode stays bitwise
 /// reproducible.
@@ -60,28 +61,23 @@ pub(crate) unsafe fn stage2<T: Element>(
         };
         let (mut g, mut b) = ([0.0f32; 4], [0.0f32; 4]);
         let mut r = slice;
-        while r + 3 * slices < rows {
-            // All eight loads first: the four rows' loads are in flight together.
-            let rows4 = [0, 1, 2, 3].map(|u| r + u * slices);
+        while r < rows {
+            // A batch's loads first, all in flight together. Rows past the last read as
+            // zeros, which leave the sums' bits as they are: the sums start at +0.0, never
+            // become -0.0 (x + -x rounds to +0.0), and x + 0.0 is x for every other x.
+            let batch: [u32; STAGE2_BATCH as usize] = core::array::from_fn(|u| r + u as u32 * slices);
+            let row = |part: *const f32, q: u32| if q < rows { load(part, q) } else { [0.0; 4] };
             let (pg, pb) = (
-                rows4.map(|q| load(part_dgamma, q)),
-                rows4.map(|q| load(part_dbeta, q)),
+                batch.map(|q| row(part_dgamma, q)),
+                batch.map(|q| row(part_dbeta, q)),
             );
-            for u in 0..4 {
+            for u in 0..STAGE2_BATCH as usize {
                 for k in 0..4 {
                     g[k] += pg[u][k];
                     b[k] += pb[u][k];
                 }
             }
-            r += 4 * slices;
-        }
-        while r < rows {
-            let (pg, pb) = (load(part_dgamma, r), load(part_dbeta, r));
-            for k in 0..4 {
-                g[k] += pg[k];
-                b[k] += pb[k];
-            }
-            r += slices;
+            r += STAGE2_BATCH * slices;
         }
         // SAFETY: slot(slice) lies in the block's shared memory (launch guarantee).
         unsafe {
