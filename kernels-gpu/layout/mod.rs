@@ -195,9 +195,10 @@ pub const STAGE2_BATCH: u32 = 4;
 /// Slices of the partial rows a stage 2 block sums at once, a power of two: about
 /// `STAGE2_BATCH` rows a slice, so that each thread's rows are one batch of loads and the
 /// block's tree of slice sums is as short as that allows; 4 at least (a warp) and 128 at most
-/// (1024 threads). One row a slice cost a block of 1024 threads over 128 rows 7 barriers
-/// and one multiprocessor, where 32 slices take 5 and leave room for a second block (H100,
-/// docs/PERF.md v47: +1 to +4% on the whole backward at M = 4096).
+/// (1024 threads). One row a slice gave a block of 1024 threads over 128 rows 7 barriers
+/// and a multiprocessor of its own, where 32 slices take 5 and leave room for more blocks
+/// (H100, docs/PERF.md v47: the backward +2 to +4% at M = 4096 from N = 8192, up to +11% at
+/// M = 64-512).
 pub const fn stage2_slices(rows: u32) -> u32 {
     let slices = rows.div_ceil(STAGE2_BATCH).next_power_of_two();
     if slices < 4 {
