@@ -523,8 +523,9 @@ pub(crate) fn backward_reduce<W: Element>(
         dgamma.len() >= n as usize && dbeta.len() >= n as usize,
         "dgamma/dbeta",
     );
-    // A tile of 32 columns per block, a slice of threads per partial row up to 128; at most
-    // as many blocks as fill the multiprocessors' 2048 threads (blocks loop over tiles).
+    // A tile of 32 columns per block, a slice of threads per `STAGE2_BATCH` partial rows
+    // (4 to 128 slices); at most as many blocks as fill the multiprocessors' 2048 threads
+    // (blocks loop over tiles).
     let threads = stage2_threads(rows);
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(32).min(gpu.sm_count * (2048 / threads)).max(1), 1, 1),
