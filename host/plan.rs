@@ -28,7 +28,10 @@
 //!   pipelined teams of 256 ranks, and its teams of 512 over f32 x that hold their row;
 //!   RMSNorm's 16-bit rows of 2049 to 8192 packs, and its f32 rows of as many that a team
 //!   of 512 or 1024 ranks holds at 8 packs a rank, which take the general kernel there.
-//!   Every other launch takes a resident grid whose teams loop over the rows.
+//!   Every other launch takes a resident grid whose teams loop over the rows. On sm_90,
+//!   pipelined block teams over weights of x's type give way to the row block (a block for
+//!   every row, holding its row only, at 40 registers) where a multiprocessor runs two of
+//!   its blocks or more and more of its threads, and its last wave is nearly full.
 //! - Residual forward of more rows than multiprocessors over rows all of aligned packs:
 //!   16-bit rows with weights of their type longer than the pipelined block holds, up to 4
 //!   packs a rank of 1024 (N <= 32768), or that it holds on teams of 128, 256 or 512 ranks
@@ -144,6 +147,24 @@ const FULL_BLOCK: u32 = 1024;
 /// Warps per block for warp teams: 8 rows in flight per block.
 const WARPS_PER_BLOCK: u32 = 8;
 
+/// A multiprocessor's registers (sm_80 and sm_90), given out to warps 256 at a time.
+const SM_REGISTERS: u32 = 65536;
+
+/// The most threads and blocks a multiprocessor runs at once (sm_80 and sm_90).
+const SM_THREADS: u32 = 2048;
+const SM_BLOCKS: u32 = 32;
+
+/// Blocks of `threads` at `registers` a thread that a multiprocessor runs at once, as the
+/// occupancy calculator counts them (shared memory aside: the kernels it is asked of take
+/// only the scratch).
+fn resident_blocks(threads: u32, registers: u32) -> u32 {
+    let warps = threads.div_ceil(32);
+    let warps_by_registers = SM_REGISTERS / (registers * 32).next_multiple_of(256);
+    (warps_by_registers / warps)
+        .min(SM_THREADS / (warps * 32))
+        .min(SM_BLOCKS)
+}
+
 /// Elements of `T` in one 16-byte pack, the kernels' unit of vector access.
 pub(crate) fn pack_len<T: Element>() -> u32 {
     crate::layout::pack_len(size_of::<T>() as u32)
@@ -210,6 +231,7 @@ pub(crate) fn plan_rows<R: Element>(
 ) -> Result<Plan> {
     let planner = Planner::<R> {
         norm,
+        rows,
         few_rows: rows <= limits.sm_count,
         n,
         aligned,
@@ -227,6 +249,7 @@ pub(crate) fn plan_rows<R: Element>(
 
 struct Planner<T> {
     norm: Norm,
+    rows: u32,
     /// At most one row a multiprocessor: block teams take a pack a rank.
     few_rows: bool,
     n: u32,
@@ -307,10 +330,56 @@ impl<T: Element> Planner<T> {
             (Variant::FwdPipelinedWarp, Variant::FwdPipelinedBlock),
             1,
         );
+        if let Some(row_block) = self.row_block(&plan) {
+            return row_block;
+        }
         Plan {
             grid: self.forward_grid(&plan),
             ..plan
         }
+    }
+
+    /// The row block (a block for every row, holding its row only, at 40 registers, 48 in
+    /// RMSNorm's f32 kernel) in place of the pipelined block `pipelined` on sm_90, over
+    /// weights of x's type, where three things hold (H200, docs/PERF.md v48):
+    /// - a multiprocessor runs two of its blocks or more: with one, it idles from a block's
+    ///   end to the next block's start (f32 N = 15872, 992 ranks: -14%);
+    /// - it runs more of its threads than of the pipelined block's, whose 64 registers
+    ///   allow 1024 a multiprocessor, in whole blocks: 768 for teams of 384 or 768 ranks,
+    ///   960 for 192 (+2 to +5% there at M = 4096), where the row block's allow 1536;
+    /// - its last wave is nearly full: the blocks of every row run in waves of as many as
+    ///   fit the device, and where the last one leaves over 5% of the waves' places empty,
+    ///   the pipelined block's resident teams, which share the rows out two in flight
+    ///   each, came out ahead (16-bit N = 2048-4096 and 8192 at M = 4096: 1.2 to 5.2
+    ///   waves, -2 to -11%; 10.3 waves, 6% empty, at N = 15872: -3%), and where it is
+    ///   nearly full the row block gained (3.9 and 7.8 waves at N = 6144 and 12288: +2 and
+    ///   +5%; 20 to 83 waves at bf16 M = 65536, N = 2048-8192: +2 to +13%).
+    fn row_block(&self, pipelined: &Plan) -> Option<Plan> {
+        let takes_kernel = pipelined.variant == Variant::FwdPipelinedBlock
+            && self.limits.arch == Arch::Sm90
+            && self.pair.weights == self.pair.x;
+        let threads = self.block_threads(Variant::FwdRowBlock, self.n, PIPE_HELD);
+        if !takes_kernel || !self.fits(self.n, threads, PIPE_HELD) {
+            return None;
+        }
+        let registers = Variant::FwdRowBlock
+            .max_registers(self.norm, self.pair)
+            .unwrap_or(SM_REGISTERS / FULL_BLOCK);
+        let blocks = resident_blocks(threads, registers);
+        let pipelined_threads =
+            resident_blocks(pipelined.threads, SM_REGISTERS / FULL_BLOCK) * pipelined.threads;
+        let places = blocks * self.limits.sm_count;
+        let waves = self.rows.div_ceil(places);
+        let empty = waves * places - self.rows;
+        let takes = blocks >= 2 && blocks * threads > pipelined_threads && empty * 20 <= waves * places;
+        takes.then_some(Plan {
+            variant: Variant::FwdRowBlock,
+            threads,
+            stacked: 1,
+            smem: SCRATCH_BYTES,
+            local: false,
+            grid: Grid::EveryRow,
+        })
     }
 
     /// The few-rows forward, a block a row, for launches of at most one row a

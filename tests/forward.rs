@@ -97,6 +97,19 @@ fn gpu_forward_grid_of_every_row() {
     check_forward::<f16>(&gpu, 2003, 768, 525);
 }
 
+/// The row block (`plan::Variant::FwdRowBlock`: a block for every row, holding its row
+/// only), which sm_90 takes where its last wave is nearly full (132 multiprocessors, whole
+/// waves here): f16 rows of 384 ranks (4 blocks a multiprocessor), bf16 of 192 (8), f32 of
+/// 384 (4) and 768 (2).
+#[test]
+fn gpu_forward_row_block() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    check_forward::<f16>(&gpu, 528, 12288, 530);
+    check_forward::<bf16>(&gpu, 1056, 6144, 531);
+    check_forward::<f32>(&gpu, 528, 6144, 532);
+    check_forward::<f32>(&gpu, 264, 12288, 533);
+}
+
 /// Aligned rows longer than one block holds in registers (more than 8 packs a thread of
 /// 1024: f32 rows past 32768, f16/bf16 past 65536), which hold 4 packs a thread and stage
 /// the rest in shared memory; past the staging's room (227 KB on an H100: f32 rows past

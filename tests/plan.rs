@@ -68,6 +68,15 @@ fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
     ] {
         cases.push((dtype, Pass::Forward, rows, n));
     }
+    // And `gpu_forward_row_block`.
+    for (dtype, rows, n) in [
+        (f16, 528, 12288),
+        (bf16, 1056, 6144),
+        (f32, 528, 6144),
+        (f32, 264, 12288),
+    ] {
+        cases.push((dtype, Pass::Forward, rows, n));
+    }
     // tests/residual.rs, `gpu_residual_streamed_rows_match_the_reference`.
     let bf16_f32w_f32s = 8;
     assert_eq!(
@@ -232,13 +241,14 @@ fn known_choices() {
 #[test]
 fn pipelined_forward_stages_layer_norm_half_rows() {
     let h = DeviceLimits::H100;
-    // 1536 packs of f16 or bf16: 384 ranks of 4.
+    // 1536 packs of f16 or bf16: 384 ranks of 4 (over 300 rows: at 4096, the row block
+    // takes f16 rows, `row_block_where_its_last_wave_is_nearly_full`).
     let staged = (Variant::FwdPipelinedBlock, 384, 512 + 384 * 4 * 16);
-    let p = plan::<f16, f16>(Norm::Layer, MANY, 12288, Pass::Forward, true, h).unwrap();
+    let p = plan::<f16, f16>(Norm::Layer, 300, 12288, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.threads, p.smem), staged);
     let p = plan::<bf16, f32>(Norm::Layer, MANY, 12288, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.threads, p.smem), staged);
-    let p = plan::<f16, f16>(Norm::Rms, MANY, 12288, Pass::Forward, true, h).unwrap();
+    let p = plan::<f16, f16>(Norm::Rms, 300, 12288, Pass::Forward, true, h).unwrap();
     assert_eq!(
         (p.variant, p.threads, p.smem),
         (Variant::FwdPipelinedBlock, 384, 512)
@@ -251,7 +261,7 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
     );
     // 3072 packs of f32: 512 ranks of 6 (two teams a multiprocessor, where 768 ranks of 4
     // fit one), each with 6 slots; RMSNorm's stay 768 ranks of 4, in registers.
-    let p = plan::<f32, f32>(Norm::Layer, MANY, 12288, Pass::Forward, true, h).unwrap();
+    let p = plan::<f32, f32>(Norm::Layer, 300, 12288, Pass::Forward, true, h).unwrap();
     assert_eq!(
         (p.variant, p.threads, p.smem),
         (Variant::FwdPipelinedBlock, 512, 512 + 512 * 6 * 16)
@@ -294,9 +304,12 @@ fn rms_long_rows_every_row_on_the_general_kernel() {
     assert_eq!(shape(rms(15872)), every_row(512));
     assert_eq!(shape(rms(16384)), every_row(512));
     assert_eq!(shape(rms(32768)), every_row(1024));
-    // f32 teams of other sizes keep their launch: 2304 packs (N = 9216, 288 ranks) and
-    // 3072 (12288, 384) the pipelined block, 6144 (24576, 768) the general one resident.
-    assert_eq!(shape(rms(9216)).0, Variant::FwdPipelinedBlock);
+    // f32 teams of other sizes keep their launch: 2304 packs (N = 9216, 288 ranks; over
+    // 4096 rows the row block, whose last wave is nearly full) and 3072 (12288, 384) the
+    // pipelined block, 6144 (24576, 768) the general one resident.
+    let p = plan::<f32, f32>(Norm::Rms, 300, 9216, Pass::Forward, true, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdPipelinedBlock);
+    assert_eq!(shape(rms(9216)).0, Variant::FwdRowBlock);
     assert_eq!(
         shape(rms(12288)),
         (Variant::FwdPipelinedBlock, 768, 512, Grid::Resident)
@@ -353,9 +366,13 @@ fn forward_grid_every_row_where_measured_faster() {
     );
     assert_eq!(shape(fwd(layer, 4096)), (block, 128, Grid::Resident));
     assert_eq!(shape(fwd32(layer, 2048)), (block, 128, Grid::Resident));
-    assert_eq!(shape(fwd32(layer, 6144)), (block, 384, Grid::Resident));
-    assert_eq!(shape(fwd(rms, 12288)), (block, 384, Grid::Resident));
-    assert_eq!(shape(fwd32(layer, 12288)), (block, 512, Grid::Resident));
+    // (f32 N = 6144 and 12288, f16 12288: the row block over 4096 rows.)
+    let resident = |p: Plan| (p.variant, p.threads, p.grid);
+    let at300 = |n| plan::<f32, f32>(Norm::Layer, 300, n, Pass::Forward, true, h).unwrap();
+    assert_eq!(resident(at300(6144)), (block, 384, Grid::Resident));
+    assert_eq!(resident(at300(12288)), (block, 512, Grid::Resident));
+    let p = plan::<f16, f16>(Norm::Rms, 300, 12288, Pass::Forward, true, h).unwrap();
+    assert_eq!(resident(p), (block, 384, Grid::Resident));
     // Unaligned rows take the general kernel, resident.
     let p = plan::<f16, f16>(Norm::Layer, MANY, 8192, Pass::Forward, false, h).unwrap();
     assert_eq!((p.variant, p.grid), (Variant::FwdBlock, Grid::Resident));
@@ -364,6 +381,60 @@ fn forward_grid_every_row_where_measured_faster() {
     assert_eq!(shape(p), (block, 256, Grid::Resident));
     let p = plan::<f32, f32>(Norm::Layer, MANY, 4096, Pass::Backward, true, h).unwrap();
     assert_eq!(p.grid, Grid::Resident);
+}
+
+/// The row block (docs/PERF.md v48), a block for every row holding its row only at 40
+/// registers (RMSNorm's f32 kernel 48), in place of the pipelined block on sm_90 over
+/// weights of x's type, where a multiprocessor runs two of its blocks or more, more of its
+/// threads than of the pipelined block's (64 registers: 1024 a multiprocessor, in whole
+/// blocks), and its last wave leaves at most 5% of the waves' places empty (132
+/// multiprocessors).
+#[test]
+fn row_block_where_its_last_wave_is_nearly_full() {
+    let h = DeviceLimits::H100;
+    let (layer, rms) = (Norm::Layer, Norm::Rms);
+    let f16 = |norm, rows, n| plan::<f16, f16>(norm, rows, n, Pass::Forward, true, h).unwrap();
+    let bf16 = |rows, n| plan::<bf16, bf16>(Norm::Layer, rows, n, Pass::Forward, true, h).unwrap();
+    let f32 = |norm, rows, n| plan::<f32, f32>(norm, rows, n, Pass::Forward, true, h).unwrap();
+    let shape = |p: Plan| (p.variant, p.threads, p.grid);
+    let row = |threads| (Variant::FwdRowBlock, threads, Grid::EveryRow);
+    // 16-bit N = 12288: 384 ranks, 4 blocks a multiprocessor (1536 threads, where the
+    // pipelined block runs 768), 528 places: 4096 rows are 7.76 waves, 3% of places empty.
+    assert_eq!(shape(f16(layer, MANY, 12288)), row(384));
+    assert_eq!(shape(f16(rms, MANY, 12288)), row(384));
+    // N = 6144: 192 ranks, 8 blocks (the pipelined block 5), 1056 places, 3.88 waves.
+    assert_eq!(shape(f16(layer, MANY, 6144)), row(192));
+    // f32 N = 6144 on 384 ranks; 12288 on 768 (2 blocks: 264 places, 15.5 waves), where the
+    // pipelined block takes 512 of 6 packs.
+    assert_eq!(shape(f32(layer, MANY, 6144)), row(384));
+    assert_eq!(shape(f32(layer, MANY, 12288)), row(768));
+    // bf16 over 65536 rows: 64 ranks at N = 2048 (25 blocks, 3300 places, 19.9 waves), 128
+    // at 4096, 256 at 8192.
+    for (n, threads) in [(2048, 64), (4096, 128), (8192, 256)] {
+        assert_eq!(shape(bf16(65536, n)), row(threads));
+    }
+    // A wave exactly full: RMSNorm's f32 N = 6144, 384 ranks at 48 registers (3 blocks,
+    // 396 places) over 396 rows; over 4096 rows (10.34 waves, 6% empty), not.
+    assert_eq!(shape(f32(rms, 396, 6144)), row(384));
+    assert_eq!(f32(rms, MANY, 6144).variant, Variant::FwdPipelinedBlock);
+    // Last waves over 5% empty: 16-bit N = 2048 (1.24 waves), 4096 (2.59), 8192 (256
+    // ranks, 6 blocks, 5.17 waves), 15872 (512 ranks, 3 blocks, 10.34 waves).
+    for n in [2048, 4096, 8192, 15872] {
+        assert_eq!(f16(layer, MANY, n).variant, Variant::FwdPipelinedBlock, "f16 {n}");
+    }
+    // One block a multiprocessor: f32 N = 15872 (992 ranks), RMSNorm's f32 12288 (768 ranks
+    // at 48 registers).
+    assert_eq!(f32(layer, MANY, 15872).variant, Variant::FwdPipelinedBlock);
+    assert_eq!(f32(rms, MANY, 12288).variant, Variant::FwdPipelinedBlock);
+    // No more threads than the pipelined block: RMSNorm's f32 N = 8192 (512 ranks, two
+    // blocks of either).
+    assert_eq!(f32(rms, MANY, 8192).variant, Variant::FwdPipelinedBlock);
+    // f32 weights, sm_80, few rows: the pipelined block.
+    let p = plan::<bf16, f32>(Norm::Layer, 65536, 4096, Pass::Forward, true, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdPipelinedBlock);
+    let p = plan::<bf16, bf16>(Norm::Layer, 65536, 4096, Pass::Forward, true, DeviceLimits::A100).unwrap();
+    assert_eq!(p.variant, Variant::FwdPipelinedBlock);
+    assert_eq!(f16(layer, 100, 12288).variant, Variant::FwdPipelinedBlock);
 }
 
 /// The residual forward's grid (docs/PERF.md v34): a block for every row for pipelined

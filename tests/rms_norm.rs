@@ -133,6 +133,16 @@ fn gpu_rms_norm_matches_reference() {
     check::<f32>(&gpu, BackwardMode::Deterministic, 204, 32768, 4406);
 }
 
+/// The forward's row block (`plan::Variant::FwdRowBlock`), which sm_90 takes where its last
+/// wave is nearly full (132 multiprocessors, one whole wave here): f32 rows of 384 ranks at
+/// 48 registers (3 blocks a multiprocessor), bf16 of 384 at 40 (4).
+#[test]
+fn gpu_rms_norm_row_block() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    check::<f32>(&gpu, BackwardMode::Deterministic, 396, 6144, 4407);
+    check::<bf16>(&gpu, BackwardMode::Deterministic, 528, 12288, 4408);
+}
+
 /// Without weight, on a `[2, 3, n]` input: y = x * rstd row by row, the output keeps the
 /// input's shape, and the backward gives dx alone.
 fn check_without_affine(device: &Device) {

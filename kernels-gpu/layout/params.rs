@@ -166,6 +166,7 @@ pub const fn param_bytes(variant: Variant) -> &'static [usize] {
         | Variant::FwdBlock
         | Variant::FwdPipelinedWarp
         | Variant::FwdPipelinedBlock
+        | Variant::FwdRowBlock
         | Variant::FwdWidenedWarp
         | Variant::FwdFewRows
         | Variant::FwdResidualHeld

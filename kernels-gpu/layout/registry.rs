@@ -22,6 +22,8 @@
 //! - The few-rows forward holds x, gamma and beta of 16 columns a thread, and spilled at 64
 //!   registers: it runs at 512 (128), which takes rows of up to N = 8192 (a block a row,
 //!   one block a multiprocessor at most, so occupancy does not matter).
+//! - The row block holds one row, 4 packs a thread: bound to 40 registers (48 in RMSNorm's
+//!   f32 kernel), below its 1024 threads' 64 (see `Variant::max_registers`).
 //! - The residual forward keeps the row pointers of x, the residual, s and y, and runs at
 //!   512 (128) with `.minnctapersm 1` (see `Variant::one_block_per_sm`).
 //!   Its held kernel loads 4 packs of x and of the residual a rank, and its streamed kernel
@@ -303,6 +305,9 @@ pub enum Variant {
     /// LayerNorm's f32 rows of more than 2048 packs: 6): two rows in flight a team.
     FwdPipelinedWarp,
     FwdPipelinedBlock,
+    /// Forward of rows all of aligned packs that fit 4 a rank, a block for every row
+    /// holding its row only (no next row in flight: fewer registers).
+    FwdRowBlock,
     /// Forward of LayerNorm's 16-bit rows that a warp holds at 2 to 4 packs a lane, a warp
     /// for every row: x widened to f32 once, no next row in flight (sm_90).
     FwdWidenedWarp,
@@ -341,11 +346,12 @@ pub enum Variant {
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 21] = [
+    pub const ALL: [Variant; 22] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
         Variant::FwdPipelinedBlock,
+        Variant::FwdRowBlock,
         Variant::FwdWidenedWarp,
         Variant::FwdFewRows,
         Variant::FwdResidualWarp,
@@ -372,6 +378,7 @@ impl Variant {
             Variant::FwdBlock => "fwd_block",
             Variant::FwdPipelinedWarp => "fwd_pipelined_warp",
             Variant::FwdPipelinedBlock => "fwd_pipelined_block",
+            Variant::FwdRowBlock => "fwd_row_block",
             Variant::FwdWidenedWarp => "fwd_widened_warp",
             Variant::FwdFewRows => "fwd_few_rows",
             Variant::FwdResidualWarp => "fwd_residual_warp",
@@ -430,9 +437,10 @@ impl Variant {
     }
 
     /// Whether only the sm_90 module has the kernel: clusters exist from sm_90 on, and the
-    /// widened warp forward was measured faster only there (no sm_80 device measured it).
+    /// widened warp forward and the row block were measured faster only there (no sm_80
+    /// device measured them).
     pub const fn sm90_only(self) -> bool {
-        self.cluster() > 1 || matches!(self, Variant::FwdWidenedWarp)
+        self.cluster() > 1 || matches!(self, Variant::FwdWidenedWarp | Variant::FwdRowBlock)
     }
 
     /// The launch bound of the kernel for type pair `pair` in `arch`'s module (the module
@@ -451,7 +459,13 @@ impl Variant {
                 | Variant::BwdReduce,
                 _,
             ) => 1024,
-            (Variant::FwdPipelinedWarp | Variant::FwdPipelinedBlock | Variant::FwdWidenedWarp, _) => 1024,
+            (
+                Variant::FwdPipelinedWarp
+                | Variant::FwdPipelinedBlock
+                | Variant::FwdRowBlock
+                | Variant::FwdWidenedWarp,
+                _,
+            ) => 1024,
             (Variant::FwdFewRows, _) => 512,
             (
                 Variant::FwdResidualWarp
@@ -481,12 +495,17 @@ impl Variant {
     /// rows beside f32 weights keep their next row in shared memory (`pipeline_stages`) and
     /// this row as raw words, and fit 56 registers without spilling, where ptxas would take
     /// 64 and run fewer threads a multiprocessor. (With weights of x's type they keep this
-    /// row widened to f32, in the 64 of the thread limit: docs/PERF.md, v31.)
+    /// row widened to f32, in the 64 of the thread limit: docs/PERF.md, v31.) The row block
+    /// holds one row of 4 packs a rank and fits 40 without spilling (RMSNorm's f32 kernel
+    /// 48: it spilled 16 bytes at 40), so that a multiprocessor runs 1536 of its threads
+    /// (1152 of RMSNorm's f32 kernel in blocks of 384) where 64 allow 1024.
     pub const fn max_registers(self, norm: Norm, pair: TypePair) -> Option<u32> {
         // Weights of another type than x's are f32 beside 16-bit rows, staged at any length.
         let stages = pipeline_stages(norm, DTYPE_BYTES[pair.x], 0);
         match self {
             Variant::FwdPipelinedBlock if stages && pair.weights != pair.x => Some(56),
+            Variant::FwdRowBlock if pair.x == 0 && matches!(norm, Norm::Rms) => Some(48),
+            Variant::FwdRowBlock => Some(40),
             _ => None,
         }
     }
@@ -513,10 +532,14 @@ impl Variant {
     /// Whether the kernel comes in type pair `pair`: stage 2, which reads f32 partials and
     /// writes the weights' gradients, only in pairs of one type; the held residual forward
     /// only over f16 and bf16 rows with weights and stream of their type, the widened warp
-    /// forward only over f16 and bf16 x (with weights of its type or f32); with a residual
-    /// stream in f32, only the kernels that read or write it: the residual forward and
-    /// stage 1.
+    /// forward only over f16 and bf16 x (with weights of its type or f32), the row block
+    /// only with weights of x's type; with a residual stream in f32, only the kernels that
+    /// read or write it: the residual forward and stage 1.
     pub const fn has_pair(self, pair: TypePair) -> bool {
+        if matches!(self, Variant::FwdRowBlock) {
+            // Where it was measured (H200, docs/PERF.md v48).
+            return pair.weights == pair.x && !pair.wide_stream();
+        }
         if matches!(self, Variant::FwdWidenedWarp) {
             return DTYPE_BYTES[pair.x] == 2 && !pair.wide_stream();
         }
@@ -533,6 +556,7 @@ impl Variant {
                     | Variant::FwdBlock
                     | Variant::FwdPipelinedWarp
                     | Variant::FwdPipelinedBlock
+                    | Variant::FwdRowBlock
                     | Variant::FwdFewRows
                     | Variant::BwdReduce
             );
@@ -543,7 +567,10 @@ impl Variant {
     /// Whether only the type pairs that have the kernel launch it (the planner takes it only
     /// there): no other pair's kernel serves a pair without one.
     pub const fn own_pairs_only(self) -> bool {
-        matches!(self, Variant::FwdResidualHeld | Variant::FwdWidenedWarp)
+        matches!(
+            self,
+            Variant::FwdResidualHeld | Variant::FwdWidenedWarp | Variant::FwdRowBlock
+        )
     }
 
     /// The held cluster kernel over `size` blocks (one of `HELD_CLUSTER_SIZES` (layout/mod.rs)).

@@ -1107,11 +1107,44 @@ const STAGED_F32_HELD: usize = crate::layout::STAGED_F32_HELD as usize;
 unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     p: Forward<T, W>,
 ) {
+    // SAFETY: the caller's guarantee.
+    unsafe { forward_rows_held::<T, W, S, CENTERED, true>(p) }
+}
+
+/// The forward of a team for every row (the host launches one a row), holding its row
+/// only: [`forward_rows_pipelined`]'s arithmetic with no next row loaded ahead. A rank
+/// then keeps 4 packs, not 8, and the kernel fits fewer registers, so that more blocks,
+/// each with its row's loads in flight, fit a multiprocessor.
+///
+/// # Safety
+/// As for [`forward_rows_pipelined`].
+#[inline(always)]
+unsafe fn forward_rows_row_block<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+    p: Forward<T, W>,
+) {
+    // SAFETY: the caller's guarantee.
+    unsafe { forward_rows_held::<T, W, S, CENTERED, false>(p) }
+}
+
+/// [`forward_rows_pipelined`] (`PREFETCH`) and [`forward_rows_row_block`].
+///
+/// # Safety
+/// As for [`forward_rows_pipelined`].
+#[inline(always)]
+unsafe fn forward_rows_held<
+    T: Element,
+    W: Element,
+    S: StatsTeam,
+    const CENTERED: bool,
+    const PREFETCH: bool,
+>(
+    p: Forward<T, W>,
+) {
     let x = p.x.ptr();
     let n = p.n as usize;
     // SAFETY: the caller's guarantee; `load` reads rows below `rows` only (`pipeline`'s).
     unsafe {
-        pipeline::<T, T, W, S, CENTERED, false, _>(
+        pipeline::<T, T, W, S, CENTERED, false, PREFETCH, _>(
             p,
             x,
             |row, packs| Held::load::<T, S>(x.wrapping_add(row as usize * n), packs),
@@ -1163,7 +1196,7 @@ unsafe fn forward_rows_pipelined_block<T: Element, W: Element, S: StatsTeam, con
     // `hold` waits for this rank's copies before it reads them, and `pipeline` calls `load`
     // again only after the row's first sum has used every value `hold` read.
     unsafe {
-        pipeline::<T, T, W, S, CENTERED, false, _>(
+        pipeline::<T, T, W, S, CENTERED, false, true, _>(
             p,
             x,
             |row, packs| {
@@ -1342,7 +1375,7 @@ unsafe fn forward_rows_residual_pipelined<
     // SAFETY: the caller's guarantee; `load` reads rows below `rows` only, and `hold`
     // stores the row it is given, one below `rows`, into s (`pipeline`'s).
     unsafe {
-        pipeline::<T, Y, W, S, CENTERED, true, _>(
+        pipeline::<T, Y, W, S, CENTERED, true, true, _>(
             p,
             sum.cast_const(),
             |row, packs| {
@@ -1362,7 +1395,8 @@ unsafe fn forward_rows_residual_pipelined<
 /// The pipelined forward's loop over the team's rows: `load(row, packs)` issues the loads
 /// of a row's held packs (`packs` 0 past the last row: the pipeline's end, nothing
 /// loaded), `hold(loaded, row)` turns them into the row's held values, which are then
-/// normalized as the row at `rows_at + row * n`. `WRITES_ROWS`: `hold` stored the row it
+/// normalized as the row at `rows_at + row * n`. Without `PREFETCH` (the row block) each
+/// row is loaded when it comes up, and nothing ahead. `WRITES_ROWS`: `hold` stored the row it
 /// holds (s), so that ranks reading each other's packs of it must synchronize first.
 /// LayerNorm's next `load` follows this row's sum, which has used every value `hold` gave
 /// (what a `load` into the slots `hold` read from relies on).
@@ -1379,6 +1413,7 @@ unsafe fn pipeline<
     S: StatsTeam,
     const CENTERED: bool,
     const WRITES_ROWS: bool,
+    const PREFETCH: bool,
     L,
 >(
     p: Forward<Y, W, T>,
@@ -1389,11 +1424,18 @@ unsafe fn pipeline<
     let (y, affine) = (p.y.ptr(), Affine::of(p));
     let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
     let row_packs = |row: u32| if row < rows { n / T::PACK as u32 } else { 0 };
+    // Without PREFETCH no row is loaded ahead: each is loaded when it comes up.
+    let ahead = |row: u32| if PREFETCH { row_packs(row) } else { 0 };
     let mut row = S::id();
-    let mut loaded = load(row, row_packs(row));
+    let mut loaded = load(row, ahead(row));
     while row < rows {
         let next = row + S::count();
-        let held = hold(loaded, row);
+        let this = if PREFETCH {
+            loaded
+        } else {
+            load(row, row_packs(row))
+        };
+        let held = hold(this, row);
         let x_row = rows_at.wrapping_add(row as usize * n as usize);
         // LayerNorm's first sum, before which the next row's loads go out (RMSNorm has
         // none: they go out at once, and this row's one pass sums x_j^2).
@@ -1403,7 +1445,7 @@ unsafe fn pipeline<
         } else {
             0.0
         };
-        loaded = load(next, row_packs(next));
+        loaded = load(next, ahead(next));
         let m = row_mean::<S, CENTERED>(|| sum, n);
         // SAFETY: as for the sum: `held` holds this row.
         let m2 = S::sum(unsafe { rank_m2::<T, S, true, PIPE_HELD>(&held, x_row, n, m) });
@@ -1701,6 +1743,35 @@ macro_rules! widened_kernels {
         }
     };
 }
+
+/// Exports the row block forward (`<norm>_fwd_row_block_<type>`) of both norms for x with
+/// weights of its type, in the sm_90 module: the type pairs and architecture the host plans
+/// it for (`layout::registry`: `Variant::has_pair`, `Variant::sm90_only`).
+#[cfg(layernorm_sm90)]
+macro_rules! row_block_kernels {
+    ($module:ident, $types:literal, $t:ty) => {
+        mod $module {
+            use super::*;
+            mod layer {
+                use super::*;
+                forward_kernels!(@one "layer_norm", true, $types, $t, $t, row_block, forward_rows_row_block, Block,
+                    "Forward, a block for every row, holding its row only (rows of aligned packs, 4 a rank).");
+            }
+            mod rms {
+                use super::*;
+                forward_kernels!(@one "rms_norm", false, $types, $t, $t, row_block, forward_rows_row_block, Block,
+                    "Forward, a block for every row, holding its row only (rows of aligned packs, 4 a rank).");
+            }
+        }
+    };
+}
+
+#[cfg(layernorm_sm90)]
+row_block_kernels!(f32_row_block, "f32", f32);
+#[cfg(layernorm_sm90)]
+row_block_kernels!(f16_row_block, "f16", crate::element::F16);
+#[cfg(layernorm_sm90)]
+row_block_kernels!(bf16_row_block, "bf16", crate::element::Bf16);
 
 #[cfg(layernorm_sm90)]
 widened_kernels!(f16_widened, "f16", crate::element::F16, crate::element::F16);
