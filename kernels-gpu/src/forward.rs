@@ -1754,12 +1754,12 @@ macro_rules! row_block_kernels {
             use super::*;
             mod layer {
                 use super::*;
-                forward_kernels!(@one "layer_norm", true, $types, $t, $t, row_block, forward_rows_row_block, Block,
+                forward_kernels!(@one "layer_norm", true, $types, $t, $t, row_block, forward_rows_row_block, crate::team::NarrowBlock,
                     "Forward, a block for every row, holding its row only (rows of aligned packs, 4 a rank).");
             }
             mod rms {
                 use super::*;
-                forward_kernels!(@one "rms_norm", false, $types, $t, $t, row_block, forward_rows_row_block, Block,
+                forward_kernels!(@one "rms_norm", false, $types, $t, $t, row_block, forward_rows_row_block, crate::team::NarrowBlock,
                     "Forward, a block for every row, holding its row only (rows of aligned packs, 4 a rank).");
             }
         }

@@ -5,7 +5,7 @@
 //! Every reduction hands all ranks the same bits: sums use a butterfly (a + b == b + a
 //! exactly), mean/variance use one fixed merge tree whose root is then broadcast.
 
-use crate::device::{self, shfl_down, shfl_idx, shfl_xor};
+use crate::device::{self, shared_ptr, shfl_down, shfl_idx, shfl_xor};
 
 /// Block reductions use the first `SCRATCH_BYTES` of dynamic shared memory: one 16-byte slot
 /// per warp of a 1024-thread block. The host launches every kernel with at least that much.
@@ -213,16 +213,24 @@ impl StatsTeam for Warp {
 /// [`StackedBlock`] stacks `blockDim.y` such teams (at most 15), as the held backward does so
 /// that its teams add their partials into one partial row. Stacked team `t` synchronizes on
 /// barrier `1 + t` over its own threads, so it never waits for another team; a lone block
-/// team uses the block barrier and needs no registers for the stack.
-pub struct Blocks<const STACKED: bool>;
+/// team uses the block barrier and needs no registers for the stack. `NARROW`: the warps'
+/// slots are addressed through 32-bit shared-window addresses in inline PTX (one register
+/// fewer than a generic pointer), for kernels at tight register bounds (the held cluster
+/// kernels at 128, the row block at 40, which spill with generic pointers); the others
+/// write and read the slots as plain Rust, which LLVM schedules around: the same kernels
+/// through inline PTX lost 8-17% at f32 N = 32768-65536 (docs/PERF.md v48).
+pub struct Blocks<const STACKED: bool, const NARROW: bool = false>;
 
 /// A whole block per row, launched one-dimensional.
 pub type Block = Blocks<false>;
 
+/// [`Block`] with its slots at 32-bit addresses.
+pub type NarrowBlock = Blocks<false, true>;
+
 /// `blockDim.y` teams of `blockDim.x` threads per block, one row each.
 pub type StackedBlock = Blocks<true>;
 
-impl<const STACKED: bool> Blocks<STACKED> {
+impl<const STACKED: bool, const NARROW: bool> Blocks<STACKED, NARROW> {
     /// This team's index in its block's stack.
     #[inline(always)]
     fn stack_index() -> u32 {
@@ -243,23 +251,31 @@ impl<const STACKED: bool> Blocks<STACKED> {
         let team_warps = device::block_dim() / 32;
         let first = Self::stack_index() * team_warps;
         let (warp, lane) = (first + device::thread_idx() / 32, device::thread_idx() % 32);
-        // Shared-window addresses (32 bits: a generic pointer would hold two registers).
         let warp_slot = |w: u32| device::shared_addr(16 * w);
+        let slots = shared_ptr::<[f32; 4]>(0);
         if lane == 0 {
+            let v = [slot[0], slot[1], slot[2], 0.0];
             // SAFETY: warp < 32 (at most 1024 threads a block) and the scratch holds 32
             // slots of 16 bytes.
             unsafe {
-                device::store_shared_16(
-                    warp_slot(warp),
-                    [slot[0], slot[1], slot[2], 0.0].map(f32::to_bits),
-                )
+                if NARROW {
+                    device::store_shared_16(warp_slot(warp), v.map(f32::to_bits))
+                } else {
+                    slots.add(warp as usize).write(v)
+                }
             };
         }
         Self::sync();
         let out = if lane < team_warps {
             // SAFETY: first + lane is one of the team's warps, whose slot was written before
             // the barrier.
-            let v = unsafe { device::load_shared_16(warp_slot(first + lane)) }.map(f32::from_bits);
+            let v = unsafe {
+                if NARROW {
+                    device::load_shared_16(warp_slot(first + lane)).map(f32::from_bits)
+                } else {
+                    slots.add((first + lane) as usize).read()
+                }
+            };
             [v[0], v[1], v[2]]
         } else {
             empty
@@ -269,7 +285,7 @@ impl<const STACKED: bool> Blocks<STACKED> {
     }
 }
 
-impl<const STACKED: bool> Team for Blocks<STACKED> {
+impl<const STACKED: bool, const NARROW: bool> Team for Blocks<STACKED, NARROW> {
     const HOLDS_PART_OF_LONG_ROWS: bool = true;
     #[inline(always)]
     fn rank() -> u32 {
@@ -312,7 +328,7 @@ impl<const STACKED: bool> Team for Blocks<STACKED> {
     }
 }
 
-impl<const STACKED: bool> StatsTeam for Blocks<STACKED> {
+impl<const STACKED: bool, const NARROW: bool> StatsTeam for Blocks<STACKED, NARROW> {
     #[inline(always)]
     fn sum(a: f32) -> f32 {
         let v = Self::exchange([warp_sums([a])[0], 0.0, 0.0], [0.0; 3]);

@@ -13,7 +13,7 @@ mod backward;
 use core::arch::asm;
 
 use crate::device;
-use crate::team::{Block, SCRATCH_BYTES, Team};
+use crate::team::{Block, NarrowBlock, SCRATCH_BYTES, Team};
 
 /// This block's rank in its cluster (`%cluster_ctarank`).
 #[inline(always)]
@@ -264,9 +264,9 @@ impl<const C: u32> Team for Cluster<C> {
         let counter = device::shared_addr(ROUND_OFFSET);
         // SAFETY: the count lies in the cluster scratch the host sized. Thread 0 wrote it
         // last before its arrival of the previous round, which this thread's wait acquired,
-        // and writes it again only after the barriers of `Block::sum2` below.
+        // and writes it again only after the barriers of `NarrowBlock::sum2` below.
         let round = unsafe { device::load_shared_4(counter) };
-        let (a, b) = Block::sum2(a, b);
+        let (a, b) = NarrowBlock::sum2(a, b);
         let (buffer, parity) = (round % 2, round / 2 % 2);
         let bar = barrier_addr(buffer);
         if device::thread_idx() == 0 {
