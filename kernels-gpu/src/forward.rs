@@ -1118,6 +1118,7 @@ unsafe fn forward_rows_pipelined<T: Element, W: Element, S: StatsTeam, const CEN
 ///
 /// # Safety
 /// As for [`forward_rows_pipelined`].
+#[cfg(layernorm_sm90)]
 #[inline(always)]
 unsafe fn forward_rows_row_block<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     p: Forward<T, W>,
@@ -1126,7 +1127,7 @@ unsafe fn forward_rows_row_block<T: Element, W: Element, S: StatsTeam, const CEN
     unsafe { forward_rows_held::<T, W, S, CENTERED, false>(p) }
 }
 
-/// [`forward_rows_pipelined`] (`PREFETCH`) and [`forward_rows_row_block`].
+/// [`forward_rows_pipelined`] (`PREFETCH`) and `forward_rows_row_block` (sm_90).
 ///
 /// # Safety
 /// As for [`forward_rows_pipelined`].

@@ -224,7 +224,8 @@ pub struct Blocks<const STACKED: bool, const NARROW: bool = false>;
 /// A whole block per row, launched one-dimensional.
 pub type Block = Blocks<false>;
 
-/// [`Block`] with its slots at 32-bit addresses.
+/// [`Block`] with its slots at 32-bit addresses (the sm_90 module's clusters and row block).
+#[cfg(layernorm_sm90)]
 pub type NarrowBlock = Blocks<false, true>;
 
 /// `blockDim.y` teams of `blockDim.x` threads per block, one row each.
