@@ -355,14 +355,15 @@ impl<T: Element> Planner<T> {
     ///   nearly full the row block gained (3.9 and 7.8 waves at N = 6144 and 12288: +2 and
     ///   +5%; 20 to 83 waves at bf16 M = 65536, N = 2048-8192: +2 to +13%).
     fn row_block(&self, pipelined: &Plan) -> Option<Plan> {
+        let row_block = Variant::FwdRowBlock;
         let takes_kernel = pipelined.variant == Variant::FwdPipelinedBlock
-            && self.limits.arch == Arch::Sm90
-            && self.pair.weights == self.pair.x;
-        let threads = self.block_threads(Variant::FwdRowBlock, self.n, PIPE_HELD);
+            && row_block.in_module(self.limits.arch)
+            && row_block.has_pair(self.pair);
+        let threads = self.block_threads(row_block, self.n, PIPE_HELD);
         if !takes_kernel || !self.fits(self.n, threads, PIPE_HELD) {
             return None;
         }
-        let registers = Variant::FwdRowBlock
+        let registers = row_block
             .max_registers(self.norm, self.pair)
             .unwrap_or(SM_REGISTERS / FULL_BLOCK);
         let blocks = resident_blocks(threads, registers);
@@ -373,7 +374,7 @@ impl<T: Element> Planner<T> {
         let empty = waves * places - self.rows;
         let takes = blocks >= 2 && blocks * threads > pipelined_threads && empty * 20 <= waves * places;
         takes.then_some(Plan {
-            variant: Variant::FwdRowBlock,
+            variant: row_block,
             threads,
             stacked: 1,
             smem: SCRATCH_BYTES,
