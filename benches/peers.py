@@ -41,6 +41,14 @@ dsum], retain_graph=True)) with dgamma and dbeta computed, gradients reset to No
 between repetitions (outside the timed region) so that none is accumulated. Each
 configuration is checked against float64 first; a wrong one is reported FAILED, not timed;
 one a peer cannot run (the tutorial past 64 KB rows) is n/a.
+
+--floor also times, for each configuration, a plain streaming kernel of the same bytes
+(provider "floor"): y = 1.5 * x forward (one tensor read, one written) and dx = x + dy
+backward (two read, one written), PyTorch's elementwise kernels, timed the same way. No norm
+timed this way moves its bytes faster, so "ours / floor" bounds what any kernel can gain at
+that shape (the L2 flush and the launch weigh on short calls: at M = 4096, N = 4096 in
+16-bit the backward's floor is about 80% of the copy). The floor is not a peer: it takes
+no part in "best". Not with --residual.
 Needs PyTorch with CUDA, except with --theirs.
 """
 
@@ -56,6 +64,7 @@ QUICK_NS = [1024, 4096, 8192, 32768]
 DTYPES = ["f16", "bf16", "f32"]
 MODES = ["fwd", "bwd"]
 PEERS = ["torch", "torch-compile", "liger", "triton-tutorial"]
+FLOOR = "floor"
 NORMS = ["layer", "rms"]
 PRESETS = {
     "llm": {"dtypes": ["bf16"], "rows": [16384, 65536], "ns": [768, 1024, 2048, 4096, 5120, 8192]},
@@ -298,6 +307,35 @@ def measure(
     return record
 
 
+def measure_floor(torch, mode, dtype, m, n, warmup, reps, seed, queue_ahead=True):
+    """The same bytes as one configuration of the norm, streamed by PyTorch's elementwise
+    kernels: y = 1.5 * x (forward) or dx = x + dy (backward), checked against float64 first,
+    timed as `measure` times the peers."""
+    tdtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = (torch.rand(m, n, device="cuda", generator=gen) * 2 - 1).to(tdtype)
+    dy = (torch.rand(m, n, device="cuda", generator=gen) * 2 - 1).to(tdtype)
+    out = torch.empty_like(x)
+    if mode == "fwd":
+        op = lambda: torch.mul(x, 1.5, out=out)  # noqa: E731
+        ref = x.double() * 1.5
+    else:
+        op = lambda: torch.add(x, dy, out=out)  # noqa: E731
+        ref = x.double() + dy.double()
+    record = {"mode": mode, "dtype": dtype, "provider": FLOOR, "m": m, "n": n, "tolerance": tolerance(dtype)}
+    op()
+    err = rel_err(out, ref)
+    del ref
+    record["check_error"] = err
+    if not err <= tolerance(dtype):
+        record.update(status="failed", failure=f"relative error {err:.2e} > tolerance {tolerance(dtype):.1e}")
+        return record
+    time = time_cuda(torch, op, warmup, reps, None, queue_ahead)
+    gbps = moved_bytes(mode, dtype, m, n, False) / (time["median_ms"] * 1e-3) / 1e9
+    record.update(status="ok", gbps=gbps, **time)
+    return record
+
+
 def measure_all(args, sizes):
     import torch
     import torch.nn.functional as F
@@ -349,6 +387,11 @@ def measure_all(args, sizes):
             run["results"].append(r)
             shown = f"{r['gbps']:.1f} GB/s" if r["status"] == "ok" else r["status"] + " " + r.get("failure", "")
             print(f"[{i + 1}/{len(sizes)}] {mode} {dtype} M={m} N={n} {peer}: {shown}", file=sys.stderr)
+        if args.floor:
+            r = measure_floor(torch, mode, dtype, m, n, args.warmup, args.reps, args.seed, args.preset != "latency")
+            run["results"].append(r)
+            shown = f"{r['gbps']:.1f} GB/s" if r["status"] == "ok" else r["status"] + " " + r.get("failure", "")
+            print(f"[{i + 1}/{len(sizes)}] {mode} {dtype} M={m} N={n} {FLOOR}: {shown}", file=sys.stderr)
         torch.cuda.empty_cache()
     return run
 
@@ -368,12 +411,14 @@ def cell(record, latency):
 def merged_tables(ours, theirs, sizes, latency, norm, residual, f32_stream=False):
     """One table per (mode, dtype, M) in GB/s, or per (mode, dtype) in median microseconds
     for the latency preset: ours and the peers, then each of ours over the best peer (its
-    speed over the fastest peer's at that shape: above 1, ours is faster)."""
+    speed over the fastest peer's at that shape: above 1, ours is faster); where the peers'
+    run timed the floor (--floor), its column and each of ours over it."""
     index = {}
     for doc in (ours, theirs):
         for r in (doc or {}).get("results", []):
             index[(r["mode"], r["dtype"], r["provider"], r["m"], r["n"])] = r
     peers = [p for p in PEERS if any(r["provider"] == p for r in (theirs or {}).get("results", []))]
+    floors = [FLOOR] if any(r["provider"] == FLOOR for r in (theirs or {}).get("results", [])) else []
     floor = (ours or {}).get("empty_kernel")
     tables = []
     for mode in MODES:
@@ -383,18 +428,21 @@ def merged_tables(ours, theirs, sizes, latency, norm, residual, f32_stream=False
             for group in filter(None, groups):
                 ours_providers = ["ours"] if mode == "fwd" else ["ours-deterministic", "ours-locked"]
                 shape_columns = ["M", "N"] if latency else ["N"]
-                header = [""] + shape_columns + ours_providers + peers + [f"{p} / best" for p in ours_providers]
+                header = [""] + shape_columns + ours_providers + peers + floors + [f"{p} / best" for p in ours_providers]
+                header += [f"{p} / {f}" for f in floors for p in ours_providers]
                 lines = []
                 for i, (m, n) in enumerate(group):
                     get = lambda p: index.get((mode, dtype, p, m, n))  # noqa: E731
                     best = min((get(p)["median_ms"] for p in peers if get(p) and get(p)["status"] == "ok"), default=None)
                     ratios = []
-                    for p in ours_providers:
-                        r = get(p)
-                        ok = r is not None and r.get("status") == "ok"
-                        ratios.append(f"{best / r['median_ms']:.2f}" if ok and best else "-")
+                    for bound in [best] + [get(f)["median_ms"] if get(f) and get(f)["status"] == "ok" else None for f in floors]:
+                        for p in ours_providers:
+                            r = get(p)
+                            ok = r is not None and r.get("status") == "ok"
+                            ratios.append(f"{bound / r['median_ms']:.2f}" if ok and bound else "-")
                     shape = [str(m), str(n)] if latency else [str(n)]
-                    lines.append([str(i)] + shape + [cell(get(p), latency) for p in ours_providers + peers] + ratios)
+                    shown = ours_providers + peers + floors
+                    lines.append([str(i)] + shape + [cell(get(p), latency) for p in shown] + ratios)
                 stream = "-f32" if residual and f32_stream else ""
                 name = f"{norm}-norm{'-residual' if residual else ''}{stream}-{'forward' if mode == 'fwd' else 'backward'}"
                 if latency:
@@ -460,6 +508,11 @@ def main():
     p.add_argument("--dtype", type=comma_list(DTYPES), help="default: the preset's, else f16,bf16,f32")
     p.add_argument("--peers", type=comma_list(PEERS), default=PEERS, help=f"peers to measure (default: {','.join(PEERS)})")
     p.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time a streaming kernel of each configuration's bytes (y = 1.5 x, dx = x + dy): the floor",
+    )
+    p.add_argument(
         "--triton-tutorial",
         metavar="PATH",
         help="the Triton tutorial's python/tutorials/05-layer-norm.py (github.com/triton-lang/triton); "
@@ -475,6 +528,8 @@ def main():
         p.error("--quick and --preset choose N both: give one")
     if args.f32_stream and not args.residual:
         p.error("--f32-stream is the residual add's stream: give --residual too")
+    if args.floor and args.residual:
+        p.error("--floor streams the plain norm's tensors; the residual add moves four a pass")
 
     def load(path):
         """A saved run of this norm, with the residual add or without as asked (files from before
