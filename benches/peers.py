@@ -365,6 +365,13 @@ def measure_all(args, sizes):
     print(f"peers: {run['device']}, torch {run['torch']}, copy {copy['gbps']:.1f} GB/s", file=sys.stderr)
     for peer, why in missing.items():
         print(f"peers: {peer} is missing: {why}", file=sys.stderr)
+
+    def note(i, r):
+        run["results"].append(r)
+        shown = f"{r['gbps']:.1f} GB/s" if r["status"] == "ok" else r["status"] + " " + r.get("failure", "")
+        where = f"{r['mode']} {r['dtype']} M={r['m']} N={r['n']} {r['provider']}"
+        print(f"[{i + 1}/{len(sizes)}] {where}: {shown}", file=sys.stderr)
+
     for i, (mode, dtype, m, n) in enumerate(sizes):
         for peer, for_rows_of in peers.items():
             r = measure(
@@ -384,14 +391,9 @@ def measure_all(args, sizes):
                 args.f32_stream,
                 args.preset != "latency",
             )
-            run["results"].append(r)
-            shown = f"{r['gbps']:.1f} GB/s" if r["status"] == "ok" else r["status"] + " " + r.get("failure", "")
-            print(f"[{i + 1}/{len(sizes)}] {mode} {dtype} M={m} N={n} {peer}: {shown}", file=sys.stderr)
+            note(i, r)
         if args.floor:
-            r = measure_floor(torch, mode, dtype, m, n, args.warmup, args.reps, args.seed, args.preset != "latency")
-            run["results"].append(r)
-            shown = f"{r['gbps']:.1f} GB/s" if r["status"] == "ok" else r["status"] + " " + r.get("failure", "")
-            print(f"[{i + 1}/{len(sizes)}] {mode} {dtype} M={m} N={n} {FLOOR}: {shown}", file=sys.stderr)
+            note(i, measure_floor(torch, mode, dtype, m, n, args.warmup, args.reps, args.seed, args.preset != "latency"))
         torch.cuda.empty_cache()
     return run
 
