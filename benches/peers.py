@@ -250,11 +250,31 @@ def import_peers(args, torch, F):
 # --- measuring (needs torch) ---------------------------------------------------------------
 
 
+def torch_dtype(torch, dtype):
+    return {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
+
+
+def passes_check(record, err, dtype):
+    """Records the check's relative error; where it misses the tolerance, marks the record
+    failed (not to be timed) and returns False."""
+    record["check_error"] = err if err != float("inf") else None
+    if err <= tolerance(dtype):
+        return True
+    record.update(status="failed", failure=f"relative error {err:.2e} > tolerance {tolerance(dtype):.1e}")
+    return False
+
+
+def timed(record, time, moved):
+    """The record of a configuration that moved `moved` bytes in `time`'s median."""
+    record.update(status="ok", gbps=moved / (time["median_ms"] * 1e-3) / 1e9, **time)
+    return record
+
+
 def measure(
     torch, F, norm, residual, mode, dtype, m, n, peer, for_rows_of, warmup, reps, seed, f32_stream=False, queue_ahead=True
 ):
     """One configuration: check against float64, then time. Returns a result record."""
-    tdtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
+    tdtype = torch_dtype(torch, dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     spread = 10 ** (torch.rand(m, 1, device="cuda", generator=gen) * 2 - 1)
     offset = spread * (torch.rand(m, 1, device="cuda", generator=gen) * 4 - 2)
@@ -294,24 +314,20 @@ def measure(
                     t.grad = None
 
         del ref_outs, ref_leaves  # float64 copies: free them before timing
-        record["check_error"] = err if err != float("inf") else None
-        if not err <= tolerance(dtype):
-            record.update(status="failed", failure=f"relative error {err:.2e} > tolerance {tolerance(dtype):.1e}")
+        if not passes_check(record, err, dtype):
             return record
         time = time_cuda(torch, op, warmup, reps, before, queue_ahead)
     except Exception as e:  # a peer that cannot run this shape (compile error, 64 KB rows): report, go on
         record.update(status="n/a", failure=f"{type(e).__name__}: {e}".splitlines()[0][:300])
         return record
-    gbps = moved_bytes(mode, dtype, m, n, residual, f32_stream) / (time["median_ms"] * 1e-3) / 1e9
-    record.update(status="ok", gbps=gbps, **time)
-    return record
+    return timed(record, time, moved_bytes(mode, dtype, m, n, residual, f32_stream))
 
 
 def measure_floor(torch, mode, dtype, m, n, warmup, reps, seed, queue_ahead=True):
     """The same bytes as one configuration of the norm, streamed by PyTorch's elementwise
     kernels: y = 1.5 * x (forward) or dx = x + dy (backward), checked against float64 first,
     timed as `measure` times the peers."""
-    tdtype = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
+    tdtype = torch_dtype(torch, dtype)
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = (torch.rand(m, n, device="cuda", generator=gen) * 2 - 1).to(tdtype)
     dy = (torch.rand(m, n, device="cuda", generator=gen) * 2 - 1).to(tdtype)
@@ -326,14 +342,9 @@ def measure_floor(torch, mode, dtype, m, n, warmup, reps, seed, queue_ahead=True
     op()
     err = rel_err(out, ref)
     del ref
-    record["check_error"] = err
-    if not err <= tolerance(dtype):
-        record.update(status="failed", failure=f"relative error {err:.2e} > tolerance {tolerance(dtype):.1e}")
+    if not passes_check(record, err, dtype):
         return record
-    time = time_cuda(torch, op, warmup, reps, None, queue_ahead)
-    gbps = moved_bytes(mode, dtype, m, n, False) / (time["median_ms"] * 1e-3) / 1e9
-    record.update(status="ok", gbps=gbps, **time)
-    return record
+    return timed(record, time_cuda(torch, op, warmup, reps, None, queue_ahead), moved_bytes(mode, dtype, m, n, False))
 
 
 def measure_all(args, sizes):
@@ -421,7 +432,7 @@ def merged_tables(ours, theirs, sizes, latency, norm, residual, f32_stream=False
             index[(r["mode"], r["dtype"], r["provider"], r["m"], r["n"])] = r
     peers = [p for p in PEERS if any(r["provider"] == p for r in (theirs or {}).get("results", []))]
     floors = [FLOOR] if any(r["provider"] == FLOOR for r in (theirs or {}).get("results", [])) else []
-    floor = (ours or {}).get("empty_kernel")
+    empty = (ours or {}).get("empty_kernel")
     tables = []
     for mode in MODES:
         for dtype in DTYPES:
@@ -448,7 +459,7 @@ def merged_tables(ours, theirs, sizes, latency, norm, residual, f32_stream=False
                 stream = "-f32" if residual and f32_stream else ""
                 name = f"{norm}-norm{'-residual' if residual else ''}{stream}-{'forward' if mode == 'fwd' else 'backward'}"
                 if latency:
-                    unit = "median microseconds" + (f"; empty kernel {floor['median_ms'] * 1e3:.2f}" if floor else "")
+                    unit = "median microseconds" + (f"; empty kernel {empty['median_ms'] * 1e3:.2f}" if empty else "")
                     title = f"{name} ({dtype}), {unit}:"
                 else:
                     title = f"{name} ({dtype}, M={group[0][0]}), GB/s:"
