@@ -111,6 +111,66 @@ pub fn sync_block_any(p: bool) -> bool {
     out != 0
 }
 
+/// `fence.acq_rel.gpu`: orders this thread's memory accesses before it against those after
+/// it, at the GPU's scope.
+#[inline(always)]
+pub fn fence_gpu() {
+    // SAFETY: a fence; no `nomem`, so the compiler keeps memory accesses on their side.
+    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) }
+}
+
+/// `atom.acquire.gpu.cas`: sets the word at `p` to `new` where it holds `old`; returns what
+/// it held.
+///
+/// # Safety
+/// `p` points to a global u32 that is only accessed atomically.
+#[inline(always)]
+pub unsafe fn cas_acquire_gpu(p: *mut u32, old: u32, new: u32) -> u32 {
+    let was: u32;
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        asm!(
+            "atom.acquire.gpu.global.cas.b32 {w}, [{p}], {o}, {n};",
+            w = out(reg32) was,
+            p = in(reg64) p,
+            o = in(reg32) old,
+            n = in(reg32) new,
+            options(nostack)
+        )
+    }
+    was
+}
+
+/// `ld.relaxed.gpu`: the word at `p` as the GPU holds it.
+///
+/// # Safety
+/// As for [`cas_acquire_gpu`].
+#[inline(always)]
+pub unsafe fn load_relaxed_gpu(p: *const u32) -> u32 {
+    let v: u32;
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        asm!("ld.relaxed.gpu.global.u32 {v}, [{p}];", v = out(reg32) v, p = in(reg64) p, options(nostack))
+    }
+    v
+}
+
+/// `st.relaxed.gpu` (`RELEASE`: `st.release.gpu`) of `v` at `p`.
+///
+/// # Safety
+/// As for [`cas_acquire_gpu`].
+#[inline(always)]
+pub unsafe fn store_gpu<const RELEASE: bool>(p: *mut u32, v: u32) {
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        if RELEASE {
+            asm!("st.release.gpu.global.u32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack))
+        } else {
+            asm!("st.relaxed.gpu.global.u32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack))
+        }
+    }
+}
+
 /// Barrier `id` (0..16) over the first `count` threads to reach it (`barrier.sync id,
 /// count`; `count` a multiple of 32): lets several teams of one block synchronize apart.
 /// The same visibility guarantee as [`sync_block`] among those threads.

@@ -3,8 +3,6 @@
 //! row of the partial buffers (owned mode), or added into a spinlocked group row with its
 //! compensations (locked mode).
 
-use core::sync::atomic::{AtomicU32, Ordering, fence};
-
 use crate::device::{self, load_f32_l2, shared_ptr};
 use crate::element::{MAX_PACK, Pack, is_pack_aligned};
 use crate::layout::params::Partials;
@@ -364,33 +362,32 @@ impl Destination {
         let words = self.p.words.ptr();
         let g = self.unit % groups;
         let w = (g * self.slices + self.slice) as usize;
-        // SAFETY: w < groups * slices: the lock word, and its count word after all of them;
-        // they are only touched atomically.
-        let (lock, count) = unsafe {
-            (
-                AtomicU32::from_ptr(words.add(w)),
-                AtomicU32::from_ptr(words.add((groups * self.slices) as usize + w)),
-            )
-        };
+        // w < groups * slices: the lock word, and its count word after all of them; they
+        // are only touched atomically, at the GPU's scope (core's atomics and fences are the
+        // system's in PTX, whose fences wait on the host's memory too).
+        let (lock, count) = (
+            words.wrapping_add(w),
+            words.wrapping_add((groups * self.slices) as usize + w),
+        );
         // Units that handed over into this group before this one (thread 0's).
         let mut before = 0;
         if device::thread_idx() == 0 && device::thread_idx_y() == 0 {
             // atom.cas: one thread spins; the others wait at the barrier below.
-            while lock
-                .compare_exchange_weak(0, 1, Ordering::Acquire, Ordering::Relaxed)
-                .is_err()
-            {}
-            before = count.load(Ordering::Relaxed);
+            // SAFETY: the lock and count words, as above.
+            unsafe {
+                while device::cas_acquire_gpu(lock, 0, 1) != 0 {}
+                before = device::load_relaxed_gpu(count);
+            }
         }
         let written = device::sync_block_any(before != 0);
         // The acquire was thread 0's; every thread orders its own reads after it.
-        fence(Ordering::Acquire);
+        device::fence_gpu();
         let compensation = groups as usize * self.n as usize;
         // SAFETY: g < groups, and the buffers hold 2 * groups rows: the group's and its
         // compensations'.
         put(unsafe { self.row(g, written, compensation) });
         // Each thread's writes must reach L2 before the next holder reads them.
-        fence(Ordering::Release);
+        device::fence_gpu();
         device::sync_block();
         if device::thread_idx() == 0 && device::thread_idx_y() == 0 {
             // The group's units are those u < units with u mod G = g; the last of them to
@@ -400,8 +397,11 @@ impl Destination {
             let units = device::grid_dim() / self.slices;
             let group_units = units.saturating_sub(g).div_ceil(groups);
             let handed = before + 1;
-            count.store(if handed == group_units { 0 } else { handed }, Ordering::Relaxed);
-            lock.store(0, Ordering::Release);
+            // SAFETY: the lock and count words, as above.
+            unsafe {
+                device::store_gpu::<false>(count, if handed == group_units { 0 } else { handed });
+                device::store_gpu::<true>(lock, 0);
+            }
         }
     }
 }
