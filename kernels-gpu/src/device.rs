@@ -455,7 +455,7 @@ pub unsafe fn load_16_cached(p: *const u32) -> [u32; 4] {
     let (a, b, c, d): (u32, u32, u32, u32);
     // SAFETY: the caller guarantees `p` is aligned and readable for 16 bytes.
     unsafe {
-        asm!("ld.global.ca.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+        asm!("ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
              a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
              p = in(reg64) p, options(readonly, nostack));
     }
@@ -502,7 +502,7 @@ pub unsafe fn load_8_cached(p: *const u32) -> [u32; 2] {
     let (a, b): (u32, u32);
     // SAFETY: the caller guarantees `p` is aligned and readable for 8 bytes.
     unsafe {
-        asm!("ld.global.ca.v2.u32 {{{a}, {b}}}, [{p}];",
+        asm!("ld.global.nc.v2.u32 {{{a}, {b}}}, [{p}];",
              a = out(reg32) a, b = out(reg32) b, p = in(reg64) p, options(readonly, nostack));
     }
     [a, b]
