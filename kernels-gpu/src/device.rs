@@ -446,10 +446,14 @@ pub fn cp_async_wait_all() {
     unsafe { asm!("cp.async.wait_all;", options(nostack)) }
 }
 
-/// Loads 16 bytes that other blocks of this launch read too (gamma, beta): kept in L1.
+/// Loads 16 bytes that other blocks of this launch read too (gamma, beta), through the
+/// read-only data path (`ld.global.nc`, cached in L1): no launch writes the weights it
+/// reads, and the path skips the coherence that `ld.global.ca` keeps (+0.3 to +1.4% over
+/// the forwards at N = 1024-32768, docs/PERF.md).
 ///
 /// # Safety
-/// `p` must be 16-byte aligned and valid for a 16-byte read.
+/// `p` must be 16-byte aligned and valid for a 16-byte read, and no thread may write those
+/// bytes while the kernel runs (the read-only path would not see the write).
 #[inline(always)]
 pub unsafe fn load_16_cached(p: *const u32) -> [u32; 4] {
     let (a, b, c, d): (u32, u32, u32, u32);
@@ -493,10 +497,11 @@ pub unsafe fn load_8_evict_first(p: *const u32) -> [u32; 2] {
     [a, b]
 }
 
-/// As [`load_8`], through L1 (`ld.global.ca`), as [`load_16_cached`] reads the weights.
+/// As [`load_8`], through the read-only path, as [`load_16_cached`] reads the weights.
 ///
 /// # Safety
-/// As for [`load_8`].
+/// As for [`load_8`], and as for [`load_16_cached`]: nothing writes the bytes while the
+/// kernel runs.
 #[inline(always)]
 pub unsafe fn load_8_cached(p: *const u32) -> [u32; 2] {
     let (a, b): (u32, u32);

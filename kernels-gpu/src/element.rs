@@ -183,19 +183,21 @@ pub unsafe fn read_as<G: Element, T: Element>(row: *const T, start: u32, len: us
     }
 }
 
-/// As [`read`], for the weights every row uses (gamma, beta), which stay in L1: `len` of
+/// As [`read`], for the weights every row uses (gamma, beta), which stay in L1 (through the
+/// read-only path, [`device::load_16_cached`]): `len` of
 /// them from `v[start..]`, one, or a whole pack of the row's type `G`, which for f32
 /// weights beside f16 or bf16 rows is two packs of weights (the row's 8 columns are 32
 /// bytes of f32), and for f16/bf16 weights beside f32 rows half of one (8 bytes).
 ///
 /// # Safety
-/// The elements must be in bounds, and `v + start` aligned to the pack's bytes where
-/// `len` > 1 (16, or 8 for four 16-bit weights).
+/// The elements must be in bounds, `v + start` aligned to the pack's bytes where `len` > 1
+/// (16, or 8 for four 16-bit weights), and nothing may write them while the kernel runs.
 #[inline(always)]
 pub unsafe fn read_cached<G: Element, W: Element>(v: *const W, start: u32, len: usize) -> Pack {
     let mut out = [0.0; MAX_PACK];
-    // SAFETY: the caller guarantees bounds and, for packs, alignment; pack q of the weights
-    // starts q * 16 bytes past the first.
+    // SAFETY: the caller guarantees bounds, for packs alignment, and that the weights stay
+    // unwritten while the kernel runs; pack q of the weights starts q * 16 bytes past the
+    // first.
     unsafe {
         let p = v.add(start as usize);
         if len == 1 {

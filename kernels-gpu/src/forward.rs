@@ -234,7 +234,9 @@ impl<const CENTERED: bool> RowNorm<CENTERED> {
 /// 1 for zero-centred weights (the stored gamma is the weight's distance from 1, as Gemma
 /// and flash-attention's `zero_centered_weight` keep it), -0 otherwise: g + (-0) is g for
 /// every g, -0 included, so plain weights lose no bit to the add. The offset stays a kernel
-/// parameter, which the multiply reads from the constant bank, not a register.
+/// parameter, which the multiply reads from the constant bank, not a register. No launch
+/// writes the weights it reads (the host passes the op's own gamma and beta, and every
+/// output elsewhere), so they are read through the read-only path ([`read_cached`]).
 #[derive(Clone, Copy)]
 struct Affine<W> {
     gamma: *const W,

@@ -138,7 +138,8 @@ impl<X, T, W> Rows<X, T, W> {
     /// gamma_j + (-0), which is gamma_j to the bit (the forward's `Affine` says why).
     ///
     /// # Safety
-    /// As [`read_cached`] requires of `gamma` + `j`.
+    /// As [`read_cached`] requires of `gamma` + `j` (no launch writes gamma: its gradient
+    /// goes to the partial rows and dgamma).
     #[inline(always)]
     pub(crate) unsafe fn gamma(&self, j: u32, len: usize) -> Pack
     where
