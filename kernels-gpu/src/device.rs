@@ -446,22 +446,31 @@ pub fn cp_async_wait_all() {
     unsafe { asm!("cp.async.wait_all;", options(nostack)) }
 }
 
-/// Loads 16 bytes that other blocks of this launch read too (gamma, beta), through the
-/// read-only data path (`ld.global.nc`, cached in L1): no launch writes the weights it
-/// reads, and the path skips the coherence that `ld.global.ca` keeps (+0.3 to +1.4% over
-/// the forwards at N = 1024-32768, docs/PERF.md).
+/// Loads 16 bytes that other blocks of this launch read too (gamma, beta), kept in L1:
+/// through the read-only data path (`ld.global.nc`) where `READ_ONLY`, else the coherent
+/// one (`ld.global.ca`, in SASS a strong load at the multiprocessor's scope). The read-only
+/// path gained 0.3-1.4% over the plain forwards; the streamed residual kernels keep the
+/// coherent one, with which ptxas gives them their 54-63 registers rather than 32 (-4 to
+/// -11% there; docs/PERF.md).
 ///
 /// # Safety
-/// `p` must be 16-byte aligned and valid for a 16-byte read, and no thread may write those
-/// bytes while the kernel runs (the read-only path would not see the write).
+/// `p` must be 16-byte aligned and valid for a 16-byte read; with `READ_ONLY`, no thread may
+/// write those bytes while the kernel runs (the read-only path would not see the write).
 #[inline(always)]
-pub unsafe fn load_16_cached(p: *const u32) -> [u32; 4] {
+pub unsafe fn load_16_cached<const READ_ONLY: bool>(p: *const u32) -> [u32; 4] {
     let (a, b, c, d): (u32, u32, u32, u32);
-    // SAFETY: the caller guarantees `p` is aligned and readable for 16 bytes.
+    // SAFETY: the caller guarantees `p` is aligned and readable for 16 bytes, and unwritten
+    // during the kernel where READ_ONLY.
     unsafe {
-        asm!("ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
-             a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
-             p = in(reg64) p, options(readonly, nostack));
+        if READ_ONLY {
+            asm!("ld.global.nc.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+                 a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                 p = in(reg64) p, options(readonly, nostack));
+        } else {
+            asm!("ld.global.ca.v4.u32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+                 a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+                 p = in(reg64) p, options(readonly, nostack));
+        }
     }
     [a, b, c, d]
 }
@@ -497,18 +506,23 @@ pub unsafe fn load_8_evict_first(p: *const u32) -> [u32; 2] {
     [a, b]
 }
 
-/// As [`load_8`], through the read-only path, as [`load_16_cached`] reads the weights.
+/// As [`load_8`], through L1 as [`load_16_cached`] reads the weights.
 ///
 /// # Safety
-/// As for [`load_8`], and as for [`load_16_cached`]: nothing writes the bytes while the
-/// kernel runs.
+/// As for [`load_8`], and as for [`load_16_cached`] where `READ_ONLY`.
 #[inline(always)]
-pub unsafe fn load_8_cached(p: *const u32) -> [u32; 2] {
+pub unsafe fn load_8_cached<const READ_ONLY: bool>(p: *const u32) -> [u32; 2] {
     let (a, b): (u32, u32);
-    // SAFETY: the caller guarantees `p` is aligned and readable for 8 bytes.
+    // SAFETY: the caller guarantees `p` is aligned and readable for 8 bytes, and unwritten
+    // during the kernel where READ_ONLY.
     unsafe {
-        asm!("ld.global.nc.v2.u32 {{{a}, {b}}}, [{p}];",
-             a = out(reg32) a, b = out(reg32) b, p = in(reg64) p, options(readonly, nostack));
+        if READ_ONLY {
+            asm!("ld.global.nc.v2.u32 {{{a}, {b}}}, [{p}];",
+                 a = out(reg32) a, b = out(reg32) b, p = in(reg64) p, options(readonly, nostack));
+        } else {
+            asm!("ld.global.ca.v2.u32 {{{a}, {b}}}, [{p}];",
+                 a = out(reg32) a, b = out(reg32) b, p = in(reg64) p, options(readonly, nostack));
+        }
     }
     [a, b]
 }

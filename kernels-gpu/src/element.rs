@@ -184,31 +184,38 @@ pub unsafe fn read_as<G: Element, T: Element>(row: *const T, start: u32, len: us
 }
 
 /// As [`read`], for the weights every row uses (gamma, beta), which stay in L1 (through the
-/// read-only path, [`device::load_16_cached`]): `len` of
+/// read-only path where `READ_ONLY`: [`device::load_16_cached`]): `len` of
 /// them from `v[start..]`, one, or a whole pack of the row's type `G`, which for f32
 /// weights beside f16 or bf16 rows is two packs of weights (the row's 8 columns are 32
 /// bytes of f32), and for f16/bf16 weights beside f32 rows half of one (8 bytes).
 ///
 /// # Safety
 /// The elements must be in bounds, `v + start` aligned to the pack's bytes where `len` > 1
-/// (16, or 8 for four 16-bit weights), and nothing may write them while the kernel runs.
+/// (16, or 8 for four 16-bit weights), and with `READ_ONLY` nothing may write them while
+/// the kernel runs.
 #[inline(always)]
-pub unsafe fn read_cached<G: Element, W: Element>(v: *const W, start: u32, len: usize) -> Pack {
+pub unsafe fn read_cached<G: Element, W: Element, const READ_ONLY: bool>(
+    v: *const W,
+    start: u32,
+    len: usize,
+) -> Pack {
     let mut out = [0.0; MAX_PACK];
-    // SAFETY: the caller guarantees bounds, for packs alignment, and that the weights stay
-    // unwritten while the kernel runs; pack q of the weights starts q * 16 bytes past the
-    // first.
+    // SAFETY: the caller guarantees bounds, for packs alignment, and with READ_ONLY that the
+    // weights stay unwritten while the kernel runs; pack q of the weights starts q * 16
+    // bytes past the first.
     unsafe {
         let p = v.add(start as usize);
         if len == 1 {
             out[0] = p.read().to_f32();
         } else if G::PACK * size_of::<W>() == 8 {
-            let [a, b] = device::load_8_cached(p as *const u32);
+            let [a, b] = device::load_8_cached::<READ_ONLY>(p as *const u32);
             out = W::unpack([a, b, 0, 0]);
         } else {
             for q in 0..MAX_PACK / W::PACK {
                 if q * W::PACK < len {
-                    let pack = W::unpack(device::load_16_cached(p.add(q * W::PACK) as *const u32));
+                    let pack = W::unpack(device::load_16_cached::<READ_ONLY>(
+                        p.add(q * W::PACK) as *const u32
+                    ));
                     for k in 0..W::PACK {
                         out[q * W::PACK + k] = pack[k];
                     }
@@ -229,7 +236,7 @@ pub unsafe fn read_cached<G: Element, W: Element>(v: *const W, start: u32, len: 
 /// # Safety
 /// As for [`read_cached`].
 #[inline(always)]
-pub unsafe fn for_each_weight_pack<G: Element, W: Element>(
+pub unsafe fn for_each_weight_pack<G: Element, W: Element, const READ_ONLY: bool>(
     v: *const W,
     start: u32,
     len: usize,
@@ -237,7 +244,7 @@ pub unsafe fn for_each_weight_pack<G: Element, W: Element>(
 ) {
     if len <= W::PACK {
         // SAFETY: the caller's guarantee.
-        return f(0, len, &unsafe { read_cached::<G, W>(v, start, len) });
+        return f(0, len, &unsafe { read_cached::<G, W, READ_ONLY>(v, start, len) });
     }
     let step = W::PACK;
     for q in 0..MAX_PACK / W::PACK {
@@ -245,7 +252,7 @@ pub unsafe fn for_each_weight_pack<G: Element, W: Element>(
         if at < len {
             // SAFETY: the caller's guarantee; `at` is a whole pack of weights into the chunk.
             f(at, step, &unsafe {
-                read_cached::<G, W>(v, start + at as u32, step)
+                read_cached::<G, W, READ_ONLY>(v, start + at as u32, step)
             });
         }
     }

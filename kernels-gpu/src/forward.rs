@@ -835,7 +835,14 @@ unsafe fn forward_row_huge<T: Element, Y: Element, W: Element, S: StatsTeam, con
     for_each_chunk::<T, S, false, 0>(n, |j, len, _| {
         // SAFETY: as above; the caller's guarantee for y, gamma and beta.
         unsafe {
-            write_y_chunk::<T, _, _, CENTERED, CENTERED, false>(affine, y, j, len, read(x, j, len), norm)
+            write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(
+                affine,
+                y,
+                j,
+                len,
+                read(x, j, len),
+                norm,
+            )
         }
     });
     norm
@@ -914,7 +921,7 @@ unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, con
     unsafe {
         write_y::<T, Y, W, S, CENTERED, true, PART_HELD>(held, x, affine, y, n, norm);
         staged.for_each::<T, S>(n, |j, v| {
-            write_y_chunk::<T, _, _, CENTERED, CENTERED, false>(affine, y, j, T::PACK, v, norm)
+            write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(affine, y, j, T::PACK, v, norm)
         });
     }
     Some(norm)
@@ -987,7 +994,7 @@ unsafe fn write_y<
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
         unsafe {
-            write_y_chunk::<T, _, _, CENTERED, CENTERED, false>(
+            write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(
                 affine,
                 y,
                 j,
@@ -1003,7 +1010,9 @@ unsafe fn write_y<
 /// wrote (from L2, the rows in flight fitting there), both s's read, its last, and y's
 /// store evict-first, so that L2 keeps the other rows' s until they are read back. With
 /// x's and the residual's loads evict-first too, DRAM reads fell from 1595 to 1080 MB (x
-/// and the residual once) at f32 N = 32768, M = 4096 (ncu, docs/PERF.md v41).
+/// and the residual once) at f32 N = 32768, M = 4096 (ncu, docs/PERF.md v41). The weights
+/// go through L1's coherent path: with the read-only one ptxas fits these kernels in 32
+/// registers, and they lost 4-11% (docs/PERF.md, after v50).
 ///
 /// # Safety
 /// s, y, gamma and beta (LayerNorm's) hold the row, whole packs, aligned; this rank wrote
@@ -1022,7 +1031,7 @@ unsafe fn write_y_streamed<T: Element, Y: Element, W: Element, S: Team, const CE
         // SAFETY: p is a whole pack of the row, aligned (the caller's guarantee).
         unsafe {
             let sv = T::unpack(load_pack::<T, T, true>(s.add(j as usize)));
-            write_y_chunk::<T, Y, W, CENTERED, CENTERED, true>(affine, y, j, T::PACK, sv, norm);
+            write_y_chunk::<T, Y, W, CENTERED, CENTERED, true, false>(affine, y, j, T::PACK, sv, norm);
         }
         p += S::size();
     }
@@ -1031,7 +1040,8 @@ unsafe fn write_y_streamed<T: Element, Y: Element, W: Element, S: Team, const CE
 /// y of chunk (`j`, `len`) of a row of type `T` from its values `xv`, whose xhat `norm`
 /// gives (x's own, or for the pipelined block's centred d_j [`RowNorm::centred`]'s), y of
 /// type `Y` (T's, or f16/bf16 beside a residual stream in f32), stored evict-first where
-/// `EVICT_FIRST` ([`write_as`]). RMSNorm's read no beta.
+/// `EVICT_FIRST` ([`write_as`]), the weights read through the read-only path where
+/// `WEIGHTS_READ_ONLY` ([`read_cached`]). RMSNorm's read no beta.
 ///
 /// # Safety
 /// The chunk lies inside the row; a whole pack of `T`'s columns is aligned to its size in
@@ -1044,6 +1054,7 @@ unsafe fn write_y_chunk<
     const CENTERED: bool,
     const X_CENTERED: bool,
     const EVICT_FIRST: bool,
+    const WEIGHTS_READ_ONLY: bool,
 >(
     affine: Affine<W>,
     y: *mut Y,
@@ -1055,9 +1066,9 @@ unsafe fn write_y_chunk<
     let mut out = xv;
     // SAFETY: the caller's guarantee.
     unsafe {
-        for_each_weight_pack::<T, W>(affine.gamma, j, len, |at, step, g| {
+        for_each_weight_pack::<T, W, WEIGHTS_READ_ONLY>(affine.gamma, j, len, |at, step, g| {
             if CENTERED {
-                let b = read_cached::<T, W>(affine.beta, j + at as u32, step);
+                let b = read_cached::<T, W, WEIGHTS_READ_ONLY>(affine.beta, j + at as u32, step);
                 for k in 0..step {
                     out[at + k] =
                         y_of::<CENTERED, X_CENTERED>(norm, xv[at + k], g[k] + affine.gamma_offset, b[k]);
@@ -1298,7 +1309,14 @@ unsafe fn normalize_widened<T: Element, W: Element, S: StatsTeam, const CENTERED
                 // SAFETY: the pack at j is this rank's, whole and aligned in y, gamma and
                 // beta (the caller's guarantee).
                 unsafe {
-                    write_y_chunk::<T, T, W, CENTERED, false, false>(affine, y_row, j, T::PACK, *d, centred)
+                    write_y_chunk::<T, T, W, CENTERED, false, false, true>(
+                        affine,
+                        y_row,
+                        j,
+                        T::PACK,
+                        *d,
+                        centred,
+                    )
                 }
             });
             norm
@@ -1557,9 +1575,9 @@ impl<const K: usize> HeldAffine<K> {
             let j = p * T::PACK as u32;
             // SAFETY: p < packs: the pack's columns lie inside gamma and beta, aligned.
             unsafe {
-                weights.gamma[c] = read_cached::<T, W>(affine.gamma, j, T::PACK);
+                weights.gamma[c] = read_cached::<T, W, true>(affine.gamma, j, T::PACK);
                 if CENTERED {
-                    weights.beta[c] = read_cached::<T, W>(affine.beta, j, T::PACK);
+                    weights.beta[c] = read_cached::<T, W, true>(affine.beta, j, T::PACK);
                 }
             }
         });
