@@ -31,7 +31,8 @@
 //!   Every other launch takes a resident grid whose teams loop over the rows. On sm_90,
 //!   pipelined block teams over weights of x's type give way to the row block (a block for
 //!   every row, holding its row only, at 40 registers) where a multiprocessor runs two of
-//!   its blocks or more and more of its threads, and its last wave is nearly full.
+//!   its blocks or more and more of its threads, and its last wave is nearly full or its
+//!   rows fill a team of 512 ranks (2048 packs).
 //! - Residual forward of more rows than multiprocessors over rows all of aligned packs:
 //!   16-bit rows with weights of their type longer than the pipelined block holds, up to 4
 //!   packs a rank of 1024 (N <= 32768), or that it holds on teams of 128, 256 or 512 ranks
@@ -353,7 +354,11 @@ impl<T: Element> Planner<T> {
     ///   each, came out ahead (16-bit N = 2048-4096 and 8192 at M = 4096: 1.2 to 5.2
     ///   waves, -2 to -11%; 10.3 waves, 6% empty, at N = 15872: -3%), and where it is
     ///   nearly full the row block gained (3.9 and 7.8 waves at N = 6144 and 12288: +2 and
-    ///   +5%; 20 to 83 waves at bf16 M = 65536, N = 2048-8192: +2 to +13%).
+    ///   +5%; 20 to 83 waves at bf16 M = 65536, N = 2048-8192: +2 to +13%);
+    ///   but rows of 2048 packs, which fill a team of 512 ranks at 4 packs each (f32
+    ///   N = 8192, 16-bit 16384), take it whatever its last wave: 3 blocks a multiprocessor
+    ///   where the pipelined block runs 2 gained 3% at M = 2048 and 4096 (5.2 and 10.3
+    ///   waves, 14% and 6% empty; v52), where f16 15872 (1984 packs) lost 3%.
     fn row_block(&self, pipelined: &Plan) -> Option<Plan> {
         let row_block = Variant::FwdRowBlock;
         let takes_kernel = pipelined.variant == Variant::FwdPipelinedBlock
@@ -372,7 +377,9 @@ impl<T: Element> Planner<T> {
         let places = blocks * self.limits.sm_count;
         let waves = self.rows.div_ceil(places);
         let empty = waves * places - self.rows;
-        let takes = blocks >= 2 && blocks * threads > pipelined_threads && empty * 20 <= waves * places;
+        let nearly_full = empty * 20 <= waves * places;
+        let whole_team_of_512 = threads == 512 && self.n == threads * PIPE_HELD * pack_len::<T>();
+        let takes = blocks >= 2 && blocks * threads > pipelined_threads && (nearly_full || whole_team_of_512);
         takes.then_some(Plan {
             variant: row_block,
             threads,

@@ -253,8 +253,8 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
         (p.variant, p.threads, p.smem),
         (Variant::FwdPipelinedBlock, 384, 512)
     );
-    // 2048 packs of f32: 512 ranks of 4.
-    let p = plan::<f32, f32>(Norm::Layer, MANY, 8192, Pass::Forward, true, h).unwrap();
+    // 2048 packs of f32: 512 ranks of 4 (RMSNorm's; LayerNorm's take the row block).
+    let p = plan::<f32, f32>(Norm::Rms, MANY, 8192, Pass::Forward, true, h).unwrap();
     assert_eq!(
         (p.variant, p.threads, p.smem),
         (Variant::FwdPipelinedBlock, 512, 512)
@@ -315,9 +315,10 @@ fn rms_long_rows_every_row_on_the_general_kernel() {
         (Variant::FwdPipelinedBlock, 768, 512, Grid::Resident)
     );
     assert_eq!(shape(rms(24576)).3, Grid::Resident);
-    // 2048 packs and fewer: the pipelined block (f32 8192 and f16 16384 on 512 ranks).
+    // 2048 packs and fewer: the pipelined block (f32 8192 on 512 ranks), or the row block
+    // that fills them (16-bit 16384).
     assert_eq!(shape(rms(8192)).0, Variant::FwdPipelinedBlock);
-    assert_eq!(shape(rms16(16384)).0, Variant::FwdPipelinedBlock);
+    assert_eq!(shape(rms16(16384)).0, Variant::FwdRowBlock);
     // Past 8192 packs: resident (f32 N = 32772 stages on 1024 ranks).
     assert_eq!(shape(rms(32772)).3, Grid::Resident);
     // f32 weights, few rows, unaligned rows, sm_80, LayerNorm: as before.
@@ -352,9 +353,9 @@ fn forward_grid_every_row_where_measured_faster() {
     ] {
         assert_eq!(shape(p), (block, 256, Grid::EveryRow));
     }
-    // 512 ranks holding their next row (f32 N = 8192; RMSNorm's f16 15872: 1984 packs),
-    // not staging it (LayerNorm's f16 15872).
-    for p in [fwd32(layer, 8192), fwd32(rms, 8192), fwd(rms, 15872)] {
+    // 512 ranks holding their next row (RMSNorm's f32 N = 8192 and f16 15872: 1984 packs),
+    // not staging it (LayerNorm's f16 15872); LayerNorm's f32 8192 takes the row block.
+    for p in [fwd32(rms, 8192), fwd(rms, 15872)] {
         assert_eq!(shape(p), (block, 512, Grid::EveryRow));
     }
     assert_eq!(shape(fwd(layer, 15872)), (block, 512, Grid::Resident));
@@ -421,6 +422,13 @@ fn row_block_where_its_last_wave_is_nearly_full() {
     // ranks, 6 blocks, 5.17 waves), 15872 (512 ranks, 3 blocks, 10.34 waves).
     for n in [2048, 4096, 8192, 15872] {
         assert_eq!(f16(layer, MANY, n).variant, Variant::FwdPipelinedBlock, "f16 {n}");
+    }
+    // But rows of 2048 packs, a team of 512 ranks at 4 packs each, whatever the last wave:
+    // f32 N = 8192 and 16-bit 16384 over 4096 rows (10.34 waves) and 2048 (5.17, 14% empty).
+    for rows in [MANY, 2048] {
+        assert_eq!(shape(f32(layer, rows, 8192)), row(512), "f32 8192, {rows} rows");
+        assert_eq!(shape(f16(layer, rows, 16384)), row(512), "f16 16384, {rows} rows");
+        assert_eq!(shape(f16(rms, rows, 16384)), row(512), "RMSNorm f16 16384, {rows} rows");
     }
     // One block a multiprocessor: f32 N = 15872 (992 ranks), RMSNorm's f32 12288 (768 ranks
     // at 48 registers).
