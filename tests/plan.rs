@@ -428,7 +428,11 @@ fn row_block_where_its_last_wave_is_nearly_full() {
     for rows in [MANY, 2048] {
         assert_eq!(shape(f32(layer, rows, 8192)), row(512), "f32 8192, {rows} rows");
         assert_eq!(shape(f16(layer, rows, 16384)), row(512), "f16 16384, {rows} rows");
-        assert_eq!(shape(f16(rms, rows, 16384)), row(512), "RMSNorm f16 16384, {rows} rows");
+        assert_eq!(
+            shape(f16(rms, rows, 16384)),
+            row(512),
+            "RMSNorm f16 16384, {rows} rows"
+        );
     }
     // One block a multiprocessor: f32 N = 15872 (992 ranks), RMSNorm's f32 12288 (768 ranks
     // at 48 registers).
