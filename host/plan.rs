@@ -378,7 +378,7 @@ impl<T: Element> Planner<T> {
         let waves = self.rows.div_ceil(places);
         let empty = waves * places - self.rows;
         let nearly_full = empty * 20 <= waves * places;
-        let whole_team_of_512 = threads == 512 && self.n == threads * PIPE_HELD * pack_len::<T>();
+        let whole_team_of_512 = self.n == 512 * PIPE_HELD * pack_len::<T>();
         let takes = blocks >= 2 && blocks * threads > pipelined_threads && (nearly_full || whole_team_of_512);
         takes.then_some(Plan {
             variant: row_block,
