@@ -410,17 +410,30 @@ impl<T: Element> Planner<T> {
     }
 
     /// RMSNorm's forward over rows of 2049 to 8192 packs (16-bit N = 16392-65536, f32
-    /// 8196-32768), weights of x's type, on sm_90: the general kernel's held rows at 8
-    /// packs a rank, a block for every row, rather than the pipelined block (up to 4096
-    /// packs) or a resident grid of 1024-rank teams. 16-bit rows take it at any such length
-    /// (H200, docs/PERF.md v35: +2.1 to +5.0% at N = 20480-65536); f32 rows where the team
-    /// has 512 or 1024 ranks, whose blocks (64 registers) fill a multiprocessor's 1024
-    /// threads (+2.7 to +3.0% at N = 15872, 16384 and 32768): f32 teams of 352-768 ranks
-    /// lost 0.8-3.7% that way. Rows of 2048 packs or fewer gained nothing (f16 15872 and
-    /// 16384, f32 8192), and LayerNorm's, which stage their next row, lost.
+    /// 8196-32768), weights of x's type, on sm_90: the general kernel, a block for every row,
+    /// rather than the pipelined block (up to 4096 packs) or a resident grid of 1024-rank
+    /// teams. 16-bit rows take it at 8 packs a rank at any such length (H200, docs/PERF.md
+    /// v35: +2.1 to +5.0% at N = 20480-65536); f32 rows where the team has 512 or 1024 ranks,
+    /// whose blocks (64 registers) fill a multiprocessor's 1024 threads (+2.7 to +3.0% at N =
+    /// 15872, 16384 and 32768): f32 teams of 352-768 ranks lost 0.8-3.7% that way. Rows of
+    /// 2048 packs or fewer gained nothing (f16 15872 and 16384, f32 8192), and LayerNorm's,
+    /// which stage their next row, lost.
+    /// f32 rows of 4097 to 6144 packs (N = 16388-24576), whose 8 packs a rank would take
+    /// 544-768 ranks, go to 512 ranks that hold 4 packs each and stage the rest in shared
+    /// memory: two blocks a multiprocessor where the resident grid's 1024 ranks run one
+    /// (v53: +22.9 / +14.0 / +4.4% at N = 16896 / 20480 / 24576, M = 4096; 24576 at M = 1024
+    /// and 16384 +3.2 / +3.3%), where 7168 and 7680 packs lost 1.3 and 17.5%.
     fn rms_long_rows(&self) -> Option<Plan> {
         let packs = self.n / pack_len::<T>();
-        let threads = self.block_threads(Variant::FwdBlock, self.n, FWD_HELD);
+        let staged = size_of::<T>() == 4 && (4097..=6144).contains(&packs);
+        let (threads, smem) = if staged {
+            (512, crate::layout::staged_smem(packs, 512, 1))
+        } else {
+            (
+                self.block_threads(Variant::FwdBlock, self.n, FWD_HELD),
+                SCRATCH_BYTES,
+            )
+        };
         let fills = size_of::<T>() == 2 || threads == 512 || threads == 1024;
         let takes = self.norm == Norm::Rms
             && self.limits.arch == Arch::Sm90
@@ -428,12 +441,13 @@ impl<T: Element> Planner<T> {
             && !self.few_rows
             && self.pair.weights == self.pair.x
             && (2049..=8192).contains(&packs)
-            && fills;
-        (takes && self.fits(self.n, threads, FWD_HELD)).then_some(Plan {
+            && fills
+            && self.smem_fits(smem as usize);
+        (takes && (staged || self.fits(self.n, threads, FWD_HELD))).then_some(Plan {
             variant: Variant::FwdBlock,
             threads,
             stacked: 1,
-            smem: SCRATCH_BYTES,
+            smem,
             local: false,
             grid: Grid::EveryRow,
         })

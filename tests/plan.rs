@@ -277,8 +277,12 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
     assert_eq!((p.variant, p.threads), (Variant::FwdPipelinedBlock, 1024));
     let p = plan::<f32, f32>(Norm::Layer, MANY, 24580, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.smem), (Variant::FwdBlock, 512));
+    // RMSNorm's rows of 6144 packs: 512 ranks of 4, the other 4096 packs staged.
     let p = plan::<f32, f32>(Norm::Rms, MANY, 24576, Pass::Forward, true, h).unwrap();
-    assert_eq!((p.variant, p.smem), (Variant::FwdBlock, 512));
+    assert_eq!(
+        (p.variant, p.threads, p.smem),
+        (Variant::FwdBlock, 512, 512 + 4096 * 16)
+    );
     // Warp rows keep theirs in registers too.
     let p = plan::<f32, f32>(Norm::Layer, MANY, 512, Pass::Forward, true, h).unwrap();
     assert_eq!((p.variant, p.smem), (Variant::FwdPipelinedWarp, 512));
@@ -286,8 +290,10 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
 
 /// RMSNorm's 16-bit rows of 2049 to 8192 packs, and its f32 rows of as many on teams of 512
 /// or 1024 ranks at 8 packs a rank, weights of x's type, take the general kernel with a
-/// block for every row on sm_90 (docs/PERF.md v35); other team sizes, shorter and longer
-/// rows, f32 weights beside 16-bit x, few rows, unaligned rows, sm_80 and LayerNorm do not.
+/// block for every row on sm_90 (docs/PERF.md v35); so do its f32 rows of 4097 to 6144
+/// packs, on 512 ranks that stage what they do not hold (v53); other team sizes, shorter
+/// and longer rows, f32 weights beside 16-bit x, few rows, unaligned rows, sm_80 and
+/// LayerNorm do not.
 #[test]
 fn rms_long_rows_every_row_on_the_general_kernel() {
     let h = DeviceLimits::H100;
@@ -304,9 +310,17 @@ fn rms_long_rows_every_row_on_the_general_kernel() {
     assert_eq!(shape(rms(15872)), every_row(512));
     assert_eq!(shape(rms(16384)), every_row(512));
     assert_eq!(shape(rms(32768)), every_row(1024));
+    // f32 rows of 4097-6144 packs: 512 ranks of 4 packs, the rest in shared memory, two
+    // blocks a multiprocessor (N = 16388 stages 2049 packs, 24576 4096).
+    let staged = |packs: u32| (Variant::FwdBlock, 512, 512 + (packs - 2048) * 16, Grid::EveryRow);
+    assert_eq!(shape(rms(16388)), staged(4097));
+    assert_eq!(shape(rms(20480)), staged(5120));
+    assert_eq!(shape(rms(24576)), staged(6144));
+    // One pack more (N = 24580, 6145 packs) and the 1024-rank team holds it, resident.
+    assert_eq!(shape(rms(24580)), (Variant::FwdBlock, 1024, 512, Grid::Resident));
     // f32 teams of other sizes keep their launch: 2304 packs (N = 9216, 288 ranks; over
     // 4096 rows the row block, whose last wave is nearly full) and 3072 (12288, 384) the
-    // pipelined block, 6144 (24576, 768) the general one resident.
+    // pipelined block, 7168 (28672, 896) the general one resident.
     let p = plan::<f32, f32>(Norm::Rms, 300, 9216, Pass::Forward, true, h).unwrap();
     assert_eq!(p.variant, Variant::FwdPipelinedBlock);
     assert_eq!(shape(rms(9216)).0, Variant::FwdRowBlock);
@@ -314,7 +328,7 @@ fn rms_long_rows_every_row_on_the_general_kernel() {
         shape(rms(12288)),
         (Variant::FwdPipelinedBlock, 768, 512, Grid::Resident)
     );
-    assert_eq!(shape(rms(24576)).3, Grid::Resident);
+    assert_eq!(shape(rms(28672)).3, Grid::Resident);
     // 2048 packs and fewer: the pipelined block (f32 8192 on 512 ranks), or the row block
     // that fills them (16-bit 16384).
     assert_eq!(shape(rms(8192)).0, Variant::FwdPipelinedBlock);

@@ -143,6 +143,16 @@ fn gpu_rms_norm_row_block() {
     check::<bf16>(&gpu, BackwardMode::Deterministic, 528, 12288, 4408);
 }
 
+/// f32 rows of 4097-6144 packs on sm_90: the general kernel on 512 ranks, a block for every
+/// row, 4 packs a rank held and the rest staged in shared memory (two blocks a
+/// multiprocessor): 4097 packs (2049 staged, one past a whole rank's share) and 6144.
+#[test]
+fn gpu_rms_norm_staged_rows() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    check::<f32>(&gpu, BackwardMode::Deterministic, 140, 16388, 4409);
+    check::<f32>(&gpu, BackwardMode::Deterministic, 137, 24576, 4410);
+}
+
 /// Without weight, on a `[2, 3, n]` input: y = x * rstd row by row, the output keeps the
 /// input's shape, and the backward gives dx alone.
 fn check_without_affine(device: &Device) {
