@@ -340,8 +340,7 @@ impl<T: Element> Planner<T> {
         }
     }
 
-    /// The row block (a block for every row, holding its row only, at 40 registers, 48 in
-    /// RMSNorm's f32 kernel) in place of the pipelined block `pipelined` on sm_90, over
+    /// The row block (a block for every row, holding its row only, at 40 registers) in place of the pipelined block `pipelined` on sm_90, over
     /// weights of x's type, where three things hold (H200, docs/PERF.md v48):
     /// - a multiprocessor runs two of its blocks or more: with one, it idles from a block's
     ///   end to the next block's start (f32 N = 15872, 992 ranks: -14%);

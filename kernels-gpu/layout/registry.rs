@@ -22,8 +22,8 @@
 //! - The few-rows forward holds x, gamma and beta of 16 columns a thread, and spilled at 64
 //!   registers: it runs at 512 (128), which takes rows of up to N = 8192 (a block a row,
 //!   one block a multiprocessor at most, so occupancy does not matter).
-//! - The row block holds one row, 4 packs a thread: bound to 40 registers (48 in RMSNorm's
-//!   f32 kernel), below its 1024 threads' 64 (see `Variant::max_registers`).
+//! - The row block holds one row, 4 packs a thread: bound to 40 registers, below its 1024
+//!   threads' 64 (see `Variant::max_registers`).
 //! - The residual forward keeps the row pointers of x, the residual, s and y, and runs at
 //!   512 (128) with `.minnctapersm 1` (see `Variant::one_block_per_sm`).
 //!   Its held kernel loads 4 packs of x and of the residual a rank, and its streamed kernel
@@ -496,15 +496,14 @@ impl Variant {
     /// this row as raw words, and fit 56 registers without spilling, where ptxas would take
     /// 64 and run fewer threads a multiprocessor. (With weights of x's type they keep this
     /// row widened to f32, in the 64 of the thread limit: docs/PERF.md, v31.) The row block
-    /// holds one row of 4 packs a rank and fits 40 without spilling (RMSNorm's f32 kernel
-    /// 48: it spilled 16 bytes at 40), so that a multiprocessor runs 1536 of its threads
-    /// (1152 of RMSNorm's f32 kernel in blocks of 384) where 64 allow 1024.
+    /// holds one row of 4 packs a rank and fits 40 without spilling, so that a
+    /// multiprocessor runs 1536 of its threads where 64 allow 1024 (RMSNorm's f32 kernel
+    /// since v54, which takes gamma's addresses anew each row; at 48 it ran 1152).
     pub const fn max_registers(self, norm: Norm, pair: TypePair) -> Option<u32> {
         // Weights of another type than x's are f32 beside 16-bit rows, staged at any length.
         let stages = pipeline_stages(norm, DTYPE_BYTES[pair.x], 0);
         match self {
             Variant::FwdPipelinedBlock if stages && pair.weights != pair.x => Some(56),
-            Variant::FwdRowBlock if pair.x == 0 && matches!(norm, Norm::Rms) => Some(48),
             Variant::FwdRowBlock => Some(40),
             _ => None,
         }

@@ -1458,6 +1458,10 @@ unsafe fn pipeline<
         };
         let held = hold(this, row);
         let x_row = rows_at.wrapping_add(row as usize * n as usize);
+        // The row block's RMSNorm y reads gamma alone, whose pack addresses LLVM would keep
+        // across rows: its f32 kernel spilled at 40 registers. Taken anew each row, as
+        // `forward_rows` takes them.
+        let affine = if !CENTERED && !PREFETCH { affine.each_row() } else { affine };
         // LayerNorm's first sum, before which the next row's loads go out (RMSNorm has
         // none: they go out at once, and this row's one pass sums x_j^2).
         let sum = if CENTERED {
