@@ -135,12 +135,13 @@ fn gpu_rms_norm_matches_reference() {
 
 /// The forward's row block (`plan::Variant::FwdRowBlock`), which sm_90 takes where its last
 /// wave is nearly full (132 multiprocessors, one whole wave here): f32 and bf16 rows of 384
-/// ranks at 40 registers (4 blocks a multiprocessor).
+/// ranks at 40 registers (4 blocks a multiprocessor), f16 of 192 (8).
 #[test]
 fn gpu_rms_norm_row_block() {
     let Some(gpu) = gpu_or_skip() else { return };
     check::<f32>(&gpu, BackwardMode::Deterministic, 528, 6144, 4407);
     check::<bf16>(&gpu, BackwardMode::Deterministic, 528, 12288, 4408);
+    check::<f16>(&gpu, BackwardMode::Deterministic, 1056, 6144, 4411);
 }
 
 /// f32 rows of 4097-6144 packs on sm_90: the general kernel on 512 ranks, a block for every
