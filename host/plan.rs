@@ -155,6 +155,10 @@ const SM_REGISTERS: u32 = 65536;
 const SM_THREADS: u32 = 2048;
 const SM_BLOCKS: u32 = 32;
 
+/// The registers [`Planner::row_block`] counts RMSNorm's f32 row block at where that gives
+/// two blocks a multiprocessor or more: its bound before v54, where the rule was measured.
+const RMS_F32_ROW_BLOCK_RULE_REGISTERS: u32 = 48;
+
 /// Blocks of `threads` at `registers` a thread that a multiprocessor runs at once, as the
 /// occupancy calculator counts them (shared memory aside: the kernels it is asked of take
 /// only the scratch).
@@ -340,8 +344,9 @@ impl<T: Element> Planner<T> {
         }
     }
 
-    /// The row block (a block for every row, holding its row only, at 40 registers) in place of the pipelined block `pipelined` on sm_90, over
-    /// weights of x's type, where three things hold (H200, docs/PERF.md v48):
+    /// The row block (a block for every row, holding its row only, at 40 registers) in place
+    /// of the pipelined block `pipelined` on sm_90, over weights of x's type, where three
+    /// things hold (H200, docs/PERF.md v48):
     /// - a multiprocessor runs two of its blocks or more: with one, it idles from a block's
     ///   end to the next block's start (f32 N = 15872, 992 ranks: -14%);
     /// - it runs more of its threads than of the pipelined block's, whose 64 registers
@@ -358,6 +363,13 @@ impl<T: Element> Planner<T> {
     ///   N = 8192, 16-bit 16384), take it whatever its last wave: 3 blocks a multiprocessor
     ///   where the pipelined block runs 2 gained 3% at M = 2048 and 4096 (5.2 and 10.3
     ///   waves, 14% and 6% empty; v52), where f16 15872 (1984 packs) lost 3%.
+    ///
+    /// RMSNorm's f32 kernel ran at 48 registers until v54, and its blocks are counted there
+    /// ([`RMS_F32_ROW_BLOCK_RULE_REGISTERS`]), but for teams that 48 held to one block a
+    /// multiprocessor (704-800 ranks, N = 11264-12800), which its 40 let run two (v54: +3.4 /
+    /// +5.2 / +5.6% at N = 12288, M = 4096 / 16384 / 65536). Counted at 40 everywhere, the
+    /// rule also gave it f32 N = 3072, 6144 at M = 1024 and 8192 and took it from N = 1536
+    /// and 2048 at M = 16384: -0.4 to -5.7% each.
     fn row_block(&self, pipelined: &Plan) -> Option<Plan> {
         let row_block = Variant::FwdRowBlock;
         let takes_kernel = pipelined.variant == Variant::FwdPipelinedBlock
@@ -371,6 +383,12 @@ impl<T: Element> Planner<T> {
             .max_registers(self.norm, self.pair)
             .unwrap_or(SM_REGISTERS / FULL_BLOCK);
         let blocks = resident_blocks(threads, registers);
+        let rule_blocks = resident_blocks(threads, RMS_F32_ROW_BLOCK_RULE_REGISTERS);
+        let blocks = if self.norm == Norm::Rms && size_of::<T>() == 4 && rule_blocks >= 2 {
+            rule_blocks
+        } else {
+            blocks
+        };
         let pipelined_threads =
             resident_blocks(pipelined.threads, SM_REGISTERS / FULL_BLOCK) * pipelined.threads;
         let places = blocks * self.limits.sm_count;

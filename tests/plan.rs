@@ -253,9 +253,8 @@ fn pipelined_forward_stages_layer_norm_half_rows() {
         (p.variant, p.threads, p.smem),
         (Variant::FwdPipelinedBlock, 384, 512)
     );
-    // 2048 packs of f32: 512 ranks of 4 (RMSNorm's on sm_80; on sm_90 both norms' take the
-    // row block).
-    let p = plan::<f32, f32>(Norm::Rms, MANY, 8192, Pass::Forward, true, DeviceLimits::A100).unwrap();
+    // 2048 packs of f32: 512 ranks of 4 (RMSNorm's; LayerNorm's take the row block).
+    let p = plan::<f32, f32>(Norm::Rms, MANY, 8192, Pass::Forward, true, h).unwrap();
     assert_eq!(
         (p.variant, p.threads, p.smem),
         (Variant::FwdPipelinedBlock, 512, 512)
@@ -320,17 +319,18 @@ fn rms_long_rows_every_row_on_the_general_kernel() {
     assert_eq!(shape(rms(24576)), staged(6144));
     // One pack more (N = 24580, 6145 packs) and the 1024-rank team holds it, resident.
     assert_eq!(shape(rms(24580)), (Variant::FwdBlock, 1024, 512, Grid::Resident));
-    // f32 teams of other sizes keep their launch: 2304 packs (N = 9216, 288 ranks) and 3072
-    // (12288, 768 ranks of 4) the pipelined block over 300 rows, and over 4096 the row
-    // block, whose last wave is nearly full; 7168 (28672, 896) the general one resident.
+    // f32 teams of other sizes keep their launch: 2304 packs (N = 9216, 576 ranks of 4)
+    // and 3072 (12288, 768) the pipelined block over 300 rows, and over 4096 the row block,
+    // whose last wave is nearly full; 7168 (28672, 896) the general one resident.
     for n in [9216, 12288] {
         let p = plan::<f32, f32>(Norm::Rms, 300, n, Pass::Forward, true, h).unwrap();
         assert_eq!(p.variant, Variant::FwdPipelinedBlock, "{n}");
         assert_eq!(shape(rms(n)).0, Variant::FwdRowBlock, "{n}");
     }
     assert_eq!(shape(rms(28672)).3, Grid::Resident);
-    // 2048 packs and fewer: the row block that fills 512 ranks (f32 8192, 16-bit 16384).
-    assert_eq!(shape(rms(8192)).0, Variant::FwdRowBlock);
+    // 2048 packs and fewer: the pipelined block (f32 8192 on 512 ranks), or the row block
+    // that fills them (16-bit 16384).
+    assert_eq!(shape(rms(8192)).0, Variant::FwdPipelinedBlock);
     assert_eq!(shape(rms16(16384)).0, Variant::FwdRowBlock);
     // Past 8192 packs: resident (f32 N = 32772 stages on 1024 ranks).
     assert_eq!(shape(rms(32772)).3, Grid::Resident);
@@ -366,9 +366,11 @@ fn forward_grid_every_row_where_measured_faster() {
     ] {
         assert_eq!(shape(p), (block, 256, Grid::EveryRow));
     }
-    // 512 ranks holding their next row (RMSNorm's f16 15872: 1984 packs), not staging it
-    // (LayerNorm's f16 15872); both norms' f32 8192 take the row block.
-    assert_eq!(shape(fwd(rms, 15872)), (block, 512, Grid::EveryRow));
+    // 512 ranks holding their next row (RMSNorm's f32 N = 8192 and f16 15872: 1984 packs),
+    // not staging it (LayerNorm's f16 15872); LayerNorm's f32 8192 takes the row block.
+    for p in [fwd32(rms, 8192), fwd(rms, 15872)] {
+        assert_eq!(shape(p), (block, 512, Grid::EveryRow));
+    }
     assert_eq!(shape(fwd(layer, 15872)), (block, 512, Grid::Resident));
     // Warp rows (but LayerNorm's 16-bit ones of 2 to 4 packs a lane: the widened warp
     // kernel), smaller and other team sizes: resident.
@@ -425,10 +427,10 @@ fn row_block_where_its_last_wave_is_nearly_full() {
     for (n, threads) in [(2048, 64), (4096, 128), (8192, 256)] {
         assert_eq!(shape(bf16(65536, n)), row(threads));
     }
-    // A wave exactly full: RMSNorm's f32 N = 6144, 384 ranks (4 blocks, 528 places) over
-    // 528 rows; over 396 (one wave, 25% empty), not.
-    assert_eq!(shape(f32(rms, 528, 6144)), row(384));
-    assert_eq!(f32(rms, 396, 6144).variant, Variant::FwdPipelinedBlock);
+    // A wave exactly full: RMSNorm's f32 N = 6144, 384 ranks at 48 registers (3 blocks,
+    // 396 places) over 396 rows; over 4096 rows (10.34 waves, 6% empty), not.
+    assert_eq!(shape(f32(rms, 396, 6144)), row(384));
+    assert_eq!(f32(rms, MANY, 6144).variant, Variant::FwdPipelinedBlock);
     // Last waves over 5% empty: 16-bit N = 2048 (1.24 waves), 4096 (2.59), 8192 (256
     // ranks, 6 blocks, 5.17 waves), 15872 (512 ranks, 3 blocks, 10.34 waves).
     for n in [2048, 4096, 8192, 15872] {
@@ -445,8 +447,20 @@ fn row_block_where_its_last_wave_is_nearly_full() {
             "RMSNorm f16 16384, {rows} rows"
         );
     }
-    // One block a multiprocessor: f32 N = 15872 (992 ranks).
+    // One block a multiprocessor: f32 N = 15872 (992 ranks), RMSNorm's f32 13312 (832 ranks,
+    // at its 40 registers too).
     assert_eq!(f32(layer, MANY, 15872).variant, Variant::FwdPipelinedBlock);
+    assert_eq!(f32(rms, MANY, 13312).variant, Variant::FwdPipelinedBlock);
+    // RMSNorm's f32 row block is counted at 48 registers where that gives two blocks or
+    // more (N = 6144 above: 3 blocks), and at its 40 where 48 gives one: N = 11264-12800
+    // (704-800 ranks), two blocks (264 places; 15.5 waves over 4096 rows at 12288).
+    for n in [11264, 12288, 12800] {
+        assert_eq!(shape(f32(rms, MANY, n)), row(n / 16), "RMSNorm f32 {n}");
+    }
+    assert_eq!(shape(f32(rms, 264, 12288)), row(768));
+    // No more threads than the pipelined block: RMSNorm's f32 N = 8192 (512 ranks, two
+    // blocks of either).
+    assert_eq!(f32(rms, MANY, 8192).variant, Variant::FwdPipelinedBlock);
     // f32 weights, sm_80, few rows: the pipelined block.
     let p = plan::<bf16, f32>(Norm::Layer, 65536, 4096, Pass::Forward, true, h).unwrap();
     assert_eq!(p.variant, Variant::FwdPipelinedBlock);
