@@ -366,7 +366,7 @@ impl<T: Element> Planner<T> {
     ///
     /// RMSNorm's f32 kernel ran at 48 registers until v54, and its blocks are counted there
     /// ([`RMS_F32_ROW_BLOCK_RULE_REGISTERS`]), but for teams that 48 held to one block a
-    /// multiprocessor (704-800 ranks, N = 11264-12800), which its 40 let run two (v54: +3.4 /
+    /// multiprocessor (704-768 ranks, N = 11264-12288), which its 40 let run two (v54: +3.4 /
     /// +5.2 / +5.6% at N = 12288, M = 4096 / 16384 / 65536). Counted at 40 everywhere, the
     /// rule also gave it f32 N = 3072, 6144 at M = 1024 and 8192 and took it from N = 1536
     /// and 2048 at M = 16384: -0.4 to -5.7% each.
@@ -383,9 +383,17 @@ impl<T: Element> Planner<T> {
             .max_registers(self.norm, self.pair)
             .unwrap_or(SM_REGISTERS / FULL_BLOCK);
         let blocks = resident_blocks(threads, registers);
-        let rule_blocks = resident_blocks(threads, RMS_F32_ROW_BLOCK_RULE_REGISTERS);
-        let blocks = if self.norm == Norm::Rms && size_of::<T>() == 4 && rule_blocks >= 2 {
-            rule_blocks
+        let blocks = if self.norm == Norm::Rms && size_of::<T>() == 4 {
+            let rule_blocks = resident_blocks(threads, RMS_F32_ROW_BLOCK_RULE_REGISTERS);
+            if rule_blocks >= 2 {
+                rule_blocks
+            } else {
+                // A multiprocessor's 4 sub-partitions each hold a quarter of its registers,
+                // so warps fit them in fours: at 40 registers 48 warps, two blocks of 768
+                // ranks but one of 800 (v54: the row block -10% there).
+                let warps = (SM_REGISTERS / (registers * 32).next_multiple_of(256)) / 4 * 4;
+                warps / threads.div_ceil(32)
+            }
         } else {
             blocks
         };
