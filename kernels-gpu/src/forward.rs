@@ -1461,7 +1461,11 @@ unsafe fn pipeline<
         // The row block's RMSNorm y reads gamma alone, whose pack addresses LLVM would keep
         // across rows: its f32 kernel spilled at 40 registers. Taken anew each row, as
         // `forward_rows` takes them.
-        let affine = if !CENTERED && !PREFETCH { affine.each_row() } else { affine };
+        let affine = if !CENTERED && !PREFETCH {
+            affine.each_row()
+        } else {
+            affine
+        };
         // LayerNorm's first sum, before which the next row's loads go out (RMSNorm has
         // none: they go out at once, and this row's one pass sums x_j^2).
         let sum = if CENTERED {
