@@ -159,14 +159,33 @@ const SM_BLOCKS: u32 = 32;
 /// two blocks a multiprocessor or more: its bound before v54, where the rule was measured.
 const RMS_F32_ROW_BLOCK_RULE_REGISTERS: u32 = 48;
 
-/// Blocks of `threads` at `registers` a thread that a multiprocessor runs at once, as the
-/// occupancy calculator counts them (shared memory aside: the kernels it is asked of take
-/// only the scratch).
+/// Blocks of `threads` at `registers` a thread that a multiprocessor runs at once (shared
+/// memory aside: the kernels it is asked of take only the scratch). Its registers are four
+/// sub-partitions' of 16384, each taking whole warps, so the warps they hold come in fours:
+/// at 40 registers 48 warps, not 51 (v55: teams of 800 ranks run one block, not two).
 fn resident_blocks(threads: u32, registers: u32) -> u32 {
-    let warps = threads.div_ceil(32);
-    let warps_by_registers = SM_REGISTERS / (registers * 32).next_multiple_of(256);
-    (warps_by_registers / warps)
-        .min(SM_THREADS / (warps * 32))
+    let warps_by_registers = warps_by_registers(registers) / 4 * 4;
+    blocks_of(threads, warps_by_registers)
+}
+
+/// Blocks as [`Planner::row_block`]'s wave rule was measured counting them (v48-v54): the
+/// register file's warps one by one, past the fours it holds. Where the two differ the
+/// rule's decisions stand as measured (v55: counted in fours, it gave 16-bit N = 2560,
+/// 3072 and 16896 the row block at M = 4096, -8 to -10%).
+fn rule_blocks(threads: u32, registers: u32) -> u32 {
+    blocks_of(threads, warps_by_registers(registers))
+}
+
+/// The warps of `registers` a thread a multiprocessor's registers hold, 256 at a time.
+fn warps_by_registers(registers: u32) -> u32 {
+    SM_REGISTERS / (registers * 32).next_multiple_of(256)
+}
+
+/// Blocks of `threads` among `warps`, within a multiprocessor's thread and block limits.
+fn blocks_of(threads: u32, warps: u32) -> u32 {
+    let block_warps = threads.div_ceil(32);
+    (warps / block_warps)
+        .min(SM_THREADS / (block_warps * 32))
         .min(SM_BLOCKS)
 }
 
@@ -347,13 +366,15 @@ impl<T: Element> Planner<T> {
     /// The row block (a block for every row, holding its row only, at 40 registers) in place
     /// of the pipelined block `pipelined` on sm_90, over weights of x's type, where three
     /// things hold (H200, docs/PERF.md v48):
-    /// - a multiprocessor runs two of its blocks or more: with one, it idles from a block's
-    ///   end to the next block's start (f32 N = 15872, 992 ranks: -14%);
+    /// - a multiprocessor runs two of its blocks or more ([`resident_blocks`]): with one, it
+    ///   idles from a block's end to the next block's start (f32 N = 15872, 992 ranks: -14%;
+    ///   800 ranks, whose 50 warps the register file holds once: LayerNorm's f32 N = 12800
+    ///   -15 to -18% and f16 25088 -32% beside the pipelined block, v55);
     /// - it runs more of its threads than of the pipelined block's, whose 64 registers
     ///   allow 1024 a multiprocessor, in whole blocks: 768 for teams of 384 or 768 ranks,
     ///   960 for 192 (+2 to +5% there at M = 4096), where the row block's allow 1536;
     /// - its last wave is nearly full: the blocks of every row run in waves of as many as
-    ///   fit the device, and where the last one leaves over 5% of the waves' places empty,
+    ///   fit the device (as the rule counts them: [`rule_blocks`]), and where the last one leaves over 5% of the waves' places empty,
     ///   the pipelined block's resident teams, which share the rows out two in flight
     ///   each, came out ahead (16-bit N = 2048-4096 and 8192 at M = 4096: 1.2 to 5.2
     ///   waves, -2 to -11%; 10.3 waves, 6% empty, at N = 15872: -3%), and where it is
@@ -382,20 +403,17 @@ impl<T: Element> Planner<T> {
         let registers = row_block
             .max_registers(self.norm, self.pair)
             .unwrap_or(SM_REGISTERS / FULL_BLOCK);
-        let blocks = resident_blocks(threads, registers);
-        let blocks = if self.norm == Norm::Rms && size_of::<T>() == 4 {
-            let rule_blocks = resident_blocks(threads, RMS_F32_ROW_BLOCK_RULE_REGISTERS);
-            if rule_blocks >= 2 {
-                rule_blocks
-            } else {
-                // A multiprocessor's 4 sub-partitions each hold a quarter of its registers,
-                // so warps fit them in fours: at 40 registers 48 warps, two blocks of 768
-                // ranks but one of 800 (v54: the row block -10% there).
-                let warps = (SM_REGISTERS / (registers * 32).next_multiple_of(256)) / 4 * 4;
-                warps / threads.div_ceil(32)
-            }
+        // The blocks a multiprocessor runs (one, and it idles from a block's end to the
+        // next's start), and the count the wave rule takes.
+        let resident = resident_blocks(threads, registers);
+        let rule_registers = if self.norm == Norm::Rms && size_of::<T>() == 4 {
+            RMS_F32_ROW_BLOCK_RULE_REGISTERS
         } else {
-            blocks
+            registers
+        };
+        let blocks = match rule_blocks(threads, rule_registers) {
+            counted if counted >= 2 => counted,
+            _ => resident,
         };
         let pipelined_threads =
             resident_blocks(pipelined.threads, SM_REGISTERS / FULL_BLOCK) * pipelined.threads;
@@ -404,7 +422,8 @@ impl<T: Element> Planner<T> {
         let empty = waves * places - self.rows;
         let nearly_full = empty * 20 <= waves * places;
         let whole_team_of_512 = self.n == 512 * PIPE_HELD * pack_len::<T>();
-        let takes = blocks >= 2 && blocks * threads > pipelined_threads && (nearly_full || whole_team_of_512);
+        let takes =
+            resident >= 2 && blocks * threads > pipelined_threads && (nearly_full || whole_team_of_512);
         takes.then_some(Plan {
             variant: row_block,
             threads,

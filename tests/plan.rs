@@ -448,9 +448,20 @@ fn row_block_where_its_last_wave_is_nearly_full() {
         );
     }
     // One block a multiprocessor: f32 N = 15872 (992 ranks), RMSNorm's f32 13312 (832 ranks,
-    // at its 40 registers too).
+    // at its 40 registers too), and 800 ranks (f32 N = 12800, 16-bit 25600 and 25088): 25
+    // warps a block, past half the 48 that 40 registers hold in fours, though half of 51.
     assert_eq!(f32(layer, MANY, 15872).variant, Variant::FwdPipelinedBlock);
     assert_eq!(f32(rms, MANY, 13312).variant, Variant::FwdPipelinedBlock);
+    for rows in [1024, MANY, 65536] {
+        assert_eq!(f32(layer, rows, 12800).variant, Variant::FwdPipelinedBlock);
+        for n in [25088, 25600] {
+            assert_eq!(
+                f16(layer, rows, n).variant,
+                Variant::FwdPipelinedBlock,
+                "f16 {n}, {rows} rows"
+            );
+        }
+    }
     // RMSNorm's f32 row block is counted at 48 registers where that gives two blocks or
     // more (N = 6144 above: 3 blocks), and at its 40 where 48 gives one: N = 11264-12288
     // (704-768 ranks), two blocks (264 places; 15.5 waves over 4096 rows at 12288); 800
