@@ -66,8 +66,9 @@
 //!     a rank in registers, the rest copied into shared memory (`cp.async`, every copy in
 //!     flight at once), then the held rows' arithmetic over both;
 //!   - streamed: other aligned rows, in 16-byte packs: one pass for the statistics (each
-//!     pack's exact mean and M2, Chan merges across packs, lanes and warps), and y's pass
-//!     reading x again (from L2 while the rows in flight fit there);
+//!     pack's exact mean and M2, Chan merges across packs, lanes and warps; RMSNorm's plain
+//!     sum of squares), and y's pass reading x again (from L2 while the rows in flight fit
+//!     there);
 //!   - element by element: rows with a pointer not 16-byte aligned, as streamed.
 //!
 //! Any kernel takes a row whose f32 statistics overflowed through [`forward_row_huge`].
@@ -102,13 +103,13 @@ const RESIDUAL_HELD: usize = crate::layout::RESIDUAL_HELD as usize;
 /// stay far above f32's smallest normal.
 const HUGE_ROW_SCALE: f32 = 1.0 / (1u128 << 81) as f32;
 
-/// The (mean, M2) that [`RowNorm::of`] takes for a streamed row of mean `mean` and M2 `m2`
-/// (Chan's merges give both): themselves for LayerNorm (`CENTERED`); for RMSNorm, a mean of
-/// 0 and the sum of squares
+/// The (mean, M2) that [`RowNorm::of`] takes for a row of mean `mean` and M2 `m2` (Chan's
+/// merges give both: the streamed residual rows'): themselves for LayerNorm (`CENTERED`);
+/// for RMSNorm, a mean of 0 and the sum of squares
 ///   sum_j x_j^2 = M2 + n mean^2   (two non-negative terms: no cancellation)
 /// so that rstd = 1 / sqrt(sum_j x_j^2 / n + eps), and a sum of squares past f32's range
-/// takes the scaled path as an overflowed M2 does. (Held rows sum x_j^2 directly: see
-/// [`row_mean`].)
+/// takes the scaled path as an overflowed M2 does. ([`normalize_row`] sums x_j^2 directly:
+/// see [`row_mean`].)
 #[inline(always)]
 fn uncentered<const CENTERED: bool>(mean: f32, m2: f32, n: u32) -> (f32, f32) {
     if CENTERED {
@@ -768,10 +769,12 @@ unsafe fn normalize_row<
     eps: f32,
 ) -> Option<RowNorm<CENTERED>> {
     // Pass 1: statistics, with every subtraction between numbers of the row's own scale.
-    let (mean, m2) = if HELD > 0 {
-        // Held rows: passes over registers, plain sums (no divisions in the reductions):
-        // M2 = sum (x - mean)^2 about the mean (LayerNorm) or 0 (RMSNorm).
-        // SAFETY: held rows are packed and fit.
+    let (mean, m2) = if HELD > 0 || !CENTERED {
+        // Plain sums, no divisions in the loops: M2 = sum (x - mean)^2 about the mean
+        // (LayerNorm), or RMSNorm's sum of x^2 (mean 0) in one pass: over registers for held
+        // rows, over memory for RMSNorm's others, where Chan's merges took a division a
+        // pack, or an element (v55).
+        // SAFETY: held rows are packed and fit; other rows are read as `for_each_chunk` gives.
         let mean = row_mean::<S, CENTERED>(|| unsafe { rank_sum::<T, S, PACKED, HELD>(held, x, n) }, n);
         // SAFETY: as above.
         (
@@ -779,8 +782,8 @@ unsafe fn normalize_row<
             S::sum(unsafe { rank_m2::<T, S, PACKED, HELD>(held, x, n, mean) }),
         )
     } else {
-        // Streamed rows: one pass over memory. Each pack's own (mean, M2) is exact in
-        // registers, and Chan's merges combine them.
+        // LayerNorm's other rows: one pass over memory. Each pack's (or element's) own
+        // (mean, M2) is exact in registers, and Chan's merges combine them.
         let mut stats = Stats::EMPTY;
         for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
             // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
