@@ -84,7 +84,9 @@ use crate::element::{
 };
 use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
-use crate::row::{FWD_HELD, Held, Staged, Widened, each_held_slot, fits, for_each_chunk, values};
+use crate::row::{
+    FWD_HELD, Held, Staged, Widened, each_held_slot, fits, for_each_chunk, for_each_read, values,
+};
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
 
@@ -769,29 +771,47 @@ unsafe fn normalize_row<
     eps: f32,
 ) -> Option<RowNorm<CENTERED>> {
     // Pass 1: statistics, with every subtraction between numbers of the row's own scale.
-    let (mean, m2) = if HELD > 0 || !CENTERED {
-        // Plain sums, no divisions in the loops: M2 = sum (x - mean)^2 about the mean
-        // (LayerNorm), or RMSNorm's sum of x^2 (mean 0) in one pass: over registers for held
-        // rows, over memory for RMSNorm's others, where Chan's merges took a division a
-        // pack, or an element (v55).
-        // SAFETY: held rows are packed and fit; other rows are read as `for_each_chunk` gives.
+    let (mean, m2) = if HELD > 0 {
+        // Held rows: passes over registers, plain sums (no divisions in the reductions):
+        // M2 = sum (x - mean)^2 about the mean (LayerNorm) or 0 (RMSNorm).
+        // SAFETY: held rows are packed and fit.
         let mean = row_mean::<S, CENTERED>(|| unsafe { rank_sum::<T, S, PACKED, HELD>(held, x, n) }, n);
         // SAFETY: as above.
         (
             mean,
             S::sum(unsafe { rank_m2::<T, S, PACKED, HELD>(held, x, n, mean) }),
         )
+    } else if !CENTERED {
+        // RMSNorm's other rows: the sum of x^2 as the held rows take it, in one pass over
+        // memory, where Chan's merges took a division a pack, or an element (v56).
+        let mut squares = 0.0;
+        // SAFETY: as for this function: the row is x's, aligned where PACKED.
+        unsafe {
+            for_each_read::<T, S, PACKED>(x, n, |_, len, v| {
+                for &v in &v[..len] {
+                    squares = fma(v, v, squares);
+                }
+            })
+        };
+        (0.0, S::sum(squares))
     } else {
         // LayerNorm's other rows: one pass over memory. Each pack's (or element's) own
         // (mean, M2) is exact in registers, and Chan's merges combine them.
         let mut stats = Stats::EMPTY;
-        for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
-            // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
-            let v = unsafe { values(held, x, j, len, slot) };
-            stats = stats.merge(Stats::of(&v[..len]));
-        });
+        if PACKED {
+            for_each_chunk::<T, S, true, 0>(n, |j, len, _| {
+                // SAFETY: for_each_chunk yields in-bounds chunks, whole packs aligned.
+                let v = unsafe { read(x, j, len) };
+                stats = stats.merge(Stats::of(&v[..len]));
+            });
+        } else {
+            // SAFETY: as for this function.
+            unsafe {
+                for_each_read::<T, S, false>(x, n, |_, len, v| stats = stats.merge(Stats::of(&v[..len])))
+            };
+        }
         let stats = S::reduce_stats(stats);
-        uncentered::<CENTERED>(stats.mean, stats.m2, n)
+        (stats.mean, stats.m2)
     };
     let norm = RowNorm::of(mean, m2, n, eps)?;
     // SAFETY: as for this function.
@@ -994,6 +1014,18 @@ unsafe fn write_y<
     n: u32,
     norm: RowNorm<CENTERED>,
 ) {
+    if HELD == 0 && (!PACKED || !CENTERED) {
+        // Rows read again, RMSNorm's and those read element by element: a batch of loads at
+        // once. (LayerNorm's packs go one at a time: 4 at once, with gamma's and beta's, lost
+        // 6% at f32 N = 131072 and 24% at bf16 262144, after v54.)
+        // SAFETY: as for this function: the row is x's, aligned where PACKED.
+        unsafe {
+            for_each_read::<T, S, PACKED>(x, n, |j, len, v| {
+                write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(affine, y, j, len, *v, norm)
+            })
+        };
+        return;
+    }
     for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
         unsafe {

@@ -2,7 +2,7 @@
 //! registers so that a second pass over the row costs no memory traffic at all.
 
 use crate::device;
-use crate::element::{Element, Pack, load_pack, read_as};
+use crate::element::{Element, MAX_PACK, Pack, load_pack, read, read_as};
 use crate::team::Team;
 
 /// The most packs per rank a [`Held`] may hold (`for_each_chunk` is written out for 8).
@@ -461,5 +461,59 @@ pub fn for_each_chunk<T: Element, S: Team, const PACKED: bool, const K: usize>(
     while j < n {
         f(j, 1, None);
         j += S::size();
+    }
+}
+
+/// What a rank of a row no rank holds reads at once ([`for_each_read`]): 4 packs (64 bytes
+/// in flight a rank), or 8 elements of a row not 16-byte aligned. A load at a time left a
+/// rank 16 bytes in flight (2 to 4 element by element) for DRAM's whole latency (v56).
+const READ_BATCH_PACKS: usize = 4;
+const READ_BATCH_ELEMENTS: usize = 8;
+
+/// As [`for_each_chunk`] over a row no rank holds (`K` = 0), with the chunks' values read
+/// from `row` for `f(start, len, values)`: this rank's whole chunks (packs where `PACKED`,
+/// else elements) a batch at a time, the batch's loads issued before `f` sees any of them,
+/// then the rest one by one. Each rank takes the chunks [`for_each_chunk`] gives it.
+///
+/// # Safety
+/// `row` holds `n` elements, 16-byte aligned where `PACKED`.
+#[inline(always)]
+pub unsafe fn for_each_read<T: Element, S: Team, const PACKED: bool>(
+    row: *const T,
+    n: u32,
+    mut f: impl FnMut(u32, usize, &Pack),
+) {
+    // Warp teams, which the host gives only packed rows they hold, read packs one at a
+    // time: batched, the path cost their 64 registers a spill (sm_80).
+    let (width, batch) = match (PACKED, S::HOLDS_PART_OF_LONG_ROWS) {
+        (true, true) => (T::PACK as u32, READ_BATCH_PACKS),
+        (true, false) => (T::PACK as u32, 1),
+        (false, _) => (1, READ_BATCH_ELEMENTS),
+    };
+    let (chunks, size) = (n / width, S::size());
+    let mut c = S::rank();
+    while c + (batch as u32 - 1) * size < chunks {
+        let mut v = [[0.0; MAX_PACK]; READ_BATCH_ELEMENTS];
+        for (u, v) in v.iter_mut().enumerate().take(batch) {
+            // SAFETY: chunk c + u size < chunks lies inside the row, aligned where PACKED.
+            *v = unsafe { read(row, (c + u as u32 * size) * width, width as usize) };
+        }
+        for (u, v) in v.iter().enumerate().take(batch) {
+            f((c + u as u32 * size) * width, width as usize, v);
+        }
+        c += batch as u32 * size;
+    }
+    while c < chunks {
+        // SAFETY: as above.
+        let v = unsafe { read(row, c * width, width as usize) };
+        f(c * width, width as usize, &v);
+        c += size;
+    }
+    let mut j = chunks * width + S::rank();
+    while j < n {
+        // SAFETY: j < n.
+        let v = unsafe { read(row, j, 1) };
+        f(j, 1, &v);
+        j += size;
     }
 }
