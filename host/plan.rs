@@ -373,17 +373,16 @@ impl<T: Element> Planner<T> {
     /// - it runs more of its threads than of the pipelined block's, whose 64 registers
     ///   allow 1024 a multiprocessor, in whole blocks: 768 for teams of 384 or 768 ranks,
     ///   960 for 192 (+2 to +5% there at M = 4096), where the row block's allow 1536;
-    /// - its last wave is nearly full: the blocks of every row run in waves of as many as
-    ///   fit the device (as the rule counts them: [`rule_blocks`]), and where the last one leaves over 5% of the waves' places empty,
-    ///   the pipelined block's resident teams, which share the rows out two in flight
-    ///   each, came out ahead (16-bit N = 2048-4096 and 8192 at M = 4096: 1.2 to 5.2
-    ///   waves, -2 to -11%; 10.3 waves, 6% empty, at N = 15872: -3%), and where it is
-    ///   nearly full the row block gained (3.9 and 7.8 waves at N = 6144 and 12288: +2 and
-    ///   +5%; 20 to 83 waves at bf16 M = 65536, N = 2048-8192: +2 to +13%);
-    ///   but rows of 2048 packs, which fill a team of 512 ranks at 4 packs each (f32
-    ///   N = 8192, 16-bit 16384), take it whatever its last wave: 3 blocks a multiprocessor
-    ///   where the pipelined block runs 2 gained 3% at M = 2048 and 4096 (5.2 and 10.3
-    ///   waves, 14% and 6% empty; v52), where f16 15872 (1984 packs) lost 3%.
+    /// - its last wave is nearly full: the blocks of every row run in waves of as many as fit the
+    ///   device (as the rule counts them: [`rule_blocks`]), and where the last one leaves over 5%
+    ///   of the waves' places empty, the pipelined block's resident teams, which share the rows out
+    ///   two in flight each, came out ahead (16-bit N = 2048-4096 and 8192 at M = 4096: 1.2 to 5.2
+    ///   waves, -2 to -11%; 10.3 waves, 6% empty, at N = 15872: -3%), and where it is nearly full
+    ///   the row block gained (3.9 and 7.8 waves at N = 6144 and 12288: +2 and +5%; 20 to 83 waves
+    ///   at bf16 M = 65536, N = 2048-8192: +2 to +13%); but rows of 2048 packs, which fill a team
+    ///   of 512 ranks at 4 packs each (f32 N = 8192, 16-bit 16384), take it whatever its last wave:
+    ///   3 blocks a multiprocessor where the pipelined block runs 2 gained 3% at M = 2048 and 4096
+    ///   (5.2 and 10.3 waves, 14% and 6% empty; v52), where f16 15872 (1984 packs) lost 3%.
     ///
     /// RMSNorm's f32 kernel ran at 48 registers until v54, and its blocks are counted there
     /// ([`RMS_F32_ROW_BLOCK_RULE_REGISTERS`]), but for teams that 48 held to one block a
