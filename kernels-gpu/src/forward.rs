@@ -85,7 +85,8 @@ use crate::element::{
 use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
 use crate::row::{
-    FWD_HELD, Held, Staged, Widened, each_held_slot, fits, for_each_chunk, for_each_read, values,
+    FWD_HELD, Held, Staged, Widened, each_held_slot, fits, for_each_chunk, for_each_read,
+    for_each_read_values, values,
 };
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
@@ -787,16 +788,17 @@ unsafe fn normalize_row<
         let mut squares = 0.0;
         // SAFETY: as for this function: the row is x's, aligned where PACKED.
         unsafe {
-            for_each_read::<T, S, PACKED>(x, n, |_, len, v| {
-                for &v in &v[..len] {
+            for_each_read_values::<T, S, PACKED>(x, n, |v| {
+                for &v in v {
                     squares = fma(v, v, squares);
                 }
             })
         };
         (0.0, S::sum(squares))
     } else {
-        // LayerNorm's other rows: one pass over memory. Each pack's (or element's) own
-        // (mean, M2) is exact in registers, and Chan's merges combine them.
+        // LayerNorm's other rows: one pass over memory. Each pack's (or batch of elements')
+        // own (mean, M2) is exact in registers, and Chan's merges combine them: a division a
+        // merge, a batch's elements one merge.
         let mut stats = Stats::EMPTY;
         if PACKED {
             for_each_chunk::<T, S, true, 0>(n, |j, len, _| {
@@ -806,9 +808,7 @@ unsafe fn normalize_row<
             });
         } else {
             // SAFETY: as for this function.
-            unsafe {
-                for_each_read::<T, S, false>(x, n, |_, len, v| stats = stats.merge(Stats::of(&v[..len])))
-            };
+            unsafe { for_each_read_values::<T, S, false>(x, n, |v| stats = stats.merge(Stats::of(v))) };
         }
         let stats = S::reduce_stats(stats);
         (stats.mean, stats.m2)

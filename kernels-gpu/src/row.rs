@@ -483,6 +483,59 @@ pub unsafe fn for_each_read<T: Element, S: Team, const PACKED: bool>(
     n: u32,
     mut f: impl FnMut(u32, usize, &Pack),
 ) {
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        read_batches::<T, S, PACKED>(row, n, |start, step, width, v, count| {
+            for (u, v) in v.iter().enumerate().take(count) {
+                f(start + u as u32 * step, width, v);
+            }
+        })
+    }
+}
+
+/// As [`for_each_read`], for a caller that needs the values only, not their columns (a
+/// row's statistics): `f(values)` takes a pack's values, or a batch's elements gathered
+/// into one call, so that LayerNorm's Chan merge (a division) comes once a batch of
+/// elements rather than once an element.
+///
+/// # Safety
+/// As for [`for_each_read`].
+#[inline(always)]
+pub unsafe fn for_each_read_values<T: Element, S: Team, const PACKED: bool>(
+    row: *const T,
+    n: u32,
+    mut f: impl FnMut(&[f32]),
+) {
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        read_batches::<T, S, PACKED>(row, n, |_, _, width, v, count| {
+            if width == 1 {
+                let mut gathered = [0.0; READ_BATCH_ELEMENTS];
+                for (g, v) in gathered.iter_mut().zip(v).take(count) {
+                    *g = v[0];
+                }
+                f(&gathered[..count]);
+            } else {
+                for v in v.iter().take(count) {
+                    f(&v[..width]);
+                }
+            }
+        })
+    }
+}
+
+/// The reads of [`for_each_read`]: `f(start, step, width, values, count)` takes `count`
+/// chunks of `width` elements, at columns `start + u * step` for u < `count`: a batch (all
+/// its loads issued first), or one chunk.
+///
+/// # Safety
+/// As for [`for_each_read`].
+#[inline(always)]
+unsafe fn read_batches<T: Element, S: Team, const PACKED: bool>(
+    row: *const T,
+    n: u32,
+    mut f: impl FnMut(u32, u32, usize, &[Pack; READ_BATCH_ELEMENTS], usize),
+) {
     // Warp teams, which the host gives only packed rows they hold, read packs one at a
     // time: batched, the path cost their 64 registers a spill (sm_80).
     let (width, batch) = match (PACKED, S::HOLDS_PART_OF_LONG_ROWS) {
@@ -498,22 +551,22 @@ pub unsafe fn for_each_read<T: Element, S: Team, const PACKED: bool>(
             // SAFETY: chunk c + u size < chunks lies inside the row, aligned where PACKED.
             *v = unsafe { read(row, (c + u as u32 * size) * width, width as usize) };
         }
-        for (u, v) in v.iter().enumerate().take(batch) {
-            f((c + u as u32 * size) * width, width as usize, v);
-        }
+        f(c * width, size * width, width as usize, &v, batch);
         c += batch as u32 * size;
     }
     while c < chunks {
+        let mut v = [[0.0; MAX_PACK]; READ_BATCH_ELEMENTS];
         // SAFETY: as above.
-        let v = unsafe { read(row, c * width, width as usize) };
-        f(c * width, width as usize, &v);
+        v[0] = unsafe { read(row, c * width, width as usize) };
+        f(c * width, 0, width as usize, &v, 1);
         c += size;
     }
     let mut j = chunks * width + S::rank();
     while j < n {
+        let mut v = [[0.0; MAX_PACK]; READ_BATCH_ELEMENTS];
         // SAFETY: j < n.
-        let v = unsafe { read(row, j, 1) };
-        f(j, 1, &v);
+        v[0] = unsafe { read(row, j, 1) };
+        f(j, 0, 1, &v, 1);
         j += size;
     }
 }
