@@ -69,7 +69,8 @@
 //!     pack's exact mean and M2, Chan merges across packs, lanes and warps; RMSNorm's plain
 //!     sum of squares), and y's pass reading x again (from L2 while the rows in flight fit
 //!     there);
-//!   - element by element: rows with a pointer not 16-byte aligned, as streamed.
+//!   - element by element: rows with a pointer not 16-byte aligned, as streamed, 8
+//!     elements a rank read at once and merged into the statistics as one.
 //!
 //! Any kernel takes a row whose f32 statistics overflowed through [`forward_row_huge`].
 //! M2 is summed with `fma`, and f16/bf16 y narrowed two values at a time; y itself stays a
