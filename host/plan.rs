@@ -6,8 +6,9 @@
 //! The rules, in order:
 //! - Rows of up to 1024 elements go one warp per row (8 warps a block), but in the held
 //!   backward those of more packs than a warp holds at 4 a lane (f32 N = 513-1024); longer
-//!   rows one block per row, about 4 packs a thread, or one pack a thread in launches of at
-//!   most one row a multiprocessor (`DeviceLimits::sm_count`). There each multiprocessor
+//!   rows one block per row, about 4 packs a thread (the forward's rows not all aligned:
+//!   whole warps of 32 elements a thread or more, four of its read batches), or one pack a
+//!   thread in launches of at most one row a multiprocessor (`DeviceLimits::sm_count`). There each multiprocessor
 //!   has one row and threads to spare, and the launch takes as long as one rank's chain of
 //!   dependent instructions: at 4 packs a rank, about 790 instructions a warp in a bf16
 //!   forward of N = 4096 (ncu), where the peers' kernels run about 320.
@@ -55,8 +56,8 @@
 use crate::layout::registry::pipeline_stages;
 pub use crate::layout::registry::{Arch, DTYPE_BYTES, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
-    BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PIPE_HELD, RESIDUAL_HELD,
-    SCRATCH_BYTES,
+    BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PIPE_HELD, READ_BATCH_ELEMENTS,
+    RESIDUAL_HELD, SCRATCH_BYTES, UNALIGNED_BATCHES_PER_RANK,
 };
 
 use crate::element::{Element, F32Stream, Weight, pair_of};
@@ -354,6 +355,9 @@ impl<T: Element> Planner<T> {
             (Variant::FwdPipelinedWarp, Variant::FwdPipelinedBlock),
             1,
         );
+        if let Some(unaligned) = self.unaligned_block(&plan) {
+            return unaligned;
+        }
         if let Some(row_block) = self.row_block(&plan) {
             return row_block;
         }
@@ -431,6 +435,20 @@ impl<T: Element> Planner<T> {
             local: false,
             grid: Grid::EveryRow,
         })
+    }
+
+    /// The general block kernel's team over rows not all aligned, for launches of more rows
+    /// than multiprocessors: whole warps of ranks that each take `UNALIGNED_BATCHES_PER_RANK`
+    /// read batches or more, in place of about 4 packs' columns a rank rounded up to whole
+    /// warps. The rows not 16-byte aligned are read element by element, a batch of
+    /// `READ_BATCH_ELEMENTS` at once a rank, and past a rank's last whole batch one load at
+    /// a time: at f32 N = 4097 the 288 ranks of 4 packs' columns took 14 elements each, one
+    /// batch and six single loads, each a DRAM round trip.
+    fn unaligned_block(&self, general: &Plan) -> Option<Plan> {
+        let takes = !self.aligned && !self.few_rows && general.variant == Variant::FwdBlock;
+        let per_rank = UNALIGNED_BATCHES_PER_RANK * READ_BATCH_ELEMENTS;
+        let threads = (self.n / per_rank / 32 * 32).clamp(64, self.max_threads(Variant::FwdBlock));
+        takes.then(|| self.general_smem(Plan { threads, ..*general }, false, 1))
     }
 
     /// The few-rows forward, a block a row, for launches of at most one row a
@@ -679,11 +697,17 @@ impl<T: Element> Planner<T> {
         copies: u32,
     ) -> Plan {
         let plan = self.team_plan(warp, general.0, general.1);
-        let ranks = if warp { 32 } else { plan.threads };
         let pipelined = if warp { pipelined.0 } else { pipelined.1 };
         if let Some(plan) = self.pipelined(pipelined, plan) {
             return plan;
         }
+        self.general_smem(plan, warp, copies)
+    }
+
+    /// `plan`, a general kernel's, with the shared memory that stages what its teams do not
+    /// hold of aligned rows (`copies` of it: x's, and a residual's), where there is room.
+    fn general_smem(&self, plan: Plan, warp: bool, copies: u32) -> Plan {
+        let ranks = if warp { 32 } else { plan.threads };
         let staged = crate::layout::staged_smem(self.n / pack_len::<T>(), plan.threads, copies);
         let holds = warp || self.fits(self.n, ranks, FWD_HELD);
         Plan {

@@ -168,6 +168,33 @@ fn check_coverage(limits: DeviceLimits) {
     assert!(all.is_empty(), "{:?}: no test shape reaches {all:?}", limits.arch);
 }
 
+/// The forward's rows not all aligned, over more rows than multiprocessors: block teams
+/// whose ranks take four read batches of 8 elements or more (whole warps, 64 to 1024 ranks),
+/// where about 4 packs' columns a rank gave f32 N = 4097 288 ranks of 14 elements (one batch
+/// and six single loads). Few rows keep a pack's columns a rank; aligned rows their kernels.
+#[test]
+fn unaligned_forward_rows_take_four_read_batches_a_rank() {
+    let h = DeviceLimits::H100;
+    for (n, threads) in [(1030, 64), (4097, 128), (16388, 512), (65537, 1024)] {
+        for norm in [Norm::Layer, Norm::Rms] {
+            let p = plan::<f32, f32>(norm, MANY, n, Pass::Forward, false, h).unwrap();
+            assert_eq!((p.variant, p.threads), (Variant::FwdBlock, threads), "{norm:?} f32 N = {n}");
+        }
+    }
+    let p = plan::<f16, f16>(Norm::Layer, MANY, 4100, Pass::Forward, false, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdBlock, 128));
+    let p = plan::<bf16, f32>(Norm::Rms, MANY, 16388, Pass::Forward, false, DeviceLimits::A100).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdBlock, 512));
+    // Rows of a warp's length keep the warp; few rows, a pack's columns a rank.
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 769, Pass::Forward, false, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdWarp, 256));
+    let p = plan::<f32, f32>(Norm::Layer, 3, 4097, Pass::Forward, false, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdBlock, 1024));
+    // The residual forward is not planned this way (its s is formed an element a load).
+    let p = plan::<f32, f32>(Norm::Layer, MANY, 4097, Pass::ForwardResidual, false, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdResidualBlock, 288));
+}
+
 /// A few choices spelled out, as a reader would check them against the rules in plan.rs.
 #[test]
 fn known_choices() {

@@ -75,6 +75,16 @@ pub const fn few_rows_held(bytes: u32) -> u32 {
     FEW_ROWS_ELEMENTS / pack_len(bytes)
 }
 
+/// Elements of a row not 16-byte aligned that a rank reads at once, element by element,
+/// before using any (`row::for_each_read`): one load at a time left a rank 2 to 4 bytes in
+/// flight for DRAM's whole latency (docs/PERF.md v56).
+pub const READ_BATCH_ELEMENTS: u32 = 8;
+
+/// Read batches a rank of the forward's block team takes of rows not all aligned
+/// (`plan::Planner::unaligned_block`): past its last whole batch a rank reads one element
+/// a load, each a DRAM round trip.
+pub const UNALIGNED_BATCHES_PER_RANK: u32 = 4;
+
 /// Packs of x each rank of the general forward holds of an aligned row too long to hold
 /// whole; the rest is staged in shared memory. (With 8, the f32 kernel spills at its 64
 /// registers.)

@@ -465,10 +465,11 @@ pub fn for_each_chunk<T: Element, S: Team, const PACKED: bool, const K: usize>(
 }
 
 /// What a rank of a row no rank holds reads at once ([`for_each_read`]): 4 packs (64 bytes
-/// in flight a rank), or 8 elements of a row not 16-byte aligned. A load at a time left a
-/// rank 16 bytes in flight (2 to 4 element by element) for DRAM's whole latency (v56).
+/// in flight a rank), or `layout::READ_BATCH_ELEMENTS` elements of a row not 16-byte
+/// aligned. A load at a time left a rank 16 bytes in flight (2 to 4 element by element)
+/// for DRAM's whole latency (v56).
 const READ_BATCH_PACKS: usize = 4;
-const READ_BATCH_ELEMENTS: usize = 8;
+const READ_BATCH_ELEMENTS: usize = crate::layout::READ_BATCH_ELEMENTS as usize;
 
 /// As [`for_each_chunk`] over a row no rank holds (`K` = 0), with the chunks' values read
 /// from `row` for `f(start, len, values)`: this rank's whole chunks (packs where `PACKED`,
