@@ -81,6 +81,18 @@ fn gpu_forward_many_rows() {
     }
 }
 
+/// Rows not all 16-byte aligned over more rows than multiprocessors: block teams of 32
+/// elements a rank or more (`plan`'s four read batches a rank: 64 ranks at N = 1030, 128 at
+/// 4097, 512 at 16388), each rank's batches of 8 elements and its single loads after them.
+#[test]
+fn gpu_forward_unaligned_rows_many() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    check_forward::<f32>(&gpu, 400, 1030, 540);
+    check_forward::<f32>(&gpu, 300, 4097, 541);
+    check_forward::<f16>(&gpu, 301, 4100, 542);
+    check_forward::<bf16>(&gpu, 200, 16388, 543);
+}
+
 /// A team for every row (`plan::Grid::EveryRow`): pipelined teams of 256 ranks (f16 and
 /// bf16 N = 8192, f32 4096), each block one row;
 /// on sm_90, the widened warp kernel over LayerNorm's 16-bit rows of 2 to 4 packs a lane,

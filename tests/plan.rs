@@ -178,7 +178,11 @@ fn unaligned_forward_rows_take_four_read_batches_a_rank() {
     for (n, threads) in [(1030, 64), (4097, 128), (16388, 512), (65537, 1024)] {
         for norm in [Norm::Layer, Norm::Rms] {
             let p = plan::<f32, f32>(norm, MANY, n, Pass::Forward, false, h).unwrap();
-            assert_eq!((p.variant, p.threads), (Variant::FwdBlock, threads), "{norm:?} f32 N = {n}");
+            assert_eq!(
+                (p.variant, p.threads),
+                (Variant::FwdBlock, threads),
+                "{norm:?} f32 N = {n}"
+            );
         }
     }
     let p = plan::<f16, f16>(Norm::Layer, MANY, 4100, Pass::Forward, false, h).unwrap();
