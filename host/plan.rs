@@ -8,10 +8,11 @@
 //!   backward those of more packs than a warp holds at 4 a lane (f32 N = 513-1024); longer
 //!   rows one block per row, about 4 packs a thread (the forward's rows not all aligned:
 //!   whole warps of 32 elements a thread or more, four of its read batches), or one pack a
-//!   thread in launches of at most one row a multiprocessor (`DeviceLimits::sm_count`). There each multiprocessor
-//!   has one row and threads to spare, and the launch takes as long as one rank's chain of
-//!   dependent instructions: at 4 packs a rank, about 790 instructions a warp in a bf16
-//!   forward of N = 4096 (ncu), where the peers' kernels run about 320.
+//!   thread in launches of at most one row a multiprocessor (`DeviceLimits::sm_count`).
+//!   There each multiprocessor has one row and threads to spare, and the launch takes as
+//!   long as one rank's chain of dependent instructions: at 4 packs a rank, about 790
+//!   instructions a warp in a bf16 forward of N = 4096 (ncu), where the peers' kernels run
+//!   about 320.
 //! - Forward: launches of at most one row a multiprocessor over block-team rows all of
 //!   aligned packs that 512 threads hold at 16 elements each (N <= 8192) take the few-rows
 //!   kernel, a block a row, which loads x, gamma and beta together (one DRAM round trip).
