@@ -93,6 +93,25 @@ fn gpu_forward_unaligned_rows_many() {
     check_forward::<bf16>(&gpu, 200, 16388, 543);
 }
 
+/// Rows 8-byte aligned but not 16 read in half packs (`row::HALF_PACKS`), the other rows of
+/// the same launch in packs or elements: f16/bf16 rows of a multiple of 4 columns (every
+/// other row 16-byte aligned), f32 of a multiple of 2 (N = 1030, 4098; 4097's rows are
+/// 8-byte aligned one in two, the others element by element); a tail past the last whole
+/// half pack (f32 4097, f16 4102); warp and block teams,
+/// few rows and many.
+#[test]
+fn gpu_forward_half_packs() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    check_forward::<f16>(&gpu, 7, 4100, 550);
+    check_forward::<f16>(&gpu, 9, 4102, 551);
+    check_forward::<bf16>(&gpu, 303, 1028, 552);
+    check_forward::<f16>(&gpu, 40, 516, 553);
+    check_forward::<f32>(&gpu, 5, 1030, 554);
+    check_forward::<f32>(&gpu, 301, 4098, 555);
+    check_forward::<f32>(&gpu, 33, 4097, 556);
+    check_forward::<f32>(&gpu, 64, 66, 557);
+}
+
 /// A team for every row (`plan::Grid::EveryRow`): pipelined teams of 256 ranks (f16 and
 /// bf16 N = 8192, f32 4096), each block one row;
 /// on sm_90, the widened warp kernel over LayerNorm's 16-bit rows of 2 to 4 packs a lane,

@@ -131,6 +131,10 @@ fn gpu_rms_norm_matches_reference() {
     check::<f32>(&gpu, BackwardMode::Deterministic, 202, 16384, 4404);
     check::<bf16>(&gpu, BackwardMode::Deterministic, 203, 20480, 4405);
     check::<f32>(&gpu, BackwardMode::Deterministic, 204, 32768, 4406);
+    // Rows 8-byte aligned but not 16 (half packs), over many rows and few.
+    check::<f16>(&gpu, BackwardMode::Deterministic, 301, 4100, 4413);
+    check::<bf16>(&gpu, BackwardMode::Deterministic, 5, 16388, 4414);
+    check::<f32>(&gpu, BackwardMode::Deterministic, 400, 1030, 4415);
 }
 
 /// The forward's row block (`plan::Variant::FwdRowBlock`), which sm_90 takes where its last

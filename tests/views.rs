@@ -12,16 +12,21 @@ use layernorm_cuda::{BackwardMode, Device, Element, Error, Gradients, LayerNorm,
 use layernorm_reference as reference;
 use ndarray::{Array1, Array2, ArrayView, ArrayView1, Dimension};
 
-/// Element offsets of (x, gamma, beta, dy) in their buffers: each of 1, 2, 3 and 5 for every
-/// input, and mixes where some inputs are aligned (0) and others not.
+/// Element offsets of (x, gamma, beta, dy) in their buffers: each of 1, 2, 3, 4 and 5 for
+/// every input, and mixes where some inputs are aligned (0) and others not. 8-byte offsets
+/// (f32 at 2, f16 and bf16 at 4) make rows the forward reads in half packs, or, with x
+/// aligned and only the weights at 8 bytes, rows whose weights allow no more.
 const OFFSETS: &[[usize; 4]] = &[
     [1, 1, 1, 1],
     [2, 2, 2, 2],
     [3, 3, 3, 3],
+    [4, 4, 4, 4],
     [5, 5, 5, 5],
     [0, 3, 5, 1],
     [5, 0, 2, 3],
     [2, 5, 0, 0],
+    [0, 4, 4, 0],
+    [0, 4, 2, 0],
 ];
 
 /// (rows, n): n a multiple of 8 (64, 1000, 4096) and not (77, 3001), for warp teams (n <= 1024)

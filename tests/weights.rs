@@ -184,6 +184,11 @@ fn gpu_f32_weights_match_reference() {
             let p = Problem::<bf16, f32>::random(rows, n, seed);
             check_reference(&gpu, norm, BackwardMode::Deterministic, &p, "long rows");
         }
+        // Rows 8-byte aligned but not 16: half packs of f16 beside 16 bytes of f32 weights.
+        for (rows, n, seed) in [(300, 4100, 9303), (7, 16388, 9304)] {
+            let p = Problem::<f16, f32>::random(rows, n, seed);
+            check_reference(&gpu, norm, BackwardMode::Deterministic, &p, "half packs");
+        }
     }
 }
 

@@ -1,8 +1,9 @@
 //! Storage types the kernels read and write (f32, f16, bf16), all computed in f32.
 //!
-//! Every access is either one element or one 16-byte vector ("pack"): 4 f32 or 8 f16/bf16.
-//! 16 bytes is the widest load a thread can issue; a warp's 32 packs are 512 contiguous
-//! bytes, four full 128-byte lines, so one instruction moves as much as the bus allows.
+//! Every access is one element or one vector: a 16-byte "pack" (4 f32 or 8 f16/bf16), or
+//! half of one where a row is aligned only to 8 bytes. 16 bytes is the widest load a
+//! thread can issue; a warp's 32 packs are 512 contiguous bytes, four full 128-byte lines,
+//! so one instruction moves as much as the bus allows.
 
 use crate::device;
 
@@ -106,18 +107,19 @@ half_element!(
     device::f32x2_to_bf16x2
 );
 
-/// The raw words of a pack of row type `G`'s columns of `T` at `p`: 16 bytes (`G` = `T`,
-/// or no narrower), or 8 (four f16/bf16 columns beside an f32 row's pack), the rest of the
-/// words zero. `EVICT_FIRST`: the kernel's last read of them, beside data it reads back
-/// from L2 ([`device::load_16_evict_first`]).
+/// The raw words of the `len` values of `T` at `p`, one vector load: 16 bytes, or 8 (half a
+/// pack of f16/bf16 or f32: a row aligned only to 8 bytes, or four f16/bf16 columns beside
+/// an f32 row's pack), the rest of the words zero. `EVICT_FIRST`: the kernel's last read of
+/// them, beside data it reads back from L2 ([`device::load_16_evict_first`]).
 ///
 /// # Safety
-/// The `G::PACK` values at `p` are readable and aligned to their size, 16 or 8 bytes.
+/// The `len` values at `p` are readable, `len * size_of::<T>()` is 16 or 8, and `p` is
+/// aligned to it.
 #[inline(always)]
-pub unsafe fn load_pack<G: Element, T, const EVICT_FIRST: bool>(p: *const T) -> [u32; 4] {
+unsafe fn load_vector<T, const EVICT_FIRST: bool>(p: *const T, len: usize) -> [u32; 4] {
     // SAFETY: the caller's guarantee.
     unsafe {
-        match (G::PACK * size_of::<T>() == 16, EVICT_FIRST) {
+        match (len * size_of::<T>() == 16, EVICT_FIRST) {
             (true, false) => device::load_16(p as *const u32),
             (true, true) => device::load_16_evict_first(p as *const u32),
             (false, evict_first) => {
@@ -132,16 +134,16 @@ pub unsafe fn load_pack<G: Element, T, const EVICT_FIRST: bool>(p: *const T) -> 
     }
 }
 
-/// Stores the first `G::PACK` values of `words` at `p`, as [`load_pack`] loads them;
+/// Stores the first `len` values of `words` at `p`, as [`load_vector`] loads them;
 /// `EVICT_FIRST`: bytes the kernel does not read again, beside data it reads back from L2.
 ///
 /// # Safety
-/// As for [`load_pack`], writable.
+/// As for [`load_vector`], writable.
 #[inline(always)]
-pub unsafe fn store_pack<G: Element, T, const EVICT_FIRST: bool>(p: *mut T, words: [u32; 4]) {
+unsafe fn store_vector<T, const EVICT_FIRST: bool>(p: *mut T, len: usize, words: [u32; 4]) {
     // SAFETY: the caller's guarantee.
     unsafe {
-        match (G::PACK * size_of::<T>() == 16, EVICT_FIRST) {
+        match (len * size_of::<T>() == 16, EVICT_FIRST) {
             (true, false) => device::store_16(p as *mut u32, words),
             (true, true) => device::store_16_evict_first(p as *mut u32, words),
             (false, false) => device::store_8(p as *mut u32, [words[0], words[1]]),
@@ -150,31 +152,31 @@ pub unsafe fn store_pack<G: Element, T, const EVICT_FIRST: bool>(p: *mut T, word
     }
 }
 
-/// Reads `len` elements from `row[start..]`: one 16-byte load when `len == T::PACK` (the
-/// address must then be 16-byte aligned), else the single element `row[start]`. Data read
-/// once goes around L1 so that gamma and beta stay there.
+/// The raw words of a pack of row type `G`'s columns of `T` at `p`: 16 bytes (`G` = `T`,
+/// or no narrower), or 8 (four f16/bf16 columns beside an f32 row's pack), as
+/// [`load_vector`] loads them.
 ///
 /// # Safety
-/// The elements must be in bounds, and a whole pack aligned.
+/// The `G::PACK` values at `p` are readable and aligned to their size, 16 or 8 bytes.
 #[inline(always)]
-pub unsafe fn read<T: Element>(row: *const T, start: u32, len: usize) -> Pack {
+pub unsafe fn load_pack<G: Element, T, const EVICT_FIRST: bool>(p: *const T) -> [u32; 4] {
     // SAFETY: the caller's guarantee.
-    unsafe { read_as::<T, T>(row, start, len) }
+    unsafe { load_vector::<T, EVICT_FIRST>(p, G::PACK) }
 }
 
-/// As [`read`], for values of `T` walked in chunks of row type `G`: a vector load of
-/// `G::PACK` values (16 bytes, or 8 for f16/bf16 beside f32 rows: a residual stream kept
-/// in f32) when `len == G::PACK`, else the single element `row[start]`.
+/// Reads `len` elements from `row[start..]`: one vector load when `len` > 1 (a pack of
+/// 16 bytes, or 8: [`load_vector`], the address aligned to it), else the single element
+/// `row[start]`. Data read once goes around L1 so that gamma and beta stay there.
 ///
 /// # Safety
 /// The elements must be in bounds, and a vector aligned to its size.
 #[inline(always)]
-pub unsafe fn read_as<G: Element, T: Element>(row: *const T, start: u32, len: usize) -> Pack {
+pub unsafe fn read<T: Element>(row: *const T, start: u32, len: usize) -> Pack {
     // SAFETY: the caller guarantees bounds and, for a vector, alignment.
     unsafe {
         let p = row.add(start as usize);
-        if len == G::PACK {
-            T::unpack(load_pack::<G, T, false>(p))
+        if len > 1 {
+            T::unpack(load_vector::<T, false>(p, len))
         } else {
             let mut v = [0.0; MAX_PACK];
             v[0] = p.read().to_f32();
@@ -183,31 +185,46 @@ pub unsafe fn read_as<G: Element, T: Element>(row: *const T, start: u32, len: us
     }
 }
 
-/// As [`read`], for the weights every row uses (gamma, beta), which stay in L1 (through the
-/// read-only path where `READ_ONLY`: [`device::load_16_cached`]): `len` of
-/// them from `v[start..]`, one, or a whole pack of the row's type `G`, which for f32
-/// weights beside f16 or bf16 rows is two packs of weights (the row's 8 columns are 32
-/// bytes of f32), and for f16/bf16 weights beside f32 rows half of one (8 bytes).
+/// As [`read`] for a half pack (8 bytes, `len` > 1) or an element, the half pack through
+/// L1 (`ld.global.ca`), where single elements go by default: a row walked in half packs is
+/// read twice by the same rank (its statistics, then y), and the second read finds it
+/// there. Around L1, as packs go, they were 3-6% slower (H200, docs/PERF.md v59).
 ///
 /// # Safety
-/// The elements must be in bounds, `v + start` aligned to the pack's bytes where `len` > 1
-/// (16, or 8 for four 16-bit weights), and with `READ_ONLY` nothing may write them while
-/// the kernel runs.
+/// As for [`read`]; `len * size_of::<T>()` is 8 where `len` > 1.
 #[inline(always)]
-pub unsafe fn read_cached<G: Element, W: Element, const READ_ONLY: bool>(
-    v: *const W,
-    start: u32,
-    len: usize,
-) -> Pack {
+pub unsafe fn read_half_pack<T: Element>(row: *const T, start: u32, len: usize) -> Pack {
+    // SAFETY: the caller guarantees bounds and, for a half pack, its 8-byte alignment.
+    unsafe {
+        if len > 1 {
+            let [a, b] = device::load_8_cached::<false>(row.add(start as usize) as *const u32);
+            T::unpack([a, b, 0, 0])
+        } else {
+            read(row, start, len)
+        }
+    }
+}
+
+/// As [`read`], for the weights every row uses (gamma, beta), which stay in L1 (through the
+/// read-only path where `READ_ONLY`: [`device::load_16_cached`]): `len` of them from
+/// `v[start..]`, one, or the columns of a row's vector: 8 bytes of weights (one load),
+/// 16, or 32 (two: f32 weights beside eight f16 or bf16 columns).
+///
+/// # Safety
+/// The elements must be in bounds, `v + start` aligned to the vector's bytes (or to 16 for
+/// 32 bytes) where `len` > 1, and with `READ_ONLY` nothing may write them while the kernel
+/// runs.
+#[inline(always)]
+pub unsafe fn read_cached<W: Element, const READ_ONLY: bool>(v: *const W, start: u32, len: usize) -> Pack {
     let mut out = [0.0; MAX_PACK];
-    // SAFETY: the caller guarantees bounds, for packs alignment, and with READ_ONLY that the
-    // weights stay unwritten while the kernel runs; pack q of the weights starts q * 16
+    // SAFETY: the caller guarantees bounds, for vectors alignment, and with READ_ONLY that
+    // the weights stay unwritten while the kernel runs; pack q of the weights starts q * 16
     // bytes past the first.
     unsafe {
         let p = v.add(start as usize);
         if len == 1 {
             out[0] = p.read().to_f32();
-        } else if G::PACK * size_of::<W>() == 8 {
+        } else if len * size_of::<W>() == 8 {
             let [a, b] = device::load_8_cached::<READ_ONLY>(p as *const u32);
             out = W::unpack([a, b, 0, 0]);
         } else {
@@ -227,16 +244,16 @@ pub unsafe fn read_cached<G: Element, W: Element, const READ_ONLY: bool>(
 }
 
 /// Calls `f(at, step, weights)` for each pack of weights over the `len` columns `start..`
-/// (one column, or a whole pack of row type `G`): `weights` holds columns `start + at ..
-/// start + at + step`, read as [`read_cached`] reads them. For f32 weights beside 8-column
-/// packs of f16 or bf16 that is two calls of four, so that each half's weights are dead
-/// before the next half's are loaded: the kernels that hold rows in registers have no room
-/// for all eight at once.
+/// (one column, or a row's vector of them): `weights` holds columns `start + at .. start +
+/// at + step`, read as [`read_cached`] reads them. For f32 weights beside 8-column packs of
+/// f16 or bf16 that is two calls of four, so that each half's weights are dead before the
+/// next half's are loaded: the kernels that hold rows in registers have no room for all
+/// eight at once.
 ///
 /// # Safety
 /// As for [`read_cached`].
 #[inline(always)]
-pub unsafe fn for_each_weight_pack<G: Element, W: Element, const READ_ONLY: bool>(
+pub unsafe fn for_each_weight_pack<W: Element, const READ_ONLY: bool>(
     v: *const W,
     start: u32,
     len: usize,
@@ -244,7 +261,7 @@ pub unsafe fn for_each_weight_pack<G: Element, W: Element, const READ_ONLY: bool
 ) {
     if len <= W::PACK {
         // SAFETY: the caller's guarantee.
-        return f(0, len, &unsafe { read_cached::<G, W, READ_ONLY>(v, start, len) });
+        return f(0, len, &unsafe { read_cached::<W, READ_ONLY>(v, start, len) });
     }
     let step = W::PACK;
     for q in 0..MAX_PACK / W::PACK {
@@ -252,7 +269,7 @@ pub unsafe fn for_each_weight_pack<G: Element, W: Element, const READ_ONLY: bool
         if at < len {
             // SAFETY: the caller's guarantee; `at` is a whole pack of weights into the chunk.
             f(at, step, &unsafe {
-                read_cached::<G, W, READ_ONLY>(v, start + at as u32, step)
+                read_cached::<W, READ_ONLY>(v, start + at as u32, step)
             });
         }
     }
@@ -261,30 +278,24 @@ pub unsafe fn for_each_weight_pack<G: Element, W: Element, const READ_ONLY: bool
 /// Writes the first `len` entries of `v` to `row[start..]`, as [`read`] reads them.
 ///
 /// # Safety
-/// The elements must be in bounds, and a whole pack aligned.
+/// The elements must be in bounds, and a vector aligned to its size.
 #[inline(always)]
 pub unsafe fn write<T: Element>(row: *mut T, start: u32, len: usize, v: &Pack) {
     // SAFETY: the caller's guarantee.
-    unsafe { write_as::<T, T, false>(row, start, len, v) }
+    unsafe { write_with::<T, false>(row, start, len, v) }
 }
 
-/// As [`write`], in chunks of row type `G`, as [`read_as`] reads them; `EVICT_FIRST` as for
-/// [`store_pack`].
+/// As [`write`]; `EVICT_FIRST` as for [`store_vector`].
 ///
 /// # Safety
-/// The elements must be in bounds, and a vector aligned to its size.
+/// As for [`write`].
 #[inline(always)]
-pub unsafe fn write_as<G: Element, T: Element, const EVICT_FIRST: bool>(
-    row: *mut T,
-    start: u32,
-    len: usize,
-    v: &Pack,
-) {
+pub unsafe fn write_with<T: Element, const EVICT_FIRST: bool>(row: *mut T, start: u32, len: usize, v: &Pack) {
     // SAFETY: the caller guarantees bounds and, for a vector, alignment.
     unsafe {
         let p = row.add(start as usize);
-        if len == G::PACK {
-            store_pack::<G, T, EVICT_FIRST>(p, T::pack(v))
+        if len > 1 {
+            store_vector::<T, EVICT_FIRST>(p, len, T::pack(v))
         } else {
             p.write(T::from_f32(v[0]))
         }

@@ -81,13 +81,13 @@
 use crate::device::{cp_async_wait_all, fma, opaque_ptr, sqrt_rn};
 use crate::element::{
     Element, MAX_PACK, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, load_pack, read,
-    read_cached, write, write_as,
+    read_cached, write, write_with,
 };
 use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
 use crate::row::{
-    FWD_HELD, Held, Staged, Widened, each_held_slot, fits, for_each_chunk, for_each_read,
-    for_each_read_values, values,
+    ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, Staged, Widened, chunk_of, each_held_slot, fills_a_batch,
+    fits, for_each_chunk, for_each_read, for_each_read_values, values,
 };
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
@@ -287,20 +287,25 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
         // RMSNorm's y reads gamma alone, whose pack addresses LLVM then keeps across rows:
         // the f32 kernel spilled them at its 64 registers. Taken anew each row instead.
         let affine = if CENTERED { affine } else { affine.each_row() };
-        let packed = is_pack_aligned(x_row)
-            && is_pack_aligned(y_row)
-            && is_pack_aligned(affine.gamma)
-            && is_pack_aligned(affine.beta);
-        // SAFETY: as above; `packed` was checked for every pointer the packed path reads.
+        let chunk = chunk_of::<T, W>(
+            &[x_row as usize, y_row as usize],
+            &[affine.gamma as usize, affine.beta as usize],
+        );
+        // SAFETY: as above; `chunk` was checked for every pointer the row's path reads.
         let norm = unsafe {
-            if packed && fits::<T, S, FWD_HELD>(n) {
-                forward_row::<T, T, W, S, CENTERED, true, FWD_HELD>(x_row, affine, y_row, n, eps)
-            } else if packed && S::HOLDS_PART_OF_LONG_ROWS && staged.holds::<T, S>(n) {
+            if chunk == PACKS && fits::<T, S, FWD_HELD>(n) {
+                forward_row::<T, T, W, S, CENTERED, PACKS, FWD_HELD>(x_row, affine, y_row, n, eps)
+            } else if chunk == PACKS && S::HOLDS_PART_OF_LONG_ROWS && staged.holds::<T, S>(n) {
                 forward_row_staged::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps, staged)
-            } else if packed {
-                forward_row::<T, T, W, S, CENTERED, true, 0>(x_row, affine, y_row, n, eps)
+            } else if chunk == PACKS {
+                forward_row::<T, T, W, S, CENTERED, PACKS, 0>(x_row, affine, y_row, n, eps)
+            } else if chunk == HALF_PACKS && fills_a_batch::<T, S, HALF_PACKS>(n) {
+                // Where a rank has fewer half packs than a batch, its elements make more
+                // batches: f16 N = 1030 on 64 ranks, 4 half packs or 16 elements a rank,
+                // lost 7-10% in half packs (docs/PERF.md v59).
+                forward_row::<T, T, W, S, CENTERED, HALF_PACKS, 0>(x_row, affine, y_row, n, eps)
             } else {
-                forward_row::<T, T, W, S, CENTERED, false, 0>(x_row, affine, y_row, n, eps)
+                forward_row::<T, T, W, S, CENTERED, ELEMENTS, 0>(x_row, affine, y_row, n, eps)
             }
         };
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
@@ -382,10 +387,10 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
                 normalize_staged::<T, Y, W, S, CENTERED>(&held, s_row, affine, y_row, n, eps, x_staged)
             } else if packed {
                 add_residual::<T, Y, S, true>(x_row, residual_row, sum_row, n);
-                forward_row::<T, Y, W, S, CENTERED, true, 0>(s_row, affine, y_row, n, eps)
+                forward_row::<T, Y, W, S, CENTERED, PACKS, 0>(s_row, affine, y_row, n, eps)
             } else {
                 add_residual::<T, Y, S, false>(x_row, residual_row, sum_row, n);
-                forward_row::<T, Y, W, S, CENTERED, false, 0>(s_row, affine, y_row, n, eps)
+                forward_row::<T, Y, W, S, CENTERED, ELEMENTS, 0>(s_row, affine, y_row, n, eps)
             }
         };
         (norm, packed)
@@ -539,7 +544,7 @@ unsafe fn residual_held_row<
             packs,
         );
         add_residual_elements::<T, Y, S>(x, residual, sum, packs * T::PACK as u32, n);
-        normalize_row::<T, Y, W, S, CENTERED, true, HELD>(&held, sum.cast_const(), affine, y, n, eps)
+        normalize_row::<T, Y, W, S, CENTERED, PACKS, HELD>(&held, sum.cast_const(), affine, y, n, eps)
     }
 }
 
@@ -627,7 +632,7 @@ const SUM_BATCH: usize = 2;
 
 /// The residual add of one streamed row, before its normalization:
 ///   s_j = x_j + residual_j   (in f32, rounded once to `T`)
-/// written to `sum` in this rank's own chunks, the ones `for_each_chunk::<T, S, PACKED, _>`
+/// written to `sum` in this rank's own chunks, the ones `for_each_chunk::<T, S, PACKS or ELEMENTS, _>`
 /// gives it: every later pass of this rank over s reads only what it wrote itself, so the
 /// team needs no barrier (program order covers a thread's own stores), and s comes back from
 /// L2, which keeps DRAM traffic to x, residual, s and y once each. Packed rows go
@@ -725,8 +730,8 @@ unsafe fn add_residual_elements<T: Element, Y: Element, S: Team>(
 /// then takes [`forward_row_huge`], once per kernel rather than once per path).
 ///
 /// # Safety
-/// As for [`forward_rows`], for one row; with
-/// `PACKED`, all four pointers 16-byte aligned; with `HELD` > 0, the row [`fits`].
+/// As for [`forward_rows`], for one row; all four pointers aligned to `CHUNK`'s bytes
+/// ([`crate::row::chunk_of`]); with `HELD` > 0, whole packs, and the row [`fits`].
 #[inline(always)]
 unsafe fn forward_row<
     T: Element,
@@ -734,7 +739,7 @@ unsafe fn forward_row<
     W: Element,
     S: StatsTeam,
     const CENTERED: bool,
-    const PACKED: bool,
+    const CHUNK: usize,
     const HELD: usize,
 >(
     x: *const T,
@@ -744,9 +749,9 @@ unsafe fn forward_row<
     eps: f32,
 ) -> Option<RowNorm<CENTERED>> {
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
-    let held = unsafe { Held::<HELD>::load::<T, S>(x, if PACKED { n / T::PACK as u32 } else { 0 }) };
+    let held = unsafe { Held::<HELD>::load::<T, S>(x, if CHUNK == PACKS { n / T::PACK as u32 } else { 0 }) };
     // SAFETY: `held` holds the row's first packs; the rest as for this function.
-    unsafe { normalize_row::<T, Y, W, S, CENTERED, PACKED, HELD>(&held, x, affine, y, n, eps) }
+    unsafe { normalize_row::<T, Y, W, S, CENTERED, CHUNK, HELD>(&held, x, affine, y, n, eps) }
 }
 
 /// [`forward_row`] past its loads: the statistics and y of the row at `x`, whose first
@@ -762,7 +767,7 @@ unsafe fn normalize_row<
     W: Element,
     S: StatsTeam,
     const CENTERED: bool,
-    const PACKED: bool,
+    const CHUNK: usize,
     const HELD: usize,
 >(
     held: &Held<HELD>,
@@ -777,19 +782,19 @@ unsafe fn normalize_row<
         // Held rows: passes over registers, plain sums (no divisions in the reductions):
         // M2 = sum (x - mean)^2 about the mean (LayerNorm) or 0 (RMSNorm).
         // SAFETY: held rows are packed and fit.
-        let mean = row_mean::<S, CENTERED>(|| unsafe { rank_sum::<T, S, PACKED, HELD>(held, x, n) }, n);
+        let mean = row_mean::<S, CENTERED>(|| unsafe { rank_sum::<T, S, CHUNK, HELD>(held, x, n) }, n);
         // SAFETY: as above.
         (
             mean,
-            S::sum(unsafe { rank_m2::<T, S, PACKED, HELD>(held, x, n, mean) }),
+            S::sum(unsafe { rank_m2::<T, S, CHUNK, HELD>(held, x, n, mean) }),
         )
     } else if !CENTERED {
         // RMSNorm's other rows: the sum of x^2 as the held rows take it, in one pass over
         // memory, where Chan's merges took a division a pack, or an element (v56).
         let mut squares = 0.0;
-        // SAFETY: as for this function: the row is x's, aligned where PACKED.
+        // SAFETY: as for this function: the row is x's, aligned to its chunks.
         unsafe {
-            for_each_read_values::<T, S, PACKED>(x, n, |v| {
+            for_each_read_values::<T, S, CHUNK>(x, n, |v| {
                 for &v in v {
                     squares = fma(v, v, squares);
                 }
@@ -797,26 +802,26 @@ unsafe fn normalize_row<
         };
         (0.0, S::sum(squares))
     } else {
-        // LayerNorm's other rows: one pass over memory. Each pack's (or batch of elements')
-        // own (mean, M2) is exact in registers, and Chan's merges combine them: a division a
-        // merge, a batch's elements one merge.
+        // LayerNorm's other rows: one pass over memory. Each pack's (or batch of half packs'
+        // or elements') own (mean, M2) is exact in registers, and Chan's merges combine them:
+        // a division a merge, a batch one merge.
         let mut stats = Stats::EMPTY;
-        if PACKED {
-            for_each_chunk::<T, S, true, 0>(n, |j, len, _| {
+        if CHUNK == PACKS {
+            for_each_chunk::<T, S, PACKS, 0>(n, |j, len, _| {
                 // SAFETY: for_each_chunk yields in-bounds chunks, whole packs aligned.
                 let v = unsafe { read(x, j, len) };
                 stats = stats.merge(Stats::of(&v[..len]));
             });
         } else {
             // SAFETY: as for this function.
-            unsafe { for_each_read_values::<T, S, false>(x, n, |v| stats = stats.merge(Stats::of(v))) };
+            unsafe { for_each_read_values::<T, S, CHUNK>(x, n, |v| stats = stats.merge(Stats::of(v))) };
         }
         let stats = S::reduce_stats(stats);
         (stats.mean, stats.m2)
     };
     let norm = RowNorm::of(mean, m2, n, eps)?;
     // SAFETY: as for this function.
-    unsafe { write_y::<T, Y, W, S, CENTERED, PACKED, HELD>(held, x, affine, y, n, norm) };
+    unsafe { write_y::<T, Y, W, S, CENTERED, CHUNK, HELD>(held, x, affine, y, n, norm) };
     Some(norm)
 }
 
@@ -845,18 +850,18 @@ unsafe fn forward_row_huge<T: Element, Y: Element, W: Element, S: StatsTeam, con
     let mean = row_mean::<S, CENTERED>(
         || {
             let mut sum = 0.0;
-            for_each_chunk::<T, S, false, 0>(n, |j, _, _| sum += scaled(j));
+            for_each_chunk::<T, S, ELEMENTS, 0>(n, |j, _, _| sum += scaled(j));
             sum
         },
         n,
     );
     let mut m2 = 0.0;
-    for_each_chunk::<T, S, false, 0>(n, |j, _, _| {
+    for_each_chunk::<T, S, ELEMENTS, 0>(n, |j, _, _| {
         let d = scaled(j) - mean;
         m2 = fma(d, d, m2);
     });
     let norm = RowNorm::of_scaled(mean, S::sum(m2), n, eps);
-    for_each_chunk::<T, S, false, 0>(n, |j, len, _| {
+    for_each_chunk::<T, S, ELEMENTS, 0>(n, |j, len, _| {
         // SAFETY: as above; the caller's guarantee for y, gamma and beta.
         unsafe {
             write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(
@@ -921,7 +926,7 @@ unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, con
     let mean = row_mean::<S, CENTERED>(
         || {
             // SAFETY: the caller's guarantee: `held`, the staging and x are this row's.
-            let mut sum = unsafe { rank_sum::<T, S, true, PART_HELD>(held, x, n) };
+            let mut sum = unsafe { rank_sum::<T, S, PACKS, PART_HELD>(held, x, n) };
             // SAFETY: the staging holds this row's packs past the held ones, filled by
             // this rank.
             unsafe { staged.for_each::<T, S>(n, |_, v| sum += v[..T::PACK].iter().sum::<f32>()) };
@@ -930,7 +935,7 @@ unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, con
         n,
     );
     // SAFETY: as for the sum: `held` and x are this row's.
-    let mut m2 = unsafe { rank_m2::<T, S, true, PART_HELD>(held, x, n, mean) };
+    let mut m2 = unsafe { rank_m2::<T, S, PACKS, PART_HELD>(held, x, n, mean) };
     // SAFETY: as for the sum: the staging is this rank's copy of this row.
     unsafe {
         staged.for_each::<T, S>(n, |_, v| {
@@ -943,7 +948,7 @@ unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, con
     // SAFETY: y holds the row and gamma, beta its n columns (the caller's guarantee), all
     // 16-byte aligned; `held` and the staging hold this row's x.
     unsafe {
-        write_y::<T, Y, W, S, CENTERED, true, PART_HELD>(held, x, affine, y, n, norm);
+        write_y::<T, Y, W, S, CENTERED, PACKS, PART_HELD>(held, x, affine, y, n, norm);
         staged.for_each::<T, S>(n, |j, v| {
             write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(affine, y, j, T::PACK, v, norm)
         });
@@ -956,14 +961,14 @@ unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, con
 /// # Safety
 /// As [`forward_row`] requires of `x` and `n`; `held` holds the row's first packs.
 #[inline(always)]
-unsafe fn rank_sum<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
+unsafe fn rank_sum<T: Element, S: StatsTeam, const CHUNK: usize, const HELD: usize>(
     held: &Held<HELD>,
     x: *const T,
     n: u32,
 ) -> f32 {
     let mut sum = 0.0;
-    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
-        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
+    for_each_chunk::<T, S, CHUNK, HELD>(n, |j, len, slot| {
+        // SAFETY: for_each_chunk yields in-bounds chunks, whole chunks aligned.
         let v = unsafe { values(held, x, j, len, slot) };
         sum += v[..len].iter().sum::<f32>();
     });
@@ -975,14 +980,14 @@ unsafe fn rank_sum<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usi
 /// # Safety
 /// As for [`rank_sum`].
 #[inline(always)]
-unsafe fn rank_m2<T: Element, S: StatsTeam, const PACKED: bool, const HELD: usize>(
+unsafe fn rank_m2<T: Element, S: StatsTeam, const CHUNK: usize, const HELD: usize>(
     held: &Held<HELD>,
     x: *const T,
     n: u32,
     mean: f32,
 ) -> f32 {
     let mut m2 = 0.0;
-    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
+    for_each_chunk::<T, S, CHUNK, HELD>(n, |j, len, slot| {
         // SAFETY: as for rank_sum.
         let v = unsafe { values(held, x, j, len, slot) };
         for &v in &v[..len] {
@@ -1005,7 +1010,7 @@ unsafe fn write_y<
     W: Element,
     S: StatsTeam,
     const CENTERED: bool,
-    const PACKED: bool,
+    const CHUNK: usize,
     const HELD: usize,
 >(
     held: &Held<HELD>,
@@ -1015,20 +1020,20 @@ unsafe fn write_y<
     n: u32,
     norm: RowNorm<CENTERED>,
 ) {
-    if HELD == 0 && (!PACKED || !CENTERED) {
+    if HELD == 0 && (CHUNK != PACKS || !CENTERED) {
         // Rows read again, RMSNorm's and those read element by element: a batch of loads at
         // once. (LayerNorm's packs go one at a time: 4 at once, with gamma's and beta's, lost
         // 6% at f32 N = 131072 and 24% at bf16 262144, after v54.)
-        // SAFETY: as for this function: the row is x's, aligned where PACKED.
+        // SAFETY: as for this function: the row is x's, aligned to its chunks.
         unsafe {
-            for_each_read::<T, S, PACKED>(x, n, |j, len, v| {
+            for_each_read::<T, S, CHUNK>(x, n, |j, len, v| {
                 write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(affine, y, j, len, *v, norm)
             })
         };
         return;
     }
-    for_each_chunk::<T, S, PACKED, HELD>(n, |j, len, slot| {
-        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
+    for_each_chunk::<T, S, CHUNK, HELD>(n, |j, len, slot| {
+        // SAFETY: for_each_chunk yields in-bounds chunks, whole chunks aligned.
         unsafe {
             write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(
                 affine,
@@ -1076,7 +1081,7 @@ unsafe fn write_y_streamed<T: Element, Y: Element, W: Element, S: Team, const CE
 /// y of chunk (`j`, `len`) of a row of type `T` from its values `xv`, whose xhat `norm`
 /// gives (x's own, or for the pipelined block's centred d_j [`RowNorm::centred`]'s), y of
 /// type `Y` (T's, or f16/bf16 beside a residual stream in f32), stored evict-first where
-/// `EVICT_FIRST` ([`write_as`]), the weights read through the read-only path where
+/// `EVICT_FIRST` ([`write_with`]), the weights read through the read-only path where
 /// `WEIGHTS_READ_ONLY` ([`read_cached`]). RMSNorm's read no beta.
 ///
 /// # Safety
@@ -1102,9 +1107,9 @@ unsafe fn write_y_chunk<
     let mut out = xv;
     // SAFETY: the caller's guarantee.
     unsafe {
-        for_each_weight_pack::<T, W, WEIGHTS_READ_ONLY>(affine.gamma, j, len, |at, step, g| {
+        for_each_weight_pack::<W, WEIGHTS_READ_ONLY>(affine.gamma, j, len, |at, step, g| {
             if CENTERED {
-                let b = read_cached::<T, W, WEIGHTS_READ_ONLY>(affine.beta, j + at as u32, step);
+                let b = read_cached::<W, WEIGHTS_READ_ONLY>(affine.beta, j + at as u32, step);
                 for k in 0..step {
                     out[at + k] =
                         y_of::<CENTERED, X_CENTERED>(norm, xv[at + k], g[k] + affine.gamma_offset, b[k]);
@@ -1118,7 +1123,7 @@ unsafe fn write_y_chunk<
         })
     };
     // SAFETY: as above.
-    unsafe { write_as::<T, Y, EVICT_FIRST>(y, j, len, &out) };
+    unsafe { write_with::<Y, EVICT_FIRST>(y, j, len, &out) };
 }
 
 /// One element's y from its x (or the centred d_j that `norm` takes), its weight with the
@@ -1506,20 +1511,20 @@ unsafe fn pipeline<
         // none: they go out at once, and this row's one pass sums x_j^2).
         let sum = if CENTERED {
             // SAFETY: the row is aligned whole packs that fit, held in `held`.
-            unsafe { rank_sum::<T, S, true, PIPE_HELD>(&held, x_row, n) }
+            unsafe { rank_sum::<T, S, PACKS, PIPE_HELD>(&held, x_row, n) }
         } else {
             0.0
         };
         loaded = load(next, ahead(next));
         let m = row_mean::<S, CENTERED>(|| sum, n);
         // SAFETY: as for the sum: `held` holds this row.
-        let m2 = S::sum(unsafe { rank_m2::<T, S, true, PIPE_HELD>(&held, x_row, n, m) });
+        let m2 = S::sum(unsafe { rank_m2::<T, S, PACKS, PIPE_HELD>(&held, x_row, n, m) });
         // SAFETY: row < rows: the row lies inside y, its statistics inside mean and rstd.
         unsafe {
             let y_row = y.add(row as usize * n as usize);
             let norm = match RowNorm::of(m, m2, n, eps) {
                 Some(norm) => {
-                    write_y::<T, Y, W, S, CENTERED, true, PIPE_HELD>(&held, x_row, affine, y_row, n, norm);
+                    write_y::<T, Y, W, S, CENTERED, PACKS, PIPE_HELD>(&held, x_row, affine, y_row, n, norm);
                     norm
                 }
                 None => {
@@ -1574,9 +1579,9 @@ unsafe fn forward_few_rows<T: Element, W: Element, S: StatsTeam, const CENTERED:
             )
         };
         // SAFETY: `held` holds the whole row (it fits).
-        let m = row_mean::<S, CENTERED>(|| unsafe { rank_sum::<T, S, true, K>(&held, x_row, n) }, n);
+        let m = row_mean::<S, CENTERED>(|| unsafe { rank_sum::<T, S, PACKS, K>(&held, x_row, n) }, n);
         // SAFETY: as above.
-        let m2 = S::sum(unsafe { rank_m2::<T, S, true, K>(&held, x_row, n, m) });
+        let m2 = S::sum(unsafe { rank_m2::<T, S, PACKS, K>(&held, x_row, n, m) });
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
         unsafe {
             let norm = match RowNorm::of(m, m2, n, eps) {
@@ -1619,9 +1624,9 @@ impl<const K: usize> HeldAffine<K> {
             let j = p * T::PACK as u32;
             // SAFETY: p < packs: the pack's columns lie inside gamma and beta, aligned.
             unsafe {
-                weights.gamma[c] = read_cached::<T, W, true>(affine.gamma, j, T::PACK);
+                weights.gamma[c] = read_cached::<W, true>(affine.gamma, j, T::PACK);
                 if CENTERED {
-                    weights.beta[c] = read_cached::<T, W, true>(affine.beta, j, T::PACK);
+                    weights.beta[c] = read_cached::<W, true>(affine.beta, j, T::PACK);
                 }
             }
         });

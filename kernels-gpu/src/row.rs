@@ -2,7 +2,7 @@
 //! registers so that a second pass over the row costs no memory traffic at all.
 
 use crate::device;
-use crate::element::{Element, MAX_PACK, Pack, load_pack, read, read_as};
+use crate::element::{Element, MAX_PACK, Pack, load_pack, read, read_half_pack};
 use crate::team::Team;
 
 /// The most packs per rank a [`Held`] may hold (`for_each_chunk` is written out for 8).
@@ -168,7 +168,9 @@ fn each_slot<const K: usize>(mut f: impl FnMut(usize)) {
     slot(7);
 }
 
-/// The values of chunk (`start`, `len`): from slot `c` of `held`, or read from `row`.
+/// The values of chunk (`start`, `len`): from slot `c` of `held`, or read from `row` (one
+/// vector for `len` > 1: 8 bytes for the four f16/bf16 columns of an f32 row's pack,
+/// [`Held::load_as`]).
 ///
 /// # Safety
 /// As for [`crate::element::read`] when the chunk is not held.
@@ -180,27 +182,10 @@ pub unsafe fn values<T: Element, const K: usize>(
     len: usize,
     slot: Option<usize>,
 ) -> Pack {
-    // SAFETY: the caller's guarantee.
-    unsafe { values_as::<T, T, K>(held, row, start, len, slot) }
-}
-
-/// As [`values`], for values of `T` walked in chunks of row type `G` (dy of f16/bf16
-/// beside rows of f32: [`Held::load_as`], [`read_as`]).
-///
-/// # Safety
-/// As for [`read_as`] when the chunk is not held.
-#[inline(always)]
-pub unsafe fn values_as<G: Element, T: Element, const K: usize>(
-    held: &Held<K>,
-    row: *const T,
-    start: u32,
-    len: usize,
-    slot: Option<usize>,
-) -> Pack {
     match slot {
         Some(c) => held.pack::<T>(c),
         // SAFETY: the caller guarantees bounds and alignment.
-        None => unsafe { read_as::<G, T>(row, start, len) },
+        None => unsafe { read(row, start, len) },
     }
 }
 
@@ -428,100 +413,183 @@ impl Staged<0> {
     }
 }
 
+/// The chunks a row walk takes ([`for_each_chunk`], [`for_each_read`]), named by their
+/// bytes (the const `CHUNK`): whole 16-byte packs where every pointer of the row is 16-byte
+/// aligned, half packs (8 bytes: 4 f16/bf16 columns or 2 f32) where all are 8-byte
+/// aligned, else single elements. A row of f16 whose length is a multiple of 4 but not 8
+/// starts 16-byte aligned every other row and 8-byte aligned on the others.
+pub const PACKS: usize = 16;
+/// Half packs: see [`PACKS`].
+pub const HALF_PACKS: usize = 8;
+/// Single elements: see [`PACKS`].
+pub const ELEMENTS: usize = 1;
+
+/// The widest chunk ([`PACKS`], [`HALF_PACKS`] or [`ELEMENTS`]) a row of `T` allows: its
+/// pointers `rows` aligned to the chunk's bytes, and its weights' `weights` (of `W`) to
+/// their vector's, the chunk's columns of `W` (f32 weights beside a half pack of f16: 16
+/// bytes), or 16 where that is more (two loads). Half packs need weights no narrower than
+/// the row (their f16 columns beside two of f32 would be 4 bytes).
+#[inline(always)]
+pub fn chunk_of<T: Element, W: Element>(rows: &[usize], weights: &[usize]) -> usize {
+    let aligned = |chunk: usize| {
+        let weight_bytes = (chunk / size_of::<T>() * size_of::<W>()).min(PACKS);
+        rows.iter().all(|p| p.is_multiple_of(chunk)) && weights.iter().all(|p| p.is_multiple_of(weight_bytes))
+    };
+    if aligned(PACKS) {
+        PACKS
+    } else if size_of::<W>() >= size_of::<T>() && aligned(HALF_PACKS) {
+        HALF_PACKS
+    } else {
+        ELEMENTS
+    }
+}
+
+/// The elements of a `CHUNK`-byte chunk of `T`.
+#[inline(always)]
+const fn chunk_len<T: Element, const CHUNK: usize>() -> usize {
+    if CHUNK == ELEMENTS {
+        1
+    } else {
+        CHUNK / size_of::<T>()
+    }
+}
+
 /// Calls `f(start, len, slot)` for each piece of an `n`-element row this rank handles.
 ///
-/// With `PACKED` (every pointer of the row 16-byte aligned), rank r takes the packs
-/// r, r + size, ... (len = `T::PACK`), so a warp's loads cover contiguous 512-byte spans;
-/// with `K` > 0 these are exactly the packs a [`Held<K>`] holds (the caller checked [`fits`])
-/// and `slot` names them. The `n % PACK` elements after the last whole pack follow one by
-/// one (len = 1, slot None). Without `PACKED`, every element goes one by one.
+/// Chunks of `CHUNK` bytes ([`PACKS`]: every pointer of the row 16-byte aligned; [`HALF_PACKS`]:
+/// 8-byte): rank r takes chunks r, r + size, ..., so a warp's loads cover contiguous spans
+/// (512 bytes of packs); with `K` > 0 (packs only) these are exactly the packs a
+/// [`Held<K>`] holds (the caller checked [`fits`]) and `slot` names them. The elements after
+/// the last whole chunk follow one by one (len = 1, slot None); with [`ELEMENTS`], every
+/// element does.
 #[inline(always)]
-pub fn for_each_chunk<T: Element, S: Team, const PACKED: bool, const K: usize>(
+pub fn for_each_chunk<T: Element, S: Team, const CHUNK: usize, const K: usize>(
     n: u32,
     mut f: impl FnMut(u32, usize, Option<usize>),
 ) {
-    let width = if PACKED { T::PACK as u32 } else { 1 };
-    let packs = n / width;
-    if PACKED && K > 0 {
+    const { assert!(K == 0 || CHUNK == PACKS) };
+    let width = chunk_len::<T, CHUNK>() as u32;
+    let chunks = n / width;
+    if K > 0 {
         // Slot by slot ([`each_slot`]), so that `Held`'s slots stay registers.
         each_slot::<K>(|c| {
             let p = S::rank() + c as u32 * S::size();
-            if p < packs {
+            if p < chunks {
                 f(p * width, T::PACK, Some(c));
             }
         });
     } else {
         let mut p = S::rank();
-        while p < packs {
+        while p < chunks {
             f(p * width, width as usize, None);
             p += S::size();
         }
     }
-    let mut j = packs * width + S::rank();
+    let mut j = chunks * width + S::rank();
     while j < n {
         f(j, 1, None);
         j += S::size();
     }
 }
 
-/// What a rank of a row no rank holds reads at once ([`for_each_read`]): 4 packs (64 bytes
-/// in flight a rank), or `layout::READ_BATCH_ELEMENTS` elements of a row not 16-byte
-/// aligned. A load at a time left a rank 16 bytes in flight (2 to 4 element by element)
-/// for DRAM's whole latency (v56).
+/// What a rank of a row no rank holds reads at once ([`for_each_read`]): 4 packs or 8
+/// half packs (64 bytes in flight a rank), or `layout::READ_BATCH_ELEMENTS` elements of a
+/// row not 8-byte aligned. A load at a time left a rank 16 bytes in flight (2 to 4 element
+/// by element) for DRAM's whole latency (v56).
 const READ_BATCH_PACKS: usize = 4;
+const READ_BATCH_HALF_PACKS: usize = 2 * READ_BATCH_PACKS;
 const READ_BATCH_ELEMENTS: usize = crate::layout::READ_BATCH_ELEMENTS as usize;
+/// The most chunks a batch holds.
+const READ_BATCH_MAX: usize = if READ_BATCH_ELEMENTS > READ_BATCH_HALF_PACKS {
+    READ_BATCH_ELEMENTS
+} else {
+    READ_BATCH_HALF_PACKS
+};
 
 /// As [`for_each_chunk`] over a row no rank holds (`K` = 0), with the chunks' values read
-/// from `row` for `f(start, len, values)`: this rank's whole chunks (packs where `PACKED`,
-/// else elements) a batch at a time, the batch's loads issued before `f` sees any of them,
-/// then the rest one by one. Each rank takes the chunks [`for_each_chunk`] gives it.
+/// from `row` for `f(start, len, values)`: this rank's whole chunks of `CHUNK` bytes a
+/// batch at a time, the batch's loads issued before `f` sees any of them, then the rest one
+/// by one. Each rank takes the chunks [`for_each_chunk`] gives it.
 ///
 /// # Safety
-/// `row` holds `n` elements, 16-byte aligned where `PACKED`.
+/// `row` holds `n` elements, aligned to `CHUNK`'s bytes.
 #[inline(always)]
-pub unsafe fn for_each_read<T: Element, S: Team, const PACKED: bool>(
+pub unsafe fn for_each_read<T: Element, S: Team, const CHUNK: usize>(
     row: *const T,
     n: u32,
     mut f: impl FnMut(u32, usize, &Pack),
 ) {
     // SAFETY: the caller's guarantee.
     unsafe {
-        read_batches::<T, S, PACKED>(row, n, |start, step, width, v, count| {
-            for (u, v) in v.iter().enumerate().take(count) {
-                f(start + u as u32 * step, width, v);
-            }
+        read_batches::<T, S, CHUNK>(row, n, |start, step, width, v, count| {
+            // Written out ([`each_slot`]): a loop over a batch of half packs, whose y is
+            // large, stayed a loop and indexed the batch in local memory.
+            each_slot::<READ_BATCH_MAX>(|u| {
+                if u < count {
+                    f(start + u as u32 * step, width, &v[u]);
+                }
+            })
         })
     }
 }
 
 /// As [`for_each_read`], for a caller that needs the values only, not their columns (a
-/// row's statistics): `f(values)` takes a pack's values, or a batch's elements gathered
-/// into one call, so that LayerNorm's Chan merge (a division) comes once a batch of
-/// elements rather than once an element.
+/// row's statistics): `f(values)` takes a pack's values, or a batch's half packs or
+/// elements gathered into one call, so that LayerNorm's Chan merge (a division) comes once
+/// a batch rather than once a chunk.
 ///
 /// # Safety
 /// As for [`for_each_read`].
 #[inline(always)]
-pub unsafe fn for_each_read_values<T: Element, S: Team, const PACKED: bool>(
+pub unsafe fn for_each_read_values<T: Element, S: Team, const CHUNK: usize>(
     row: *const T,
     n: u32,
     mut f: impl FnMut(&[f32]),
 ) {
     // SAFETY: the caller's guarantee.
     unsafe {
-        read_batches::<T, S, PACKED>(row, n, |_, _, width, v, count| {
-            if width == 1 {
-                let mut gathered = [0.0; READ_BATCH_ELEMENTS];
-                for (g, v) in gathered.iter_mut().zip(v).take(count) {
-                    *g = v[0];
+        read_batches::<T, S, CHUNK>(row, n, |_, _, width, v, count| {
+            if width < T::PACK {
+                // Constant indices only, so that the batch stays in registers.
+                let mut gathered = [0.0; READ_BATCH_MAX * MAX_PACK / 2];
+                for u in 0..READ_BATCH_MAX {
+                    for k in 0..MAX_PACK / 2 {
+                        if u < count && k < width {
+                            gathered[u * width + k] = v[u][k];
+                        }
+                    }
                 }
-                f(&gathered[..count]);
+                f(&gathered[..count * width]);
             } else {
-                for v in v.iter().take(count) {
-                    f(&v[..width]);
-                }
+                each_slot::<READ_BATCH_MAX>(|u| {
+                    if u < count {
+                        f(&v[u][..width]);
+                    }
+                })
             }
         })
+    }
+}
+
+/// Whether every rank of team `S` has a whole batch of `CHUNK`-byte chunks of an
+/// `n`-element row to read ([`for_each_read`]); a rank's chunks past its last whole batch
+/// are read one at a time, a DRAM round trip each.
+#[inline(always)]
+pub fn fills_a_batch<T: Element, S: Team, const CHUNK: usize>(n: u32) -> bool {
+    n / chunk_len::<T, CHUNK>() as u32 >= read_batch::<S, CHUNK>() as u32 * S::size()
+}
+
+/// Chunks a batch of [`for_each_read`] holds.
+#[inline(always)]
+fn read_batch<S: Team, const CHUNK: usize>() -> usize {
+    match (CHUNK, S::HOLDS_PART_OF_LONG_ROWS) {
+        (ELEMENTS, _) => READ_BATCH_ELEMENTS,
+        (PACKS, true) => READ_BATCH_PACKS,
+        (_, true) => READ_BATCH_HALF_PACKS,
+        // Warp teams, which the host gives only rows short enough for warps: 16 bytes at a
+        // time, a pack or two half packs (batches of packs cost their 64 registers a spill
+        // on sm_80).
+        (_, false) => PACKS / CHUNK,
     }
 }
 
@@ -532,39 +600,43 @@ pub unsafe fn for_each_read_values<T: Element, S: Team, const PACKED: bool>(
 /// # Safety
 /// As for [`for_each_read`].
 #[inline(always)]
-unsafe fn read_batches<T: Element, S: Team, const PACKED: bool>(
+unsafe fn read_batches<T: Element, S: Team, const CHUNK: usize>(
     row: *const T,
     n: u32,
-    mut f: impl FnMut(u32, u32, usize, &[Pack; READ_BATCH_ELEMENTS], usize),
+    mut f: impl FnMut(u32, u32, usize, &[Pack; READ_BATCH_MAX], usize),
 ) {
-    // Warp teams, which the host gives only packed rows they hold, read packs one at a
-    // time: batched, the path cost their 64 registers a spill (sm_80).
-    let (width, batch) = match (PACKED, S::HOLDS_PART_OF_LONG_ROWS) {
-        (true, true) => (T::PACK as u32, READ_BATCH_PACKS),
-        (true, false) => (T::PACK as u32, 1),
-        (false, _) => (1, READ_BATCH_ELEMENTS),
+    let (width, batch) = (chunk_len::<T, CHUNK>() as u32, read_batch::<S, CHUNK>());
+    // Called below with whole chunks of the row (or its elements), aligned to CHUNK.
+    let load = |start: u32, len: usize| {
+        // SAFETY: the caller's guarantee, for a chunk inside the row.
+        unsafe {
+            if CHUNK == HALF_PACKS {
+                read_half_pack(row, start, len)
+            } else {
+                read(row, start, len)
+            }
+        }
     };
     let (chunks, size) = (n / width, S::size());
     let mut c = S::rank();
     while c + (batch as u32 - 1) * size < chunks {
-        let mut v = [[0.0; MAX_PACK]; READ_BATCH_ELEMENTS];
+        let mut v = [[0.0; MAX_PACK]; READ_BATCH_MAX];
         for (u, v) in v.iter_mut().enumerate().take(batch) {
-            // SAFETY: chunk c + u size < chunks lies inside the row, aligned where PACKED.
-            *v = unsafe { read(row, (c + u as u32 * size) * width, width as usize) };
+            // Chunk c + u size < chunks.
+            *v = load((c + u as u32 * size) * width, width as usize);
         }
         f(c * width, size * width, width as usize, &v, batch);
         c += batch as u32 * size;
     }
     while c < chunks {
-        let mut v = [[0.0; MAX_PACK]; READ_BATCH_ELEMENTS];
-        // SAFETY: as above.
-        v[0] = unsafe { read(row, c * width, width as usize) };
+        let mut v = [[0.0; MAX_PACK]; READ_BATCH_MAX];
+        v[0] = load(c * width, width as usize);
         f(c * width, 0, width as usize, &v, 1);
         c += size;
     }
     let mut j = chunks * width + S::rank();
     while j < n {
-        let mut v = [[0.0; MAX_PACK]; READ_BATCH_ELEMENTS];
+        let mut v = [[0.0; MAX_PACK]; READ_BATCH_MAX];
         // SAFETY: j < n.
         v[0] = unsafe { read(row, j, 1) };
         f(j, 0, 1, &v, 1);

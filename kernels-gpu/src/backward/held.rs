@@ -4,8 +4,8 @@
 use super::partials::Destination;
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device::{self, fma};
-use crate::element::{Element, MAX_PACK, Pack, read, write, write_as};
-use crate::row::{BWD_HELD, Held, for_each_chunk, prefetch};
+use crate::element::{Element, MAX_PACK, Pack, read, write};
+use crate::row::{BWD_HELD, Held, PACKS, for_each_chunk, prefetch};
 use crate::team::Team;
 
 /// One rank's partial dgamma and dbeta over the rows its team handled, for the columns of
@@ -209,7 +209,7 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
     // yields is a held slot (c a constant in each copy: the kept terms stay registers).
     let (mut xhats, mut wdys) = ([[0.0f32; MAX_PACK]; BWD_HELD], [[0.0f32; MAX_PACK]; BWD_HELD]);
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
-    for_each_chunk::<X, S, true, BWD_HELD>(r.cols, |j, _, slot| {
+    for_each_chunk::<X, S, PACKS, BWD_HELD>(r.cols, |j, _, slot| {
         let c = slot.unwrap_or(0);
         let (xv, dyv) = (xs.pack::<X>(c), dys.pack::<T>(c));
         // SAFETY: j is a pack of the row, aligned (the caller's guarantee).
@@ -232,7 +232,7 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
 
     // Pass 2.
     let (dsum, dres) = (r.dsum_row(offset), r.dres_row(offset));
-    for_each_chunk::<X, S, true, BWD_HELD>(r.cols, |j, _, slot| {
+    for_each_chunk::<X, S, PACKS, BWD_HELD>(r.cols, |j, _, slot| {
         let c = slot.unwrap_or(0);
         let wdyv = if keep_wdy { wdys[c] } else { wdy(j, c) };
         let mut out = [0.0; MAX_PACK];
@@ -249,7 +249,7 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
         }
         // SAFETY: as above.
         unsafe {
-            write_as::<X, T, false>(dx, j, X::PACK, &out);
+            write(dx, j, X::PACK, &out);
             if let Some(dres) = dres {
                 write(dres, j, X::PACK, &out);
             }

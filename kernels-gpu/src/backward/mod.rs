@@ -147,7 +147,7 @@ impl<X, T, W> Rows<X, T, W> {
         W: Element,
     {
         // SAFETY: the caller's guarantee.
-        let mut g = unsafe { read_cached::<X, W, true>(self.gamma, j, len) };
+        let mut g = unsafe { read_cached::<W, true>(self.gamma, j, len) };
         for g in &mut g[..len] {
             *g += self.gamma_offset;
         }

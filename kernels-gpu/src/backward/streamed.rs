@@ -6,15 +6,15 @@
 use super::partials::{Destination, PartialRow, padded, padded_len};
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device;
-use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, is_pack_aligned_as, read, write, write_as};
-use crate::row::{BWD_HELD, Held, fits, for_each_chunk, prefetch, values, values_as};
+use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, is_pack_aligned_as, read, write};
+use crate::row::{BWD_HELD, ELEMENTS, Held, PACKS, fits, for_each_chunk, prefetch, values};
 use crate::team::{SCRATCH_BYTES, Team};
 
 /// dx for one row, and its partials into `part`, a row this team alone writes; `HELD` packs
 /// of x and dy per rank stay in registers across the passes.
 ///
 /// # Safety
-/// `row` < `r.rows`; with `PACKED` every row pointer (dsum's too, where given) and gamma
+/// `row` < `r.rows`; `CHUNK` [`PACKS`] or [`ELEMENTS`]; with [`PACKS`] every row pointer (dsum's too, where given) and gamma
 /// are 16-byte aligned; with `HELD` > 0 the row [`fits`].
 #[inline(always)]
 pub(crate) unsafe fn backward_row<
@@ -22,7 +22,7 @@ pub(crate) unsafe fn backward_row<
     T: Element,
     W: Element,
     S: Team,
-    const PACKED: bool,
+    const CHUNK: usize,
     const HELD: usize,
 >(
     r: &Rows<X, T, W>,
@@ -41,7 +41,7 @@ pub(crate) unsafe fn backward_row<
         )
     };
     let (n, cols) = (r.n, r.cols);
-    let packs = if PACKED { cols / X::PACK as u32 } else { 0 };
+    let packs = if CHUNK == PACKS { cols / X::PACK as u32 } else { 0 };
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let (xs, dys) = unsafe {
         (
@@ -63,11 +63,11 @@ pub(crate) unsafe fn backward_row<
     let centering = Centering::new(mean, rstd);
     // (xhat, gamma * dy, dy) of one chunk.
     let terms = |j: u32, len: usize, slot: Option<usize>| -> (Pack, Pack, Pack) {
-        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when PACKED.
+        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when CHUNK is PACKS.
         let (xv, dyv, g) = unsafe {
             (
                 values(&xs, x, j, len, slot),
-                values_as::<X, T, HELD>(&dys, dy, j, len, slot),
+                values(&dys, dy, j, len, slot),
                 r.gamma(j, len),
             )
         };
@@ -82,7 +82,7 @@ pub(crate) unsafe fn backward_row<
     // Pass 1: the row sums (the same arithmetic as the held path's, so that dx is the same
     // bits whichever path computed it).
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
-    for_each_chunk::<X, S, PACKED, HELD>(cols, |j, len, slot| {
+    for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
         let (xhat, wdy, _) = terms(j, len, slot);
         for k in 0..len {
             (s1, s2) = add_row_sums(s1, s2, xhat[k], wdy[k]);
@@ -93,7 +93,7 @@ pub(crate) unsafe fn backward_row<
 
     // Pass 2: dx (with dsum, where given), and the residual's copy of it where asked.
     let (dsum, dres) = (r.dsum_row(offset), r.dres_row(offset));
-    for_each_chunk::<X, S, PACKED, HELD>(cols, |j, len, slot| {
+    for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
         let (xhat, wdy, _) = terms(j, len, slot);
         let mut out = [0.0; MAX_PACK];
         for k in 0..len {
@@ -108,7 +108,7 @@ pub(crate) unsafe fn backward_row<
         }
         // SAFETY: as above; dres holds the row as dsum does.
         unsafe {
-            write_as::<X, T, false>(dx, j, len, &out);
+            write(dx, j, len, &out);
             if let Some(dres) = dres {
                 write(dres, j, len, &out);
             }
@@ -118,7 +118,7 @@ pub(crate) unsafe fn backward_row<
     // Pass 3: the partials (dy * xhat, dy) into the team's row. A pass of its own keeps
     // fewer values live than adding them during pass 2 (no register spills at 64 per
     // thread), and held rows cost no memory.
-    for_each_chunk::<X, S, PACKED, HELD>(cols, |j, len, slot| {
+    for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
         let (xhat, _, dyv) = terms(j, len, slot);
         let mut dgamma = [0.0; MAX_PACK];
         for k in 0..len {
@@ -150,11 +150,11 @@ pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Tea
     // SAFETY: row < rows; `packed` was checked for every pointer the packed paths read.
     unsafe {
         if packed && fits::<X, S, BWD_HELD>(r.cols) {
-            backward_row::<X, T, W, S, true, BWD_HELD>(r, row, part)
+            backward_row::<X, T, W, S, PACKS, BWD_HELD>(r, row, part)
         } else if packed {
-            backward_row::<X, T, W, S, true, 0>(r, row, part)
+            backward_row::<X, T, W, S, PACKS, 0>(r, row, part)
         } else {
-            backward_row::<X, T, W, S, false, 0>(r, row, part)
+            backward_row::<X, T, W, S, ELEMENTS, 0>(r, row, part)
         }
     }
 }
