@@ -69,8 +69,12 @@
 //!     pack's exact mean and M2, Chan merges across packs, lanes and warps; RMSNorm's plain
 //!     sum of squares), and y's pass reading x again (from L2 while the rows in flight fit
 //!     there);
-//!   - element by element: rows with a pointer not 16-byte aligned, as streamed, 8
-//!     elements a rank read at once and merged into the statistics as one.
+//!   - half packs: rows whose pointers are 8-byte aligned but not all 16 (f16/bf16 rows
+//!     of a multiple of 4 columns, every other row), as streamed, 8 bytes a load, 8 loads
+//!     a rank at once and merged into the statistics as one, read through L1 for y's pass,
+//!     where every rank has a whole batch of them (`row::chunk_of`, `row::fills_a_batch`);
+//!   - element by element: the other rows, as streamed, 8 elements a rank read at once
+//!     and merged into the statistics as one.
 //!
 //! Any kernel takes a row whose f32 statistics overflowed through [`forward_row_huge`].
 //! M2 is summed with `fma`, and f16/bf16 y narrowed two values at a time; y itself stays a
