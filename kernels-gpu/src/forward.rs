@@ -636,13 +636,13 @@ const SUM_BATCH: usize = 2;
 
 /// The residual add of one streamed row, before its normalization:
 ///   s_j = x_j + residual_j   (in f32, rounded once to `T`)
-/// written to `sum` in this rank's own chunks, the ones `for_each_chunk::<T, S, PACKS or ELEMENTS, _>`
-/// gives it: every later pass of this rank over s reads only what it wrote itself, so the
-/// team needs no barrier (program order covers a thread's own stores), and s comes back from
-/// L2, which keeps DRAM traffic to x, residual, s and y once each. Packed rows go
-/// `SUM_BATCH` packs a rank at a time, every load of a batch issued before its first store:
-/// a store orders the loads after it, so a load-add-store loop would wait out a DRAM latency
-/// per pack.
+/// written to `sum` in this rank's own chunks, the ones `for_each_chunk` gives it over
+/// packs or elements: every later pass of this rank over s reads only what it wrote
+/// itself, so the team needs no barrier (program order covers a thread's own stores), and
+/// s comes back from L2, which keeps DRAM traffic to x, residual, s and y once each. Packed
+/// rows go `SUM_BATCH` packs a rank at a time, every load of a batch issued before its
+/// first store: a store orders the loads after it, so a load-add-store loop would wait out
+/// a DRAM latency per pack.
 ///
 /// # Safety
 /// x, residual and sum hold the `n`-element row; with `PACKED`, all three 16-byte aligned.

@@ -14,8 +14,9 @@ use crate::team::{SCRATCH_BYTES, Team};
 /// of x and dy per rank stay in registers across the passes.
 ///
 /// # Safety
-/// `row` < `r.rows`; `CHUNK` [`PACKS`] or [`ELEMENTS`]; with [`PACKS`] every row pointer (dsum's too, where given) and gamma
-/// are 16-byte aligned; with `HELD` > 0 the row [`fits`].
+/// `row` < `r.rows`; `CHUNK` is [`PACKS`] or [`ELEMENTS`], and with [`PACKS`] every row
+/// pointer (dsum's too, where given) and gamma are 16-byte aligned; with `HELD` > 0 the row
+/// [`fits`].
 #[inline(always)]
 pub(crate) unsafe fn backward_row<
     X: Element,
