@@ -72,7 +72,7 @@
 //!   - half packs: rows whose pointers are 8-byte aligned but not all 16 (f16/bf16 rows
 //!     of a multiple of 4 columns, every other row), as streamed, 8 bytes a load, 8 loads
 //!     a rank at once and merged into the statistics as one, read through L1 for y's pass,
-//!     where every rank has a whole batch of them (`row::chunk_of`, `row::fills_a_batch`);
+//!     on block teams (`row::chunk_of`);
 //!   - element by element: the other rows, as streamed, 8 elements a rank read at once
 //!     and merged into the statistics as one.
 //!
@@ -90,8 +90,8 @@ use crate::element::{
 use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
 use crate::row::{
-    ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, Staged, Widened, chunk_of, each_held_slot, fills_a_batch,
-    fits, for_each_chunk, for_each_read, for_each_read_values, values,
+    ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, Staged, Widened, chunk_of, each_held_slot, fits,
+    for_each_chunk, for_each_read, for_each_read_values, values,
 };
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
@@ -263,11 +263,13 @@ impl<W: Copy> Affine<W> {
         }
     }
 
-    /// The same, with gamma through [`opaque_ptr`]: addresses into it are formed where used.
+    /// The same, with gamma and beta through [`opaque_ptr`]: addresses into them are formed
+    /// where used.
     #[inline(always)]
     fn each_row(self) -> Self {
         Affine {
             gamma: opaque_ptr(self.gamma),
+            beta: opaque_ptr(self.beta),
             ..self
         }
     }
@@ -288,9 +290,15 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
         let offset = row as usize * n as usize;
         // SAFETY: the row lies inside x and y (row < rows); the caller sized gamma and beta.
         let (x_row, y_row) = unsafe { (x.add(offset), y.add(offset)) };
-        // RMSNorm's y reads gamma alone, whose pack addresses LLVM then keeps across rows:
-        // the f32 kernel spilled them at its 64 registers. Taken anew each row instead.
-        let affine = if CENTERED { affine } else { affine.each_row() };
+        // The weights' pack addresses, which LLVM would keep across rows, formed anew each
+        // row: kept, they spilled at 64 registers in RMSNorm's f32 kernel and, with the short
+        // read batches, LayerNorm's f32 block kernel (formed anew, LayerNorm's 16-bit warp
+        // kernels with f32 weights spilled on sm_80).
+        let affine = if CENTERED && !S::HOLDS_PART_OF_LONG_ROWS {
+            affine
+        } else {
+            affine.each_row()
+        };
         let chunk = chunk_of::<T, W>(
             &[x_row as usize, y_row as usize],
             &[affine.gamma as usize, affine.beta as usize],
@@ -303,10 +311,9 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
                 forward_row_staged::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps, staged)
             } else if chunk == PACKS {
                 forward_row::<T, T, W, S, CENTERED, PACKS, 0>(x_row, affine, y_row, n, eps)
-            } else if chunk == HALF_PACKS && fills_a_batch::<T, S, HALF_PACKS>(n) {
-                // Where a rank has fewer half packs than a batch, its elements make more
-                // batches: f16 N = 1030 on 64 ranks, 4 half packs or 16 elements a rank,
-                // lost 7-10% in half packs (docs/PERF.md v59).
+            } else if chunk == HALF_PACKS && S::HOLDS_PART_OF_LONG_ROWS {
+                // Block teams only: the warp kernels, whose rows the host keeps short, lost
+                // nothing by their elements and kept their code smaller (docs/PERF.md v60).
                 forward_row::<T, T, W, S, CENTERED, HALF_PACKS, 0>(x_row, affine, y_row, n, eps)
             } else {
                 forward_row::<T, T, W, S, CENTERED, ELEMENTS, 0>(x_row, affine, y_row, n, eps)
