@@ -585,10 +585,10 @@ unsafe fn add_residual_stats<T: Element, Y: Element, S: Team>(
                 for c in 0..SUM_BATCH {
                     batch[c * T::PACK..][..T::PACK].copy_from_slice(&s.pack::<T>(c)[..T::PACK]);
                 }
-                stats = stats.merge(Stats::of(&batch[..SUM_BATCH * T::PACK]));
+                stats = stats.merge(Stats::of(&batch[..SUM_BATCH * T::PACK], 0.0));
             } else {
                 each_held_slot::<S, SUM_BATCH>(left, |c, _| {
-                    stats = stats.merge(Stats::of(&s.pack::<T>(c)[..T::PACK]))
+                    stats = stats.merge(Stats::of(&s.pack::<T>(c)[..T::PACK], 0.0))
                 });
             }
         })
@@ -815,20 +815,27 @@ unsafe fn normalize_row<
     } else {
         // LayerNorm's other rows: one pass over memory. Each pack's (or batch of half packs'
         // or elements') own (mean, M2) is exact in registers, and Chan's merges combine them:
-        // a division a merge, a batch one merge.
+        // a division a merge, a batch one merge. The values are taken less the row's first
+        // (every rank reads it: one load a warp), so that a row whose mean is 1000 times its
+        // spread keeps its digits: merged from its own values, single elements' merges on a
+        // warp lost rstd to 1.9e-5 of the float64 reference (bf16 N = 1000, docs/PERF.md v60).
+        // SAFETY: as for this function: element 0 lies in the row (n > 0).
+        let pivot = if n > 0 { unsafe { read(x, 0, 1)[0] } } else { 0.0 };
         let mut stats = Stats::EMPTY;
         if CHUNK == PACKS {
             for_each_chunk::<T, S, PACKS, 0>(n, |j, len, _| {
                 // SAFETY: for_each_chunk yields in-bounds chunks, whole packs aligned.
                 let v = unsafe { read(x, j, len) };
-                stats = stats.merge(Stats::of(&v[..len]));
+                stats = stats.merge(Stats::of(&v[..len], pivot));
             });
         } else {
             // SAFETY: as for this function.
-            unsafe { for_each_read_values::<T, S, CHUNK>(x, n, |v| stats = stats.merge(Stats::of(v))) };
+            unsafe {
+                for_each_read_values::<T, S, CHUNK>(x, n, |v| stats = stats.merge(Stats::of(v, pivot)))
+            };
         }
         let stats = S::reduce_stats(stats);
-        (stats.mean, stats.m2)
+        (pivot + stats.mean, stats.m2)
     };
     let norm = RowNorm::of(mean, m2, n, eps)?;
     // SAFETY: as for this function.
