@@ -736,6 +736,25 @@ unsafe fn add_residual_elements<T: Element, Y: Element, S: Team>(
     }
 }
 
+/// The statistics of a chunk's values (a pack, a batch or an element of a streamed
+/// LayerNorm row) less the row's first, `pivot`: merged about a value near them, the means
+/// and their differences in Chan's merges are of the row's spread, not its values, and a
+/// row whose mean is 1000 times its spread keeps its digits (merged about 0, single
+/// elements' merges on a warp lost rstd to 1.9e-5 of the float64 reference at bf16 N =
+/// 1000; docs/PERF.md v61). f32 values are taken less the pivot one by one, before their
+/// sums round. A chunk of 16-bit values (at most 32, of 8 or 11 significant bits) sums
+/// exactly in f32 where they lie near one another, the one case where the pivot matters:
+/// its mean is taken less the pivot once, the same number (one subtraction a value cost
+/// f16 N = 4100 3.8%).
+#[inline(always)]
+fn chunk_stats<T: Element>(v: &[f32], pivot: f32) -> Stats {
+    if size_of::<T>() < size_of::<f32>() {
+        Stats::of(v, 0.0).less(pivot)
+    } else {
+        Stats::of(v, pivot)
+    }
+}
+
 /// One row, holding `HELD` packs per rank in registers: writes y and returns the row's
 /// normalization, or writes nothing where its statistics overflowed (None: the caller
 /// then takes [`forward_row_huge`], once per kernel rather than once per path).
@@ -815,10 +834,8 @@ unsafe fn normalize_row<
     } else {
         // LayerNorm's other rows: one pass over memory. Each pack's (or batch of half packs'
         // or elements') own (mean, M2) is exact in registers, and Chan's merges combine them:
-        // a division a merge, a batch one merge. The values are taken less the row's first
-        // (every rank reads it: one load a warp), so that a row whose mean is 1000 times its
-        // spread keeps its digits: merged from its own values, single elements' merges on a
-        // warp lost rstd to 1.9e-5 of the float64 reference (bf16 N = 1000, docs/PERF.md v60).
+        // a division a merge, a batch one merge, each chunk's values taken less the row's
+        // first ([`chunk_stats`]; every rank reads it, one load a warp).
         // SAFETY: as for this function: element 0 lies in the row (n > 0).
         let pivot = if n > 0 { unsafe { read(x, 0, 1)[0] } } else { 0.0 };
         let mut stats = Stats::EMPTY;
@@ -826,12 +843,12 @@ unsafe fn normalize_row<
             for_each_chunk::<T, S, PACKS, 0>(n, |j, len, _| {
                 // SAFETY: for_each_chunk yields in-bounds chunks, whole packs aligned.
                 let v = unsafe { read(x, j, len) };
-                stats = stats.merge(Stats::of(&v[..len], pivot));
+                stats = stats.merge(chunk_stats::<T>(&v[..len], pivot));
             });
         } else {
             // SAFETY: as for this function.
             unsafe {
-                for_each_read_values::<T, S, CHUNK>(x, n, |v| stats = stats.merge(Stats::of(v, pivot)))
+                for_each_read_values::<T, S, CHUNK>(x, n, |v| stats = stats.merge(chunk_stats::<T>(v, pivot)))
             };
         }
         let stats = S::reduce_stats(stats);

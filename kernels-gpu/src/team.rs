@@ -71,6 +71,15 @@ impl Stats {
         Stats { n, mean, m2 }
     }
 
+    /// The same set, its mean taken `pivot` less.
+    #[inline(always)]
+    pub fn less(self, pivot: f32) -> Stats {
+        Stats {
+            mean: self.mean - pivot,
+            ..self
+        }
+    }
+
     #[inline(always)]
     fn shfl_down(self, delta: u32) -> Stats {
         Stats {
