@@ -2,7 +2,9 @@
 
 mod common;
 
-use common::{Rng, SHAPES, gpu_or_skip, mixed_matrix, poisoned, random_vec, rel_err, to_f64, tolerance};
+use common::{
+    Rng, SHAPES, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, rel_err, to_f64, tolerance,
+};
 use layernorm_cuda::{Device, Element, LayerNorm, bf16, f16};
 use layernorm_reference as reference;
 use ndarray::Array2;
@@ -97,16 +99,20 @@ fn gpu_forward_unaligned_rows_many() {
 /// Rows whose mean is 4000 times their spread, every one (`mixed_matrix` offsets one row in
 /// seven by 1000): each row's rstd within 1e-6 of the reference (1e-5 norm-wise elsewhere),
 /// on the CPU path and on every path of the GPU forward's streamed statistics, whose Chan
-/// merges take each chunk less the row's first value. A float32 model of the merges about 0 put single elements' merges
-/// on a warp at up to 2e-5 and a block's elements at 1e-5 (docs/PERF.md v61). Warp rows
-/// element by element (N = 999), block rows in half packs beside packs (f16 4100, f32 4098,
-/// bf16 16388) and elements (f32 4097), and aligned rows streamed in packs (f32 131072, f16
-/// 262144: too long to hold or stage).
+/// merges take each chunk less the row's first value. A float32 model of the merges about 0
+/// put single elements' merges on a warp at up to 2e-5 and a block's elements at 1e-5
+/// (docs/PERF.md v61). Warp rows element by element (N = 999), block rows in half packs
+/// beside packs (f16 4100, f32 4098, bf16 16388) and elements (f32 4097), aligned rows
+/// streamed in packs (f32 131072, f16 262144: too long to hold or stage); and with a
+/// residual added (the row normalized is s = x + residual, its pivot x's and the
+/// residual's first values summed): the general kernel's elements (N = 999, 4097) and
+/// streamed packs (f32 131072 over few rows), and the streamed residual kernel (f32 16388,
+/// f16 32776 over more rows than multiprocessors).
 #[test]
 fn forward_offset_rows_keep_their_digits() {
     let mut devices = vec![Device::cpu()];
     devices.extend(gpu_or_skip());
-    fn check<T: Element>(device: &Device, rows: usize, n: usize, seed: u64) {
+    fn check<T: Element>(device: &Device, rows: usize, n: usize, seed: u64, residual: bool) {
         let mut rng = Rng::new(seed);
         let mut x = Array2::from_elem((rows, n), T::from_f32(0.0));
         for mut row in x.rows_mut() {
@@ -119,12 +125,19 @@ fn forward_offset_rows_keep_their_digits() {
         let gamma = random_vec::<T>(&mut rng, n, 1.0, 0.5);
         let beta = random_vec::<T>(&mut rng, n, 0.0, 0.5);
         let ln = LayerNorm::from_arrays(device, gamma.view(), beta.view(), 1e-5).unwrap();
-        let mut y = poisoned::<T>(device, &[rows, n]);
-        let ctx = ln
-            .forward_into(&device.upload(x.view()).unwrap(), &mut y)
-            .unwrap();
+        let x_d = device.upload(x.view()).unwrap();
+        let (normalized, ctx) = if residual {
+            let r = device
+                .upload(random_matrix::<T>(&mut rng, rows, n).view())
+                .unwrap();
+            let (_, sum, ctx) = ln.forward_residual(&x_d, &r).unwrap();
+            (sum.to_array2().unwrap(), ctx)
+        } else {
+            let mut y = poisoned::<T>(device, &[rows, n]);
+            (x, ln.forward_into(&x_d, &mut y).unwrap())
+        };
         let (_, _, reference_rstd) = reference::forward(
-            to_f64(x.view()).view(),
+            to_f64(normalized.view()).view(),
             to_f64(gamma.view()).view(),
             to_f64(beta.view()).view(),
             1e-5,
@@ -135,21 +148,30 @@ fn forward_offset_rows_keep_their_digits() {
             .zip(reference_rstd.iter())
             .map(|(&r, &reference)| (r as f64 - reference).abs() / reference)
             .fold(0.0, f64::max);
-        let what = format!("{} forward {} [{rows}, {n}]", device.name(), T::NAME);
+        let what = format!(
+            "{} forward {} [{rows}, {n}], residual {residual}",
+            device.name(),
+            T::NAME
+        );
         assert!(
             worst <= 1e-6,
             "{what}: a row's rstd off by {worst:e} of the reference"
         );
     }
     for device in &devices {
-        check::<bf16>(device, 300, 999, 570);
-        check::<f32>(device, 300, 999, 571);
-        check::<f16>(device, 300, 4100, 572);
-        check::<f32>(device, 300, 4098, 573);
-        check::<f32>(device, 300, 4097, 574);
-        check::<bf16>(device, 300, 16388, 575);
-        check::<f32>(device, 8, 131072, 576);
-        check::<f16>(device, 8, 262144, 577);
+        check::<bf16>(device, 300, 999, 570, false);
+        check::<f32>(device, 300, 999, 571, false);
+        check::<f16>(device, 300, 4100, 572, false);
+        check::<f32>(device, 300, 4098, 573, false);
+        check::<f32>(device, 300, 4097, 574, false);
+        check::<bf16>(device, 300, 16388, 575, false);
+        check::<f32>(device, 8, 131072, 576, false);
+        check::<f16>(device, 8, 262144, 577, false);
+        check::<bf16>(device, 300, 999, 578, true);
+        check::<f32>(device, 300, 4097, 579, true);
+        check::<f32>(device, 140, 16388, 580, true);
+        check::<f16>(device, 140, 32776, 581, true);
+        check::<f32>(device, 8, 131072, 582, true);
     }
 }
 

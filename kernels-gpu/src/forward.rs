@@ -303,20 +303,22 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
             &[x_row as usize, y_row as usize],
             &[affine.gamma as usize, affine.beta as usize],
         );
+        // SAFETY: x's row, which no thread writes, holds n elements.
+        let first = unsafe { first_value(x_row, n) };
         // SAFETY: as above; `chunk` was checked for every pointer the row's path reads.
         let norm = unsafe {
             if chunk == PACKS && fits::<T, S, FWD_HELD>(n) {
-                forward_row::<T, T, W, S, CENTERED, PACKS, FWD_HELD>(x_row, affine, y_row, n, eps)
+                forward_row::<T, T, W, S, CENTERED, PACKS, FWD_HELD>(x_row, affine, y_row, n, eps, first)
             } else if chunk == PACKS && S::HOLDS_PART_OF_LONG_ROWS && staged.holds::<T, S>(n) {
                 forward_row_staged::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps, staged)
             } else if chunk == PACKS {
-                forward_row::<T, T, W, S, CENTERED, PACKS, 0>(x_row, affine, y_row, n, eps)
+                forward_row::<T, T, W, S, CENTERED, PACKS, 0>(x_row, affine, y_row, n, eps, first)
             } else if chunk == HALF_PACKS && S::HOLDS_PART_OF_LONG_ROWS {
                 // Block teams only: the warp kernels, whose rows the host keeps short, lost
                 // nothing by their elements and kept their code smaller (docs/PERF.md v60).
-                forward_row::<T, T, W, S, CENTERED, HALF_PACKS, 0>(x_row, affine, y_row, n, eps)
+                forward_row::<T, T, W, S, CENTERED, HALF_PACKS, 0>(x_row, affine, y_row, n, eps, first)
             } else {
-                forward_row::<T, T, W, S, CENTERED, ELEMENTS, 0>(x_row, affine, y_row, n, eps)
+                forward_row::<T, T, W, S, CENTERED, ELEMENTS, 0>(x_row, affine, y_row, n, eps, first)
             }
         };
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
@@ -367,8 +369,11 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
             && is_pack_aligned(residual_row)
             && is_pack_aligned(sum_row);
         // From the stores on, the row normalized is s: each path below reads back, from
-        // registers, shared memory or L2, only what this rank itself wrote.
+        // registers, shared memory or L2, only what this rank itself wrote. So s's pivot
+        // is x's and the residual's first values summed (which no thread writes), not s's.
         let s_row = sum_row.cast_const();
+        // SAFETY: x's and the residual's rows hold n elements.
+        let first = || unsafe { first_value(x_row, n)() + first_value(residual_row, n)() };
         // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`);
         // `packed` was checked for every pointer the packed paths read or write, and `fits`
         // or `holds` for the held and staged.
@@ -398,10 +403,10 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
                 normalize_staged::<T, Y, W, S, CENTERED>(&held, s_row, affine, y_row, n, eps, x_staged)
             } else if packed {
                 add_residual::<T, Y, S, true>(x_row, residual_row, sum_row, n);
-                forward_row::<T, Y, W, S, CENTERED, PACKS, 0>(s_row, affine, y_row, n, eps)
+                forward_row::<T, Y, W, S, CENTERED, PACKS, 0>(s_row, affine, y_row, n, eps, first)
             } else {
                 add_residual::<T, Y, S, false>(x_row, residual_row, sum_row, n);
-                forward_row::<T, Y, W, S, CENTERED, ELEMENTS, 0>(s_row, affine, y_row, n, eps)
+                forward_row::<T, Y, W, S, CENTERED, ELEMENTS, 0>(s_row, affine, y_row, n, eps, first)
             }
         };
         (norm, packed)
@@ -465,13 +470,16 @@ unsafe fn forward_rows_residual_aligned<
                     eps,
                 )
             } else {
+                // s's pivot from x's and the residual's first values, which no thread writes.
+                let pivot = first_value(x_row, n)() + first_value(residual_row, n)();
                 let stats = S::reduce_stats(add_residual_stats::<T, Y, S>(
                     x_row,
                     residual_row,
                     sum_row,
                     n / T::PACK as u32,
+                    pivot,
                 ));
-                let (row_mean, m2) = uncentered::<CENTERED>(stats.mean, stats.m2, n);
+                let (row_mean, m2) = uncentered::<CENTERED>(pivot + stats.mean, stats.m2, n);
                 RowNorm::of(row_mean, m2, n, eps)
                     .inspect(|&norm| write_y_streamed::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, norm))
             }
@@ -555,13 +563,15 @@ unsafe fn residual_held_row<
             packs,
         );
         add_residual_elements::<T, Y, S>(x, residual, sum, packs * T::PACK as u32, n);
-        normalize_row::<T, Y, W, S, CENTERED, PACKS, HELD>(&held, sum.cast_const(), affine, y, n, eps)
+        // Held rows merge no chunks: no pivot.
+        normalize_row::<T, Y, W, S, CENTERED, PACKS, HELD>(&held, sum.cast_const(), affine, y, n, eps, || 0.0)
     }
 }
 
 /// As [`add_residual`] over a row of `packs` whole packs, returning this rank's statistics
-/// of the s it formed (its values as stored, rounded to `T`): each batch's exact (mean, M2)
-/// over its `SUM_BATCH` packs together, merged by Chan's formula. One merge a batch rather
+/// of the s it formed (its values as stored, rounded to `T`) less `pivot` ([`chunk_stats`]):
+/// each batch's exact (mean, M2) over its `SUM_BATCH` packs together, merged by Chan's
+/// formula. One merge a batch rather
 /// than one a pack: a merge divides (`div.rn.f32`, a dozen instructions and a branch), and
 /// the stream in f32, which does the most per byte here, gained 8-11% (docs/PERF.md v42).
 /// x and the residual are loaded evict-first: L2 is to keep s, which y's pass reads back.
@@ -574,6 +584,7 @@ unsafe fn add_residual_stats<T: Element, Y: Element, S: Team>(
     residual: *const T,
     sum: *mut T,
     packs: u32,
+    pivot: f32,
 ) -> Stats {
     let mut stats = Stats::EMPTY;
     // SAFETY: the caller's guarantee.
@@ -585,10 +596,10 @@ unsafe fn add_residual_stats<T: Element, Y: Element, S: Team>(
                 for c in 0..SUM_BATCH {
                     batch[c * T::PACK..][..T::PACK].copy_from_slice(&s.pack::<T>(c)[..T::PACK]);
                 }
-                stats = stats.merge(Stats::of(&batch[..SUM_BATCH * T::PACK], 0.0));
+                stats = stats.merge(chunk_stats::<T>(&batch[..SUM_BATCH * T::PACK], pivot));
             } else {
                 each_held_slot::<S, SUM_BATCH>(left, |c, _| {
-                    stats = stats.merge(Stats::of(&s.pack::<T>(c)[..T::PACK], 0.0))
+                    stats = stats.merge(chunk_stats::<T>(&s.pack::<T>(c)[..T::PACK], pivot))
                 });
             }
         })
@@ -736,16 +747,27 @@ unsafe fn add_residual_elements<T: Element, Y: Element, S: Team>(
     }
 }
 
+/// The pivot of a row no thread writes ([`chunk_stats`]): its first value, read when called
+/// (by every rank of the team: one load a warp).
+///
+/// # Safety
+/// `row` holds `n` elements.
+#[inline(always)]
+unsafe fn first_value<T: Element>(row: *const T, n: u32) -> impl FnOnce() -> f32 {
+    // SAFETY: element 0 lies in the row where n > 0 (the caller's guarantee).
+    move || if n > 0 { unsafe { read(row, 0, 1)[0] } } else { 0.0 }
+}
+
 /// The statistics of a chunk's values (a pack, a batch or an element of a streamed
-/// LayerNorm row) less the row's first, `pivot`: merged about a value near them, the means
-/// and their differences in Chan's merges are of the row's spread, not its values, and a
-/// row whose mean is 1000 times its spread keeps its digits (merged about 0, single
+/// LayerNorm row) less `pivot`, a value near the row's (its first): merged about it, the
+/// means and their differences in Chan's merges are of the row's spread, not its values,
+/// and a row whose mean is 1000 times its spread keeps its digits (merged about 0, single
 /// elements' merges on a warp lost rstd to 1.9e-5 of the float64 reference at bf16 N =
 /// 1000; docs/PERF.md v61). f32 values are taken less the pivot one by one, before their
-/// sums round. A chunk of 16-bit values (at most 32, of 8 or 11 significant bits) sums
-/// exactly in f32 where they lie near one another, the one case where the pivot matters:
-/// its mean is taken less the pivot once, the same number (one subtraction a value cost
-/// f16 N = 4100 3.8%).
+/// sums round. A chunk of 16-bit values (a power of two of them, at most 32, each of 8 or
+/// 11 significant bits) sums exactly in f32, and its mean is exact, where they lie near one
+/// another, the one case where the pivot matters: its mean is taken less the pivot once,
+/// the same number (one subtraction a value cost f16 N = 4100 3.8%).
 #[inline(always)]
 fn chunk_stats<T: Element>(v: &[f32], pivot: f32) -> Stats {
     if size_of::<T>() < size_of::<f32>() {
@@ -777,15 +799,18 @@ unsafe fn forward_row<
     y: *mut Y,
     n: u32,
     eps: f32,
+    pivot: impl FnOnce() -> f32,
 ) -> Option<RowNorm<CENTERED>> {
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let held = unsafe { Held::<HELD>::load::<T, S>(x, if CHUNK == PACKS { n / T::PACK as u32 } else { 0 }) };
     // SAFETY: `held` holds the row's first packs; the rest as for this function.
-    unsafe { normalize_row::<T, Y, W, S, CENTERED, CHUNK, HELD>(&held, x, affine, y, n, eps) }
+    unsafe { normalize_row::<T, Y, W, S, CENTERED, CHUNK, HELD>(&held, x, affine, y, n, eps, pivot) }
 }
 
 /// [`forward_row`] past its loads: the statistics and y of the row at `x`, whose first
-/// packs (this rank's) `held` holds.
+/// packs (this rank's) `held` holds. `pivot` gives the same value near the row's to every
+/// rank, about which LayerNorm's streamed rows merge their statistics ([`chunk_stats`]);
+/// called on those rows only.
 ///
 /// # Safety
 /// As for [`forward_row`]; `held` holds this rank's packs of the row at `x`, which this
@@ -806,6 +831,7 @@ unsafe fn normalize_row<
     y: *mut Y,
     n: u32,
     eps: f32,
+    pivot: impl FnOnce() -> f32,
 ) -> Option<RowNorm<CENTERED>> {
     // Pass 1: statistics, with every subtraction between numbers of the row's own scale.
     let (mean, m2) = if HELD > 0 {
@@ -834,10 +860,8 @@ unsafe fn normalize_row<
     } else {
         // LayerNorm's other rows: one pass over memory. Each pack's (or batch of half packs'
         // or elements') own (mean, M2) is exact in registers, and Chan's merges combine them:
-        // a division a merge, a batch one merge, each chunk's values taken less the row's
-        // first ([`chunk_stats`]; every rank reads it, one load a warp).
-        // SAFETY: as for this function: element 0 lies in the row (n > 0).
-        let pivot = if n > 0 { unsafe { read(x, 0, 1)[0] } } else { 0.0 };
+        // a division a merge, a batch one merge, each chunk's values taken less the pivot.
+        let pivot = pivot();
         let mut stats = Stats::EMPTY;
         if CHUNK == PACKS {
             for_each_chunk::<T, S, PACKS, 0>(n, |j, len, _| {
