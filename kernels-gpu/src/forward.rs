@@ -571,9 +571,9 @@ unsafe fn residual_held_row<
 /// As [`add_residual`] over a row of `packs` whole packs, returning this rank's statistics
 /// of the s it formed (its values as stored, rounded to `T`) less `pivot` ([`chunk_stats`]):
 /// each batch's exact (mean, M2) over its `SUM_BATCH` packs together, merged by Chan's
-/// formula. One merge a batch rather
-/// than one a pack: a merge divides (`div.rn.f32`, a dozen instructions and a branch), and
-/// the stream in f32, which does the most per byte here, gained 8-11% (docs/PERF.md v42).
+/// formula. One merge a batch rather than one a pack: a merge divides (`div.rn.f32`, a
+/// dozen instructions and a branch), and the stream in f32, which does the most per byte
+/// here, gained 8-11% (docs/PERF.md v42).
 /// x and the residual are loaded evict-first: L2 is to keep s, which y's pass reads back.
 ///
 /// # Safety
