@@ -373,7 +373,7 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
         // is x's and the residual's first values summed (which no thread writes), not s's.
         let s_row = sum_row.cast_const();
         // SAFETY: x's and the residual's rows hold n elements.
-        let first = || unsafe { first_value(x_row, n)() + first_value(residual_row, n)() };
+        let first = || unsafe { residual_pivot(x_row, residual_row, n) };
         // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`);
         // `packed` was checked for every pointer the packed paths read or write, and `fits`
         // or `holds` for the held and staged.
@@ -470,8 +470,7 @@ unsafe fn forward_rows_residual_aligned<
                     eps,
                 )
             } else {
-                // s's pivot from x's and the residual's first values, which no thread writes.
-                let pivot = first_value(x_row, n)() + first_value(residual_row, n)();
+                let pivot = residual_pivot(x_row, residual_row, n);
                 let stats = S::reduce_stats(add_residual_stats::<T, Y, S>(
                     x_row,
                     residual_row,
@@ -756,6 +755,17 @@ unsafe fn add_residual_elements<T: Element, Y: Element, S: Team>(
 unsafe fn first_value<T: Element>(row: *const T, n: u32) -> impl FnOnce() -> f32 {
     // SAFETY: element 0 lies in the row where n > 0 (the caller's guarantee).
     move || if n > 0 { unsafe { read(row, 0, 1)[0] } } else { 0.0 }
+}
+
+/// The pivot of a residual forward's row of s, which the team writes: x's and the
+/// residual's first values summed, which no thread writes ([`first_value`]).
+///
+/// # Safety
+/// `x` and `residual` hold `n` elements.
+#[inline(always)]
+unsafe fn residual_pivot<T: Element, Y: Element>(x: *const Y, residual: *const T, n: u32) -> f32 {
+    // SAFETY: the caller's guarantee.
+    unsafe { first_value(x, n)() + first_value(residual, n)() }
 }
 
 /// The statistics of a chunk's values (a pack, a batch or an element of a streamed
