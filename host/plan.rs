@@ -442,9 +442,9 @@ impl<T: Element> Planner<T> {
     /// than multiprocessors: whole warps of ranks that each take `UNALIGNED_BATCHES_PER_RANK`
     /// read batches or more, in place of about 4 packs' columns a rank rounded up to whole
     /// warps. The rows not 16-byte aligned are read element by element, a batch of
-    /// `READ_BATCH_ELEMENTS` at once a rank, and past a rank's last whole batch one load at
-    /// a time: at f32 N = 4097 the 288 ranks of 4 packs' columns took 14 elements each, one
-    /// batch and six single loads, each a DRAM round trip.
+    /// `READ_BATCH_ELEMENTS` at once a rank, then a short batch: at f32 N = 4097 the 288
+    /// ranks of 4 packs' columns took 14 elements each, one batch and six elements, which
+    /// before v60 went a load at a time, each a DRAM round trip.
     fn unaligned_block(&self, general: &Plan) -> Option<Plan> {
         let takes = !self.aligned && !self.few_rows && general.variant == Variant::FwdBlock;
         let per_rank = UNALIGNED_BATCHES_PER_RANK * READ_BATCH_ELEMENTS;

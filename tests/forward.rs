@@ -2,9 +2,12 @@
 
 mod common;
 
-use common::{Rng, SHAPES, gpu_or_skip, mixed_matrix, poisoned, random_vec, rel_err, to_f64, tolerance};
+use common::{
+    Rng, SHAPES, gpu_or_skip, mixed_matrix, poisoned, random_matrix, random_vec, rel_err, to_f64, tolerance,
+};
 use layernorm_cuda::{Device, Element, LayerNorm, bf16, f16};
 use layernorm_reference as reference;
+use ndarray::Array2;
 
 /// Runs one forward on `device`, with y and the statistics compared to the reference.
 fn check_forward<T: Element>(device: &Device, rows: usize, n: usize, seed: u64) {
@@ -83,7 +86,7 @@ fn gpu_forward_many_rows() {
 
 /// Rows not all 16-byte aligned over more rows than multiprocessors: block teams of 32
 /// elements a rank or more (`plan`'s four read batches a rank: 64 ranks at N = 1030, 128 at
-/// 4097, 512 at 16388), each rank's batches of 8 elements and its single loads after them.
+/// 4097, 512 at 16388), each rank's batches of 8 elements and its last, short batch.
 #[test]
 fn gpu_forward_unaligned_rows_many() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -91,6 +94,85 @@ fn gpu_forward_unaligned_rows_many() {
     check_forward::<f32>(&gpu, 300, 4097, 541);
     check_forward::<f16>(&gpu, 301, 4100, 542);
     check_forward::<bf16>(&gpu, 200, 16388, 543);
+}
+
+/// Rows whose mean is 4000 times their spread, every one (`mixed_matrix` offsets one row in
+/// seven by 1000): each row's rstd within 1e-6 of the reference (1e-5 norm-wise elsewhere),
+/// on the CPU path and on every path of the GPU forward's streamed statistics, whose Chan
+/// merges take each chunk less the row's first value. A float32 model of the merges about 0
+/// put single elements' merges on a warp at up to 2e-5 and a block's elements at 1e-5
+/// (docs/PERF.md v61). Warp rows element by element (N = 999), block rows in half packs
+/// beside packs (f16 4100, f32 4098, bf16 16388) and elements (f32 4097), aligned rows
+/// streamed in packs (f32 131072, f16 262144: too long to hold or stage); and with a
+/// residual added (the row normalized is s = x + residual, its pivot x's and the
+/// residual's first values summed): the general kernel's elements (N = 999, 4097) and
+/// streamed packs (f32 131072 over few rows), and the streamed residual kernel (f32 16388,
+/// f16 32776 over more rows than multiprocessors).
+#[test]
+fn forward_offset_rows_keep_their_digits() {
+    let mut devices = vec![Device::cpu()];
+    devices.extend(gpu_or_skip());
+    fn check<T: Element>(device: &Device, rows: usize, n: usize, seed: u64, residual: bool) {
+        let mut rng = Rng::new(seed);
+        let mut x = Array2::from_elem((rows, n), T::from_f32(0.0));
+        for mut row in x.rows_mut() {
+            // Spread 1 to 10, mean 4000 times it: f16's largest values about 40000.
+            let scale = 10f64.powf(rng.uniform());
+            for v in row.iter_mut() {
+                *v = T::from_f32((scale * (4000.0 + rng.normal())) as f32);
+            }
+        }
+        let gamma = random_vec::<T>(&mut rng, n, 1.0, 0.5);
+        let beta = random_vec::<T>(&mut rng, n, 0.0, 0.5);
+        let ln = LayerNorm::from_arrays(device, gamma.view(), beta.view(), 1e-5).unwrap();
+        let x_d = device.upload(x.view()).unwrap();
+        let (normalized, ctx) = if residual {
+            let r = device
+                .upload(random_matrix::<T>(&mut rng, rows, n).view())
+                .unwrap();
+            let (_, sum, ctx) = ln.forward_residual(&x_d, &r).unwrap();
+            (sum.to_array2().unwrap(), ctx)
+        } else {
+            let mut y = poisoned::<T>(device, &[rows, n]);
+            (x, ln.forward_into(&x_d, &mut y).unwrap())
+        };
+        let (_, _, reference_rstd) = reference::forward(
+            to_f64(normalized.view()).view(),
+            to_f64(gamma.view()).view(),
+            to_f64(beta.view()).view(),
+            1e-5,
+        );
+        let rstd = ctx.rstd().to_array1().unwrap();
+        let worst = rstd
+            .iter()
+            .zip(reference_rstd.iter())
+            .map(|(&r, &reference)| (r as f64 - reference).abs() / reference)
+            .fold(0.0, f64::max);
+        let what = format!(
+            "{} forward {} [{rows}, {n}], residual {residual}",
+            device.name(),
+            T::NAME
+        );
+        assert!(
+            worst <= 1e-6,
+            "{what}: a row's rstd off by {worst:e} of the reference"
+        );
+    }
+    for device in &devices {
+        check::<bf16>(device, 300, 999, 570, false);
+        check::<f32>(device, 300, 999, 571, false);
+        check::<f16>(device, 300, 4100, 572, false);
+        check::<f32>(device, 300, 4098, 573, false);
+        check::<f32>(device, 300, 4097, 574, false);
+        check::<bf16>(device, 300, 16388, 575, false);
+        check::<f32>(device, 8, 131072, 576, false);
+        check::<f16>(device, 8, 262144, 577, false);
+        check::<bf16>(device, 300, 999, 578, true);
+        check::<f32>(device, 300, 4097, 579, true);
+        check::<f32>(device, 140, 16388, 580, true);
+        check::<f16>(device, 140, 32776, 581, true);
+        check::<f32>(device, 8, 131072, 582, true);
+    }
 }
 
 /// Rows 8-byte aligned but not 16 read in half packs (`row::HALF_PACKS`), the other rows of

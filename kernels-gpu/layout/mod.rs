@@ -81,8 +81,8 @@ pub const fn few_rows_held(bytes: u32) -> u32 {
 pub const READ_BATCH_ELEMENTS: u32 = 8;
 
 /// Read batches a rank of the forward's block team takes of rows not all aligned
-/// (`plan::Planner::unaligned_block`): past its last whole batch a rank reads one element
-/// a load, each a DRAM round trip.
+/// (`plan::Planner::unaligned_block`), so that its reads are mostly whole batches: chosen
+/// when a rank's last, short batch went a load at a time (docs/PERF.md v58, v60).
 pub const UNALIGNED_BATCHES_PER_RANK: u32 = 4;
 
 /// Packs of x each rank of the general forward holds of an aligned row too long to hold

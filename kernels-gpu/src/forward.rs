@@ -72,7 +72,7 @@
 //!   - half packs: rows whose pointers are 8-byte aligned but not all 16 (f16/bf16 rows
 //!     of a multiple of 4 columns, every other row), as streamed, 8 bytes a load, 8 loads
 //!     a rank at once and merged into the statistics as one, read through L1 for y's pass,
-//!     where every rank has a whole batch of them (`row::chunk_of`, `row::fills_a_batch`);
+//!     on block teams (`row::chunk_of`);
 //!   - element by element: the other rows, as streamed, 8 elements a rank read at once
 //!     and merged into the statistics as one.
 //!
@@ -90,8 +90,8 @@ use crate::element::{
 use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
 use crate::row::{
-    ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, Staged, Widened, chunk_of, each_held_slot, fills_a_batch,
-    fits, for_each_chunk, for_each_read, for_each_read_values, values,
+    ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, Staged, Widened, chunk_of, each_held_slot, fits,
+    for_each_chunk, for_each_read, for_each_read_values, values,
 };
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
@@ -263,11 +263,13 @@ impl<W: Copy> Affine<W> {
         }
     }
 
-    /// The same, with gamma through [`opaque_ptr`]: addresses into it are formed where used.
+    /// The same, with gamma and beta through [`opaque_ptr`]: addresses into them are formed
+    /// where used.
     #[inline(always)]
     fn each_row(self) -> Self {
         Affine {
             gamma: opaque_ptr(self.gamma),
+            beta: opaque_ptr(self.beta),
             ..self
         }
     }
@@ -288,28 +290,35 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
         let offset = row as usize * n as usize;
         // SAFETY: the row lies inside x and y (row < rows); the caller sized gamma and beta.
         let (x_row, y_row) = unsafe { (x.add(offset), y.add(offset)) };
-        // RMSNorm's y reads gamma alone, whose pack addresses LLVM then keeps across rows:
-        // the f32 kernel spilled them at its 64 registers. Taken anew each row instead.
-        let affine = if CENTERED { affine } else { affine.each_row() };
+        // The weights' pack addresses, which LLVM would keep across rows, formed anew each
+        // row: kept, they spilled at 64 registers in RMSNorm's f32 kernel and, with the short
+        // read batches, LayerNorm's f32 block kernel (formed anew, LayerNorm's 16-bit warp
+        // kernels with f32 weights spilled on sm_80).
+        let affine = if CENTERED && !S::HOLDS_PART_OF_LONG_ROWS {
+            affine
+        } else {
+            affine.each_row()
+        };
         let chunk = chunk_of::<T, W>(
             &[x_row as usize, y_row as usize],
             &[affine.gamma as usize, affine.beta as usize],
         );
+        // SAFETY: x's row, which no thread writes, holds n elements.
+        let first = unsafe { first_value(x_row, n) };
         // SAFETY: as above; `chunk` was checked for every pointer the row's path reads.
         let norm = unsafe {
             if chunk == PACKS && fits::<T, S, FWD_HELD>(n) {
-                forward_row::<T, T, W, S, CENTERED, PACKS, FWD_HELD>(x_row, affine, y_row, n, eps)
+                forward_row::<T, T, W, S, CENTERED, PACKS, FWD_HELD>(x_row, affine, y_row, n, eps, first)
             } else if chunk == PACKS && S::HOLDS_PART_OF_LONG_ROWS && staged.holds::<T, S>(n) {
                 forward_row_staged::<T, W, S, CENTERED>(x_row, affine, y_row, n, eps, staged)
             } else if chunk == PACKS {
-                forward_row::<T, T, W, S, CENTERED, PACKS, 0>(x_row, affine, y_row, n, eps)
-            } else if chunk == HALF_PACKS && fills_a_batch::<T, S, HALF_PACKS>(n) {
-                // Where a rank has fewer half packs than a batch, its elements make more
-                // batches: f16 N = 1030 on 64 ranks, 4 half packs or 16 elements a rank,
-                // lost 7-10% in half packs (docs/PERF.md v59).
-                forward_row::<T, T, W, S, CENTERED, HALF_PACKS, 0>(x_row, affine, y_row, n, eps)
+                forward_row::<T, T, W, S, CENTERED, PACKS, 0>(x_row, affine, y_row, n, eps, first)
+            } else if chunk == HALF_PACKS && S::HOLDS_PART_OF_LONG_ROWS {
+                // Block teams only: the warp kernels, whose rows the host keeps short, lost
+                // nothing by their elements and kept their code smaller (docs/PERF.md v60).
+                forward_row::<T, T, W, S, CENTERED, HALF_PACKS, 0>(x_row, affine, y_row, n, eps, first)
             } else {
-                forward_row::<T, T, W, S, CENTERED, ELEMENTS, 0>(x_row, affine, y_row, n, eps)
+                forward_row::<T, T, W, S, CENTERED, ELEMENTS, 0>(x_row, affine, y_row, n, eps, first)
             }
         };
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
@@ -360,8 +369,11 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
             && is_pack_aligned(residual_row)
             && is_pack_aligned(sum_row);
         // From the stores on, the row normalized is s: each path below reads back, from
-        // registers, shared memory or L2, only what this rank itself wrote.
+        // registers, shared memory or L2, only what this rank itself wrote. So s's pivot
+        // is x's and the residual's first values summed (which no thread writes), not s's.
         let s_row = sum_row.cast_const();
+        // SAFETY: x's and the residual's rows hold n elements.
+        let first = || unsafe { residual_pivot(x_row, residual_row, n) };
         // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`);
         // `packed` was checked for every pointer the packed paths read or write, and `fits`
         // or `holds` for the held and staged.
@@ -391,10 +403,10 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
                 normalize_staged::<T, Y, W, S, CENTERED>(&held, s_row, affine, y_row, n, eps, x_staged)
             } else if packed {
                 add_residual::<T, Y, S, true>(x_row, residual_row, sum_row, n);
-                forward_row::<T, Y, W, S, CENTERED, PACKS, 0>(s_row, affine, y_row, n, eps)
+                forward_row::<T, Y, W, S, CENTERED, PACKS, 0>(s_row, affine, y_row, n, eps, first)
             } else {
                 add_residual::<T, Y, S, false>(x_row, residual_row, sum_row, n);
-                forward_row::<T, Y, W, S, CENTERED, ELEMENTS, 0>(s_row, affine, y_row, n, eps)
+                forward_row::<T, Y, W, S, CENTERED, ELEMENTS, 0>(s_row, affine, y_row, n, eps, first)
             }
         };
         (norm, packed)
@@ -458,13 +470,15 @@ unsafe fn forward_rows_residual_aligned<
                     eps,
                 )
             } else {
+                let pivot = residual_pivot(x_row, residual_row, n);
                 let stats = S::reduce_stats(add_residual_stats::<T, Y, S>(
                     x_row,
                     residual_row,
                     sum_row,
                     n / T::PACK as u32,
+                    pivot,
                 ));
-                let (row_mean, m2) = uncentered::<CENTERED>(stats.mean, stats.m2, n);
+                let (row_mean, m2) = uncentered::<CENTERED>(pivot + stats.mean, stats.m2, n);
                 RowNorm::of(row_mean, m2, n, eps)
                     .inspect(|&norm| write_y_streamed::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, norm))
             }
@@ -548,15 +562,17 @@ unsafe fn residual_held_row<
             packs,
         );
         add_residual_elements::<T, Y, S>(x, residual, sum, packs * T::PACK as u32, n);
-        normalize_row::<T, Y, W, S, CENTERED, PACKS, HELD>(&held, sum.cast_const(), affine, y, n, eps)
+        // Held rows merge no chunks: no pivot.
+        normalize_row::<T, Y, W, S, CENTERED, PACKS, HELD>(&held, sum.cast_const(), affine, y, n, eps, || 0.0)
     }
 }
 
 /// As [`add_residual`] over a row of `packs` whole packs, returning this rank's statistics
-/// of the s it formed (its values as stored, rounded to `T`): each batch's exact (mean, M2)
-/// over its `SUM_BATCH` packs together, merged by Chan's formula. One merge a batch rather
-/// than one a pack: a merge divides (`div.rn.f32`, a dozen instructions and a branch), and
-/// the stream in f32, which does the most per byte here, gained 8-11% (docs/PERF.md v42).
+/// of the s it formed (its values as stored, rounded to `T`) less `pivot` ([`chunk_stats`]):
+/// each batch's exact (mean, M2) over its `SUM_BATCH` packs together, merged by Chan's
+/// formula. One merge a batch rather than one a pack: a merge divides (`div.rn.f32`, a
+/// dozen instructions and a branch), and the stream in f32, which does the most per byte
+/// here, gained 8-11% (docs/PERF.md v42).
 /// x and the residual are loaded evict-first: L2 is to keep s, which y's pass reads back.
 ///
 /// # Safety
@@ -567,6 +583,7 @@ unsafe fn add_residual_stats<T: Element, Y: Element, S: Team>(
     residual: *const T,
     sum: *mut T,
     packs: u32,
+    pivot: f32,
 ) -> Stats {
     let mut stats = Stats::EMPTY;
     // SAFETY: the caller's guarantee.
@@ -578,10 +595,10 @@ unsafe fn add_residual_stats<T: Element, Y: Element, S: Team>(
                 for c in 0..SUM_BATCH {
                     batch[c * T::PACK..][..T::PACK].copy_from_slice(&s.pack::<T>(c)[..T::PACK]);
                 }
-                stats = stats.merge(Stats::of(&batch[..SUM_BATCH * T::PACK]));
+                stats = stats.merge(chunk_stats::<T>(&batch[..SUM_BATCH * T::PACK], pivot));
             } else {
                 each_held_slot::<S, SUM_BATCH>(left, |c, _| {
-                    stats = stats.merge(Stats::of(&s.pack::<T>(c)[..T::PACK]))
+                    stats = stats.merge(chunk_stats::<T>(&s.pack::<T>(c)[..T::PACK], pivot))
                 });
             }
         })
@@ -729,6 +746,47 @@ unsafe fn add_residual_elements<T: Element, Y: Element, S: Team>(
     }
 }
 
+/// The pivot of a row no thread writes ([`chunk_stats`]): its first value, read when called
+/// (by every rank of the team: one load a warp).
+///
+/// # Safety
+/// `row` holds `n` elements.
+#[inline(always)]
+unsafe fn first_value<T: Element>(row: *const T, n: u32) -> impl FnOnce() -> f32 {
+    // SAFETY: element 0 lies in the row where n > 0 (the caller's guarantee).
+    move || if n > 0 { unsafe { read(row, 0, 1)[0] } } else { 0.0 }
+}
+
+/// The pivot of a residual forward's row of s, which the team writes: x's and the
+/// residual's first values summed, which no thread writes ([`first_value`]).
+///
+/// # Safety
+/// `x` and `residual` hold `n` elements.
+#[inline(always)]
+unsafe fn residual_pivot<T: Element, Y: Element>(x: *const Y, residual: *const T, n: u32) -> f32 {
+    // SAFETY: the caller's guarantee.
+    unsafe { first_value(x, n)() + first_value(residual, n)() }
+}
+
+/// The statistics of a chunk's values (a pack, a batch or an element of a streamed
+/// LayerNorm row) less `pivot`, a value near the row's (its first): merged about it, the
+/// means and their differences in Chan's merges are of the row's spread, not its values,
+/// and a row whose mean is 1000 times its spread keeps its digits (merged about 0, single
+/// elements' merges on a warp lost rstd to 1.9e-5 of the float64 reference at bf16 N =
+/// 1000; docs/PERF.md v61). f32 values are taken less the pivot one by one, before their
+/// sums round. A chunk of 16-bit values (a power of two of them, at most 32, each of 8 or
+/// 11 significant bits) sums exactly in f32, and its mean is exact, where they lie near one
+/// another, the one case where the pivot matters: its mean is taken less the pivot once,
+/// the same number (one subtraction a value cost f16 N = 4100 3.8%).
+#[inline(always)]
+fn chunk_stats<T: Element>(v: &[f32], pivot: f32) -> Stats {
+    if size_of::<T>() < size_of::<f32>() {
+        Stats::of(v, 0.0).less(pivot)
+    } else {
+        Stats::of(v, pivot)
+    }
+}
+
 /// One row, holding `HELD` packs per rank in registers: writes y and returns the row's
 /// normalization, or writes nothing where its statistics overflowed (None: the caller
 /// then takes [`forward_row_huge`], once per kernel rather than once per path).
@@ -751,15 +809,18 @@ unsafe fn forward_row<
     y: *mut Y,
     n: u32,
     eps: f32,
+    pivot: impl FnOnce() -> f32,
 ) -> Option<RowNorm<CENTERED>> {
     // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
     let held = unsafe { Held::<HELD>::load::<T, S>(x, if CHUNK == PACKS { n / T::PACK as u32 } else { 0 }) };
     // SAFETY: `held` holds the row's first packs; the rest as for this function.
-    unsafe { normalize_row::<T, Y, W, S, CENTERED, CHUNK, HELD>(&held, x, affine, y, n, eps) }
+    unsafe { normalize_row::<T, Y, W, S, CENTERED, CHUNK, HELD>(&held, x, affine, y, n, eps, pivot) }
 }
 
 /// [`forward_row`] past its loads: the statistics and y of the row at `x`, whose first
-/// packs (this rank's) `held` holds.
+/// packs (this rank's) `held` holds. `pivot` gives the same value near the row's to every
+/// rank, about which LayerNorm's streamed rows merge their statistics ([`chunk_stats`]);
+/// called on those rows only.
 ///
 /// # Safety
 /// As for [`forward_row`]; `held` holds this rank's packs of the row at `x`, which this
@@ -780,6 +841,7 @@ unsafe fn normalize_row<
     y: *mut Y,
     n: u32,
     eps: f32,
+    pivot: impl FnOnce() -> f32,
 ) -> Option<RowNorm<CENTERED>> {
     // Pass 1: statistics, with every subtraction between numbers of the row's own scale.
     let (mean, m2) = if HELD > 0 {
@@ -808,20 +870,23 @@ unsafe fn normalize_row<
     } else {
         // LayerNorm's other rows: one pass over memory. Each pack's (or batch of half packs'
         // or elements') own (mean, M2) is exact in registers, and Chan's merges combine them:
-        // a division a merge, a batch one merge.
+        // a division a merge, a batch one merge, each chunk's values taken less the pivot.
+        let pivot = pivot();
         let mut stats = Stats::EMPTY;
         if CHUNK == PACKS {
             for_each_chunk::<T, S, PACKS, 0>(n, |j, len, _| {
                 // SAFETY: for_each_chunk yields in-bounds chunks, whole packs aligned.
                 let v = unsafe { read(x, j, len) };
-                stats = stats.merge(Stats::of(&v[..len]));
+                stats = stats.merge(chunk_stats::<T>(&v[..len], pivot));
             });
         } else {
             // SAFETY: as for this function.
-            unsafe { for_each_read_values::<T, S, CHUNK>(x, n, |v| stats = stats.merge(Stats::of(v))) };
+            unsafe {
+                for_each_read_values::<T, S, CHUNK>(x, n, |v| stats = stats.merge(chunk_stats::<T>(v, pivot)))
+            };
         }
         let stats = S::reduce_stats(stats);
-        (stats.mean, stats.m2)
+        (pivot + stats.mean, stats.m2)
     };
     let norm = RowNorm::of(mean, m2, n, eps)?;
     // SAFETY: as for this function.

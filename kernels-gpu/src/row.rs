@@ -508,8 +508,9 @@ const READ_BATCH_MAX: usize = if READ_BATCH_ELEMENTS > READ_BATCH_HALF_PACKS {
 
 /// As [`for_each_chunk`] over a row no rank holds (`K` = 0), with the chunks' values read
 /// from `row` for `f(start, len, values)`: this rank's whole chunks of `CHUNK` bytes a
-/// batch at a time, the batch's loads issued before `f` sees any of them, then the rest one
-/// by one. Each rank takes the chunks [`for_each_chunk`] gives it.
+/// batch at a time, the batch's loads issued before `f` sees any of them (the last, short
+/// batch too, then given to `f` one by one), then the elements past the last whole chunk.
+/// Each rank takes the chunks [`for_each_chunk`] gives it.
 ///
 /// # Safety
 /// `row` holds `n` elements, aligned to `CHUNK`'s bytes.
@@ -571,14 +572,6 @@ pub unsafe fn for_each_read_values<T: Element, S: Team, const CHUNK: usize>(
     }
 }
 
-/// Whether every rank of team `S` has a whole batch of `CHUNK`-byte chunks of an
-/// `n`-element row to read ([`for_each_read`]); a rank's chunks past its last whole batch
-/// are read one at a time, a DRAM round trip each.
-#[inline(always)]
-pub fn fills_a_batch<T: Element, S: Team, const CHUNK: usize>(n: u32) -> bool {
-    n / chunk_len::<T, CHUNK>() as u32 >= read_batch::<S, CHUNK>() as u32 * S::size()
-}
-
 /// Chunks a batch of [`for_each_read`] holds.
 #[inline(always)]
 fn read_batch<S: Team, const CHUNK: usize>() -> usize {
@@ -595,7 +588,7 @@ fn read_batch<S: Team, const CHUNK: usize>() -> usize {
 
 /// The reads of [`for_each_read`]: `f(start, step, width, values, count)` takes `count`
 /// chunks of `width` elements, at columns `start + u * step` for u < `count`: a batch (all
-/// its loads issued first), or one chunk.
+/// its loads issued first), or one chunk of the last, short batch (loaded with the others).
 ///
 /// # Safety
 /// As for [`for_each_read`].
@@ -628,11 +621,29 @@ unsafe fn read_batches<T: Element, S: Team, const CHUNK: usize>(
         f(c * width, size * width, width as usize, &v, batch);
         c += batch as u32 * size;
     }
-    while c < chunks {
+    if c < chunks {
+        // This rank's chunks past its last whole batch, fewer than a batch: loaded together
+        // too, then given to `f` one by one, each moved to the front of the batch (constant
+        // indices, so that the batch stays in registers and `f` is inlined once). Loaded one
+        // at a time, f16 N = 1030's 4 half packs a rank on 64 ranks waited 4 DRAM round
+        // trips and lost 6-7% to its elements (docs/PERF.md v60).
         let mut v = [[0.0; MAX_PACK]; READ_BATCH_MAX];
-        v[0] = load(c * width, width as usize);
-        f(c * width, 0, width as usize, &v, 1);
-        c += size;
+        each_slot::<READ_BATCH_MAX>(|u| {
+            let chunk = c + u as u32 * size;
+            if u + 1 < batch && chunk < chunks {
+                // Chunk < chunks.
+                v[u] = load(chunk * width, width as usize);
+            }
+        });
+        while c < chunks {
+            f(c * width, 0, width as usize, &v, 1);
+            each_slot::<READ_BATCH_MAX>(|u| {
+                if u + 2 < batch {
+                    v[u] = v[u + 1];
+                }
+            });
+            c += size;
+        }
     }
     let mut j = chunks * width + S::rank();
     while j < n {

@@ -50,21 +50,34 @@ impl Stats {
         }
     }
 
-    /// The statistics of `len` values (a pack, or a single element), computed exactly in
-    /// two passes over registers: mean first, then squared deviations from it.
+    /// The statistics of the values `v_j - pivot` (a pack, a batch or a single element),
+    /// computed exactly in two passes over registers: mean first, then squared deviations
+    /// from it. M2 is the same whatever the pivot; the mean is `pivot` less. With a pivot
+    /// near the values (a row's first), the merges' means and their differences are of the
+    /// spread's size, not the values', and lose no digits to a large mean.
     #[inline(always)]
-    pub fn of(v: &[f32]) -> Stats {
+    pub fn of(v: &[f32], pivot: f32) -> Stats {
         let mut s = 0.0;
         for &x in v {
-            s += x;
+            s += x - pivot;
         }
         let n = v.len() as f32;
         let mean = s / n;
         let mut m2 = 0.0;
         for &x in v {
-            m2 += (x - mean) * (x - mean);
+            let d = x - pivot - mean;
+            m2 += d * d;
         }
         Stats { n, mean, m2 }
+    }
+
+    /// The same set, its mean taken `pivot` less.
+    #[inline(always)]
+    pub fn less(self, pivot: f32) -> Stats {
+        Stats {
+            mean: self.mean - pivot,
+            ..self
+        }
     }
 
     #[inline(always)]
