@@ -151,7 +151,7 @@ pub fn each_held_slot<S: Team, const K: usize>(packs: u32, mut f: impl FnMut(usi
 /// (its body is large; 8 slots of f16 packs are) would index them at run time and move them
 /// to local memory.
 #[inline(always)]
-fn each_slot<const K: usize>(mut f: impl FnMut(usize)) {
+pub fn each_slot<const K: usize>(mut f: impl FnMut(usize)) {
     const { assert!(K <= MAX_HELD) };
     let mut slot = |c: usize| {
         if c < K {
