@@ -38,11 +38,12 @@
 //!   ([`forward_rows_residual_pipelined`]) for launches with a residual whose rows all fit
 //!   as the pipelined ones (below) do: s = x + residual formed in registers as each row
 //!   comes up, written out, and normalized from there;
-//! - `residual_held` and `residual_streamed` ([`forward_rows_residual_aligned`]) for
+//! - `residual_held` and `residual_streamed` ([`forward_rows_residual_lean`]) for
 //!   launches of many rows with a residual whose rows are all aligned packs past what the
 //!   pipelined block holds: 16-bit rows held 4 packs a rank by up to 1024 ranks, or, too
 //!   long for that, s summed as it is formed and read back from L2 for y, both at 64
-//!   registers;
+//!   registers; `residual_streamed` also for launches of many rows not all aligned, past
+//!   a warp's length, whose rows not of aligned whole packs it reads element by element;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -419,8 +420,8 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
     unsafe { residual_rows::<T, Y, W, S, CENTERED>(p, normalize) }
 }
 
-/// As [`forward_rows_residual`] for rows of whole aligned packs only, at 64 registers
-/// (teams of up to 1024 ranks), without the general kernel's other paths:
+/// As [`forward_rows_residual`] at 64 registers (teams of up to 1024 ranks), without the
+/// general kernel's held and staged paths:
 /// - `HELD` > 0 (`residual_held`, 16-bit rows): rows that fit `HELD` packs a rank
 ///   (`layout::RESIDUAL_HELD`, 4: N <= 32768 on 1024 ranks), which the general kernel
 ///   would hold at 8 packs a rank of at most 512 ranks and 128 registers, one block a
@@ -436,17 +437,22 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
 ///   kernel stages such rows in shared memory (a block a multiprocessor, the whole row's
 ///   loads at once) or, past what shared memory holds, streams them at its 128 registers
 ///   and reads s back twice; here two blocks of 512 share a multiprocessor, and each row's
-///   tail overlaps another block's loads (docs/PERF.md, v39).
+///   tail overlaps another block's loads (docs/PERF.md, v39). Rows that are not whole
+///   aligned packs (launches not all aligned) are added element by element
+///   ([`add_residual_elements`]) and normalized as the general kernel streams them, s
+///   read back from L2 twice: at 128 registers it ran 16 warps a multiprocessor where
+///   these run 32 (sm_90 only).
 ///
 /// DRAM sees x, the residual, s and y once each, and shared memory only the reductions'
 /// scratch.
 ///
 /// # Safety
-/// As for [`forward_rows_residual`]; every row is whole packs, and x, y, the residual, s,
-/// gamma and beta are aligned to a pack of `T`'s columns (the host launches it only on
-/// such rows); with `HELD` > 0, every row fits `HELD` packs a rank.
+/// As for [`forward_rows_residual`]; with `HELD` > 0, or in the sm_80 module, every row is
+/// whole packs, and x, y, the residual, s, gamma and beta are aligned to a pack of `T`'s
+/// columns (the host launches it only on such rows); with `HELD` > 0 every row fits `HELD`
+/// packs a rank.
 #[inline(always)]
-unsafe fn forward_rows_residual_aligned<
+unsafe fn forward_rows_residual_lean<
     T: Element,
     Y: Element,
     W: Element,
@@ -460,10 +466,31 @@ unsafe fn forward_rows_residual_aligned<
     let (n, eps) = (p.n, p.eps);
     let normalize = |x_row: *const Y, residual_row: *const T, sum_row: *mut T, y_row: *mut Y| {
         let s_row = sum_row.cast_const();
-        // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`), whole
-        // packs, aligned; held rows fit. y's pass reads back only this rank's packs of s.
+        // The sm_80 module takes aligned rows only (the host sends it no others): the element
+        // path spilled 4-32 bytes there at 64 registers, and no sm_80 device measured it.
+        let packed = HELD > 0
+            || !cfg!(layernorm_sm90)
+            || (n.is_multiple_of(T::PACK as u32)
+                && is_pack_aligned_as::<T, _>(x_row)
+                && is_pack_aligned_as::<T, _>(y_row)
+                && is_pack_aligned(affine.gamma)
+                && is_pack_aligned(affine.beta)
+                && is_pack_aligned(residual_row)
+                && is_pack_aligned(sum_row));
+        // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`); held
+        // rows are whole packs, aligned, and fit, and `packed` was checked for the streamed
+        // ones. Each pass after the add reads back only this rank's packs or elements of s.
         let norm = unsafe {
-            if HELD > 0 {
+            if !packed {
+                // The pivot taken first, so that x's and the residual's pointers die with the add.
+                let pivot = if CENTERED {
+                    residual_pivot(x_row, residual_row, n)
+                } else {
+                    0.0
+                };
+                add_residual::<T, Y, S, false>(x_row, residual_row, sum_row, n);
+                forward_row::<T, Y, W, S, CENTERED, ELEMENTS, 0>(s_row, affine, y_row, n, eps, || pivot)
+            } else if HELD > 0 {
                 residual_held_row::<T, Y, W, S, CENTERED, HELD>(
                     x_row,
                     residual_row,
@@ -487,9 +514,9 @@ unsafe fn forward_rows_residual_aligned<
                     .inspect(|&norm| write_y_streamed::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, norm))
             }
         };
-        (norm, true)
+        (norm, packed)
     };
-    // SAFETY: the caller's guarantee; both paths write s by packs.
+    // SAFETY: the caller's guarantee; `normalize` writes s by packs exactly where `packed`.
     unsafe { residual_rows::<T, Y, W, S, CENTERED>(p, normalize) }
 }
 
@@ -1777,7 +1804,7 @@ macro_rules! residual_kernels {
             forward_rows_residual_pipelined, Block,
             "Forward of x + residual, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
         residual_kernels!(@aligned $prefix, $types, $y, $w, $r, residual_streamed, $centered, 0,
-            "Forward of x + residual, one block per row, streamed (rows of aligned packs too long to hold).");
+            "Forward of x + residual, one block per row, streamed (rows too long to hold, or not aligned).");
     };
     (@aligned $prefix:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $centered:literal, $held:expr,
      $doc:literal) => {
@@ -1785,12 +1812,12 @@ macro_rules! residual_kernels {
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows the kernel
-        /// takes (`forward_rows_residual_aligned`'s safety section).
+        /// takes (`forward_rows_residual_lean`'s safety section).
         #[unsafe(export_name = concat!($prefix, "_fwd_", stringify!($kind), "_", $types))]
         pub unsafe extern "ptx-kernel" fn $kind(p: Forward<$y, $w, $r>) {
-            // SAFETY: the host launches this kernel only as `forward_rows_residual_aligned`
+            // SAFETY: the host launches this kernel only as `forward_rows_residual_lean`
             // requires.
-            unsafe { forward_rows_residual_aligned::<$r, $y, $w, Block, $centered, { $held }>(p) }
+            unsafe { forward_rows_residual_lean::<$r, $y, $w, Block, $centered, { $held }>(p) }
         }
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $rows:ident,
