@@ -362,11 +362,12 @@ fn gpu_residual_held_rows_match_the_reference() {
 }
 
 /// Launches of more rows than multiprocessors (140) whose rows are not whole aligned packs,
-/// past a warp's length: on sm_90 the streamed kernel takes them element by element at 64
-/// registers (on sm_80 the general kernel): teams of 64 to 512 ranks (bf16 N = 1030, f16
-/// 4100, f32 4097, f16 with f32 weights 16388, f32 12289 at one or two batches of 8 a rank
-/// and a short batch after), and a stream in f32 beside bf16 (N = 4099), both norms, with
-/// a dsum and without, the backward after them.
+/// past a warp's length: on sm_90 the streamed kernel takes them at 64 registers (on sm_80
+/// the general kernel), in half packs where 8-byte aligned, else element by element: teams
+/// of 64 to 512 ranks (bf16 N = 1030, half packs and two elements on rows 8-byte aligned;
+/// f16 4100 and f16 with f32 weights 16388, half packs; f32 4097 and 12289, half packs and
+/// elements on alternate rows), and a stream in f32 beside bf16 (N = 4099, elements), both
+/// norms, with a dsum and without, the backward after them.
 #[test]
 fn gpu_residual_unaligned_rows_of_many_match_the_reference() {
     let Some(gpu) = gpu_or_skip() else { return };

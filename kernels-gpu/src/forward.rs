@@ -43,7 +43,8 @@
 //!   pipelined block holds: 16-bit rows held 4 packs a rank by up to 1024 ranks, or, too
 //!   long for that, s summed as it is formed and read back from L2 for y, both at 64
 //!   registers; `residual_streamed` also for launches of many rows not all aligned, past
-//!   a warp's length, whose rows not of aligned whole packs it reads element by element;
+//!   a warp's length (sm_90), whose rows not of aligned whole packs it takes in half packs
+//!   where 8-byte aligned, else element by element;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -86,7 +87,7 @@
 use crate::device::{cp_async_wait_all, fma, opaque_ptr, sqrt_rn};
 use crate::element::{
     Element, MAX_PACK, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, load_pack, read,
-    read_cached, write, write_with,
+    read_cached, read_half_pack, write, write_with,
 };
 use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
@@ -109,6 +110,11 @@ const RESIDUAL_HELD: usize = crate::layout::RESIDUAL_HELD as usize;
 /// Elements a rank of an unaligned residual row adds at once ([`add_residual_elements`]),
 /// as many as it then reads back at once (`row::for_each_read`).
 const READ_BATCH_ELEMENTS: usize = crate::layout::READ_BATCH_ELEMENTS as usize;
+
+/// Half packs a rank of an unaligned residual row adds at once ([`add_residual_half_packs`]):
+/// x's and the residual's, 64 bytes in flight a rank, within the streamed kernel's 64
+/// registers.
+const ADD_BATCH_HALF_PACKS: usize = 4;
 
 /// The factor on x of rows whose f32 sums overflow: n <= 2^31 values up to 2^128 sum to at
 /// most 2^159, and their squared deviations (each at most 2^258) to 2^289; times 2^-81 and
@@ -438,10 +444,11 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
 ///   loads at once) or, past what shared memory holds, streams them at its 128 registers
 ///   and reads s back twice; here two blocks of 512 share a multiprocessor, and each row's
 ///   tail overlaps another block's loads (docs/PERF.md, v39). Rows that are not whole
-///   aligned packs (launches not all aligned) are added element by element
-///   ([`add_residual_elements`]) and normalized as the general kernel streams them, s
-///   read back from L2 twice: at 128 registers it ran 16 warps a multiprocessor where
-///   these run 32 (sm_90 only).
+///   aligned packs (launches not all aligned) are added in half packs where every pointer
+///   is 8-byte aligned ([`add_residual_half_packs`]), else element by element
+///   ([`add_residual_elements`]), and normalized as the plain forward streams them, s read
+///   back from L2 twice: the general kernel took them at 128 registers and 16 warps a
+///   multiprocessor, element by element; these run 32 (sm_90 only).
 ///
 /// DRAM sees x, the residual, s and y once each, and shared memory only the reductions'
 /// scratch.
@@ -477,9 +484,28 @@ unsafe fn forward_rows_residual_lean<
                 && is_pack_aligned(affine.beta)
                 && is_pack_aligned(residual_row)
                 && is_pack_aligned(sum_row));
+        // Rows not whole aligned packs: half packs where every pointer allows them (8 bytes
+        // of s, of x's type: a stream in f32 beside 16-bit x goes element by element).
+        let chunk = if packed {
+            PACKS
+        } else if size_of::<Y>() == size_of::<T>() {
+            chunk_of::<T, W>(
+                &[
+                    x_row as usize,
+                    y_row as usize,
+                    residual_row as usize,
+                    sum_row as usize,
+                ],
+                &[affine.gamma as usize, affine.beta as usize],
+            )
+            .min(HALF_PACKS)
+        } else {
+            ELEMENTS
+        };
         // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`); held
-        // rows are whole packs, aligned, and fit, and `packed` was checked for the streamed
-        // ones. Each pass after the add reads back only this rank's packs or elements of s.
+        // rows are whole packs, aligned, and fit; `packed` and `chunk` were checked for the
+        // others' pointers, half packs only where x is of s's type. Each pass after the add
+        // reads back only this rank's packs, half packs or elements of s.
         let norm = unsafe {
             if !packed {
                 // The pivot taken first, so that x's and the residual's pointers die with the add.
@@ -488,8 +514,13 @@ unsafe fn forward_rows_residual_lean<
                 } else {
                     0.0
                 };
-                add_residual::<T, Y, S, false>(x_row, residual_row, sum_row, n);
-                forward_row::<T, Y, W, S, CENTERED, ELEMENTS, 0>(s_row, affine, y_row, n, eps, || pivot)
+                if chunk == HALF_PACKS {
+                    add_residual_half_packs::<T, Y, S>(x_row, residual_row, sum_row, n);
+                    forward_row::<T, Y, W, S, CENTERED, HALF_PACKS, 0>(s_row, affine, y_row, n, eps, || pivot)
+                } else {
+                    add_residual::<T, Y, S, false>(x_row, residual_row, sum_row, n);
+                    forward_row::<T, Y, W, S, CENTERED, ELEMENTS, 0>(s_row, affine, y_row, n, eps, || pivot)
+                }
             } else if HELD > 0 {
                 residual_held_row::<T, Y, W, S, CENTERED, HELD>(
                     x_row,
@@ -514,21 +545,23 @@ unsafe fn forward_rows_residual_lean<
                     .inspect(|&norm| write_y_streamed::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, norm))
             }
         };
-        (norm, packed)
+        (norm, chunk != ELEMENTS)
     };
-    // SAFETY: the caller's guarantee; `normalize` writes s by packs exactly where `packed`.
+    // SAFETY: the caller's guarantee; `normalize` writes s by elements exactly where its
+    // chunk is `ELEMENTS`.
     unsafe { residual_rows::<T, Y, W, S, CENTERED>(p, normalize) }
 }
 
 /// The residual forward's loop over the team's rows: `normalize(x, residual, sum, y)` (one
 /// row of each) forms the row's s, writes it to `sum` and y from it, and returns the row's
 /// normalization, or None where its statistics overflowed, and whether the team wrote s
-/// by packs; then this loop takes overflowed rows on the huge path and publishes the
-/// row's statistics.
+/// in chunks wider than an element (packs or half packs); then this loop takes overflowed
+/// rows on the huge path and publishes the row's statistics.
 ///
 /// # Safety
 /// As for [`forward_rows_residual`]; `normalize` is sound for one row of x, y, the
-/// residual and sum, and where it returns `true` each rank wrote s by its own packs.
+/// residual and sum, and where it returns `false` each rank wrote s's elements `rank,
+/// rank + size, ...` (as the huge path walks them).
 #[inline(always)]
 unsafe fn residual_rows<T: Element, Y: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     p: Forward<Y, W, T>,
@@ -544,8 +577,9 @@ unsafe fn residual_rows<T: Element, Y: Element, W: Element, S: StatsTeam, const 
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
         unsafe {
             let norm = norm.unwrap_or_else(|| {
-                // The huge path walks the row element by element, not in this rank's packs:
-                // the s other ranks wrote must be visible first (the branch is the team's).
+                // The huge path walks the row element by element, not in this rank's packs or
+                // half packs: the s other ranks wrote must be visible first (the branch is
+                // the team's).
                 if by_packs {
                     S::sync();
                 }
@@ -803,6 +837,59 @@ unsafe fn add_residual_elements<T: Element, Y: Element, S: Team, const BATCH: us
         });
         j += BATCH as u32 * size;
     }
+}
+
+/// The residual add of a row of x's type 8-byte aligned but not 16 (the streamed kernel's,
+/// sm_90): half pack c by rank c mod size, as `for_each_read` walks them (`HALF_PACKS`),
+/// `ADD_BATCH_HALF_PACKS` a rank at a time, every load of a batch before its first store,
+/// then the elements after the last whole half pack ([`add_residual_elements`]).
+///
+/// # Safety
+/// x, residual and sum hold the `n`-element row, each 8-byte aligned, and `Y` is `T`'s
+/// size.
+#[inline(always)]
+unsafe fn add_residual_half_packs<T: Element, Y: Element, S: Team>(
+    x: *const Y,
+    residual: *const T,
+    sum: *mut T,
+    n: u32,
+) {
+    let width = T::PACK / 2;
+    let (chunks, size) = (n / width as u32, S::size());
+    let mut c = S::rank();
+    while c < chunks {
+        let column = |u: usize| (c + u as u32 * size) * width as u32;
+        let in_row = |u: usize| c + (u as u32) * size < chunks;
+        let (mut xs, mut rs) = (
+            [[0.0; MAX_PACK]; ADD_BATCH_HALF_PACKS],
+            [[0.0; MAX_PACK]; ADD_BATCH_HALF_PACKS],
+        );
+        each_slot::<ADD_BATCH_HALF_PACKS>(|u| {
+            if in_row(u) {
+                // SAFETY: half pack c + u size lies inside the row, 8-byte aligned.
+                xs[u] = unsafe { read_half_pack(x, column(u), width) };
+            }
+        });
+        each_slot::<ADD_BATCH_HALF_PACKS>(|u| {
+            if in_row(u) {
+                // SAFETY: as above.
+                rs[u] = unsafe { read_half_pack(residual, column(u), width) };
+            }
+        });
+        each_slot::<ADD_BATCH_HALF_PACKS>(|u| {
+            if in_row(u) {
+                let mut s: Pack = [0.0; MAX_PACK];
+                for k in 0..width {
+                    s[k] = xs[u][k] + rs[u][k];
+                }
+                // SAFETY: as above.
+                unsafe { write(sum, column(u), width, &s) };
+            }
+        });
+        c += ADD_BATCH_HALF_PACKS as u32 * size;
+    }
+    // SAFETY: the caller's guarantee.
+    unsafe { add_residual_elements::<T, Y, S, 1>(x, residual, sum, chunks * width as u32, n) };
 }
 
 /// The pivot of a row no thread writes ([`chunk_stats`]): its first value, read when called
