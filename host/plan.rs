@@ -590,8 +590,8 @@ impl<T: Element> Planner<T> {
     /// packs it takes in half packs where 8-byte aligned, else element by element (s read
     /// back from L2 twice, as the general kernel does), at 64 registers where the general
     /// kernel's 128 run 16 warps a multiprocessor; the aligned ones it streams rather than
-    /// holds or stages. sm_90 only:
-    /// the sm_80 module's streamed kernel takes aligned rows only (its element path spilled).
+    /// holds or stages. sm_90 only: the sm_80 module's streamed kernel takes aligned rows
+    /// only (its element path spilled there).
     fn residual_unaligned(&self, general: &Plan) -> Option<Plan> {
         let takes = self.limits.arch == Arch::Sm90
             && !self.aligned

@@ -1890,10 +1890,10 @@ macro_rules! residual_kernels {
         residual_kernels!(@one $prefix, $centered, $types, $y, $w, $r, residual_pipelined_block,
             forward_rows_residual_pipelined, Block,
             "Forward of x + residual, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
-        residual_kernels!(@aligned $prefix, $types, $y, $w, $r, residual_streamed, $centered, 0,
+        residual_kernels!(@lean $prefix, $types, $y, $w, $r, residual_streamed, $centered, 0,
             "Forward of x + residual, one block per row, streamed (rows too long to hold, or not aligned).");
     };
-    (@aligned $prefix:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $centered:literal, $held:expr,
+    (@lean $prefix:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $centered:literal, $held:expr,
      $doc:literal) => {
         #[doc = $doc]
         ///
@@ -1940,7 +1940,7 @@ macro_rules! residual_held_kernels {
         }
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $t:ty) => {
-        residual_kernels!(@aligned $prefix, $types, $t, $t, $t, residual_held, $centered, RESIDUAL_HELD,
+        residual_kernels!(@lean $prefix, $types, $t, $t, $t, residual_held, $centered, RESIDUAL_HELD,
             "Forward of x + residual, one block per row, held at 64 registers (rows of aligned packs, 4 a rank).");
     };
 }
