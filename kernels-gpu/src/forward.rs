@@ -93,7 +93,7 @@ use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
 use crate::row::{
     ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, Staged, Widened, chunk_of, each_held_slot, each_slot, fits,
-    for_each_chunk, for_each_read, for_each_read_values, values,
+    for_each_chunk, for_each_element_batched, for_each_read, for_each_read_values, values,
 };
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
@@ -793,12 +793,10 @@ unsafe fn each_sum_batch<T: Element, Y: Element, S: Team, const EVICT_FIRST: boo
 
 /// The residual add of elements `from..n` of a row, element `from + i` by rank `i mod size`:
 /// as `for_each_chunk` hands out the elements after a row's whole packs (`from` the first of
-/// them), or every element of an unaligned row (`from` 0). `BATCH` elements a rank at a
-/// time, all of a batch's loads (x's, then the residual's) issued before its first store:
-/// the compiler may not move a load past a store to `sum`, which for all it knows is x or
-/// the residual, so an unaligned row an element at a time waited a DRAM round trip for each
-/// (f16 N = 4097, 660 GB/s at v62). A row's tail after its whole packs, less than a pack,
-/// is at most an element a rank: `BATCH` 1 there, whose registers the held kernels lack.
+/// them), or every element of an unaligned row (`from` 0), `BATCH` a rank at a time, every
+/// load of a batch before its first store ([`for_each_element_batched`]). A row's tail
+/// after its whole packs, less than a pack, is at most an element a rank: `BATCH` 1 there,
+/// whose registers the held kernels lack.
 ///
 /// # Safety
 /// x, residual and sum hold the `n`-element row.
@@ -810,33 +808,18 @@ unsafe fn add_residual_elements<T: Element, Y: Element, S: Team, const BATCH: us
     from: u32,
     n: u32,
 ) {
-    let size = S::size();
-    let mut j = from + S::rank();
-    while j < n {
-        let column = |u: usize| j + u as u32 * size;
-        let (mut xs, mut rs) = ([0.0; BATCH], [0.0; BATCH]);
-        each_slot::<BATCH>(|u| {
-            if column(u) < n {
-                // SAFETY: column(u) < n.
-                xs[u] = unsafe { read(x, column(u), 1) }[0];
-            }
-        });
-        each_slot::<BATCH>(|u| {
-            if column(u) < n {
-                // SAFETY: column(u) < n.
-                rs[u] = unsafe { read(residual, column(u), 1) }[0];
-            }
-        });
-        each_slot::<BATCH>(|u| {
-            if column(u) < n {
-                let mut s: Pack = [0.0; MAX_PACK];
-                s[0] = xs[u] + rs[u];
-                // SAFETY: column(u) < n.
-                unsafe { write(sum, column(u), 1, &s) };
-            }
-        });
-        j += BATCH as u32 * size;
-    }
+    for_each_element_batched::<S, _, BATCH>(
+        from,
+        n,
+        // SAFETY: for_each_element_batched yields j < n.
+        |j| unsafe { (read(x, j, 1)[0], read(residual, j, 1)[0]) },
+        |j, (x, residual)| {
+            let mut s: Pack = [0.0; MAX_PACK];
+            s[0] = x + residual;
+            // SAFETY: as above.
+            unsafe { write(sum, j, 1, &s) };
+        },
+    );
 }
 
 /// The residual add of a row of x's type 8-byte aligned but not 16 (the streamed kernel's,

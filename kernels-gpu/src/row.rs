@@ -492,6 +492,38 @@ pub fn for_each_chunk<T: Element, S: Team, const CHUNK: usize, const K: usize>(
     }
 }
 
+/// Elements `from..n` of a row, element `from + i` by rank `i mod size` (as
+/// [`for_each_chunk`] hands them out), `BATCH` a rank at a time, for a caller that stores
+/// after it loads: `load(j)` for each element of the batch first, then `f(j, loaded)` for
+/// each. The compiler may not move a load past a store that might alias it, so element by
+/// element each element's loads waited for the last one's store: a DRAM round trip each
+/// (the residual add at f16 N = 4097 ran at 660 GB/s, docs/PERF.md after v62).
+#[inline(always)]
+pub fn for_each_element_batched<S: Team, V: Copy + Default, const BATCH: usize>(
+    from: u32,
+    n: u32,
+    mut load: impl FnMut(u32) -> V,
+    mut f: impl FnMut(u32, V),
+) {
+    let size = S::size();
+    let mut j = from + S::rank();
+    while j < n {
+        let column = |u: usize| j + u as u32 * size;
+        let mut loaded = [V::default(); BATCH];
+        each_slot::<BATCH>(|u| {
+            if column(u) < n {
+                loaded[u] = load(column(u));
+            }
+        });
+        each_slot::<BATCH>(|u| {
+            if column(u) < n {
+                f(column(u), loaded[u]);
+            }
+        });
+        j += BATCH as u32 * size;
+    }
+}
+
 /// What a rank of a row no rank holds reads at once ([`for_each_read`]): 4 packs or 8
 /// half packs (64 bytes in flight a rank), or `layout::READ_BATCH_ELEMENTS` elements of a
 /// row not 8-byte aligned. A load at a time left a rank 16 bytes in flight (2 to 4 element
