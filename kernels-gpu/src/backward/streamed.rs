@@ -13,9 +13,7 @@ use crate::row::{
 use crate::team::{SCRATCH_BYTES, Team};
 
 /// Elements a rank of a block team takes at once in each pass of a row not 16-byte
-/// aligned: at 8 (the forward's) the general cluster kernels spilled 8-32 bytes. Warp
-/// teams, whose rows are short, keep one at a time: the owned warp kernel spilled 4-16 bytes
-/// at 4.
+/// aligned: at 8 (the forward's) the general cluster kernels spilled 8-32 bytes.
 const BATCH_ELEMENTS: usize = 4;
 
 /// dx for one row, and its partials into `part`, a row this team alone writes; `HELD` packs
@@ -91,11 +89,21 @@ pub(crate) unsafe fn backward_row<
     // Pass 1: the row sums (the same arithmetic as the held path's, so that dx is the same
     // bits whichever path computed it).
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
-    each_chunk::<X, S, CHUNK, HELD, _>(cols, terms, |_, len, (xhat, wdy, _)| {
+    let mut add_sums = |len: usize, (xhat, wdy, _): (Pack, Pack, Pack)| {
         for k in 0..len {
             (s1, s2) = add_row_sums(s1, s2, xhat[k], wdy[k]);
         }
-    });
+    };
+    if batches_elements::<S, CHUNK>() {
+        for_each_element_batched::<S, _, BATCH_ELEMENTS>(
+            0,
+            cols,
+            |j| terms(j, 1, None),
+            |_, t| add_sums(1, t),
+        );
+    } else {
+        for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| add_sums(len, terms(j, len, slot)));
+    }
     let (s1, s2) = S::sum2(s1, s2);
     let coefficients = DxCoefficients::new(s1, r.s2(s2), n);
 
@@ -136,48 +144,56 @@ pub(crate) unsafe fn backward_row<
     } else {
         for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
             let (xhat, wdy, _) = terms(j, len, slot);
-            write_dx(j, len, (xhat, wdy), &|| read_dsum(j, len));
+            let mut out = [0.0; MAX_PACK];
+            for k in 0..len {
+                out[k] = centering.dx(wdy[k], xhat[k], coefficients);
+            }
+            if let Some(dsum) = dsum {
+                // SAFETY: dsum holds the row as dx does, aligned where dx's packs are.
+                let ds = unsafe { read(dsum, j, len) };
+                for k in 0..len {
+                    out[k] += ds[k];
+                }
+            }
+            // SAFETY: as above; dres holds the row as dsum does.
+            unsafe {
+                write(dx, j, len, &out);
+                if let Some(dres) = dres {
+                    write(dres, j, len, &out);
+                }
+            }
         });
     }
 
     // Pass 3: the partials (dy * xhat, dy) into the team's row. A pass of its own keeps
     // fewer values live than adding them during pass 2 (no register spills at 64 per
     // thread), and held rows cost no memory.
-    each_chunk::<X, S, CHUNK, HELD, _>(cols, terms, |j, len, (xhat, _, dyv)| {
+    let add_partials = |j: u32, len: usize, (xhat, _, dyv): (Pack, Pack, Pack)| {
         let mut dgamma = [0.0; MAX_PACK];
         for k in 0..len {
             dgamma[k] = dyv[k] * xhat[k];
         }
         // SAFETY: as above; the row is this team's alone.
         unsafe { part.add(j, len, &dgamma, &dyv) };
-    });
+    };
+    if batches_elements::<S, CHUNK>() {
+        for_each_element_batched::<S, _, BATCH_ELEMENTS>(
+            0,
+            cols,
+            |j| terms(j, 1, None),
+            |j, t| add_partials(j, 1, t),
+        );
+    } else {
+        for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| add_partials(j, len, terms(j, len, slot)));
+    }
 }
 
-/// Whether [`each_chunk`] takes a row's chunks in batches: a block team's elements.
+/// Whether [`backward_row`]'s passes take a row's chunks in batches, every load of a batch
+/// before its first store ([`for_each_element_batched`]): a block team's elements. Warp
+/// teams, whose rows are short, keep one at a time (the owned warp kernel spilled at 4).
 #[inline(always)]
 const fn batches_elements<S: Team, const CHUNK: usize>() -> bool {
     CHUNK == ELEMENTS && S::HOLDS_PART_OF_LONG_ROWS
-}
-
-/// A pass of [`backward_row`] over this rank's chunks of its `cols` columns: `load(j, len,
-/// slot)` reads a chunk's values, then `f(j, len, values)` works on them. Packs (held or
-/// not) as [`for_each_chunk`] gives them, and a warp's elements one by one; a block team's
-/// elements a batch at a time, every load of the batch before its first store
-/// ([`for_each_element_batched`]).
-#[inline(always)]
-fn each_chunk<X: Element, S: Team, const CHUNK: usize, const HELD: usize, V: Copy + Default>(
-    cols: u32,
-    mut load: impl FnMut(u32, usize, Option<usize>) -> V,
-    mut f: impl FnMut(u32, usize, V),
-) {
-    if batches_elements::<S, CHUNK>() {
-        for_each_element_batched::<S, V, BATCH_ELEMENTS>(0, cols, |j| load(j, 1, None), |j, v| f(j, 1, v));
-    } else {
-        for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
-            let v = load(j, len, slot);
-            f(j, len, v)
-        });
-    }
 }
 
 /// [`backward_row`] with the row's access pattern picked: packed and held in registers,
