@@ -579,10 +579,32 @@ impl<T: Element> Planner<T> {
             ),
             2,
         );
-        Plan {
+        self.residual_unaligned(&plan).unwrap_or(Plan {
             grid: self.forward_residual_grid(&plan),
             ..plan
-        }
+        })
+    }
+
+    /// The streamed residual forward at the general block kernel's team, for launches of
+    /// more rows than multiprocessors not all aligned: the rows that are not whole aligned
+    /// packs it takes in half packs where 8-byte aligned, else element by element (s read
+    /// back from L2 twice, as the general kernel does), at 64 registers where the general
+    /// kernel's 128 run 16 warps a multiprocessor; the aligned ones it streams rather than
+    /// holds or stages. sm_90 only: the sm_80 module's streamed kernel takes aligned rows
+    /// only (its element path spilled there).
+    fn residual_unaligned(&self, general: &Plan) -> Option<Plan> {
+        let takes = self.limits.arch == Arch::Sm90
+            && !self.aligned
+            && !self.few_rows
+            && general.variant == Variant::FwdResidualBlock;
+        takes.then_some(Plan {
+            variant: Variant::FwdResidualStreamed,
+            threads: general.threads,
+            stacked: 1,
+            smem: SCRATCH_BYTES,
+            local: false,
+            grid: Grid::Resident,
+        })
     }
 
     /// The held residual forward, for launches of more rows than multiprocessors whose rows

@@ -194,8 +194,19 @@ fn unaligned_forward_rows_take_four_read_batches_a_rank() {
     assert_eq!((p.variant, p.threads), (Variant::FwdWarp, 256));
     let p = plan::<f32, f32>(Norm::Layer, 3, 4097, Pass::Forward, false, h).unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdBlock, 1024));
-    // The residual forward is not planned this way (its s is formed an element a load).
+    // The residual forward keeps the general kernel's team (about 4 packs' columns a
+    // rank), on sm_90 in the streamed kernel at 64 registers.
     let p = plan::<f32, f32>(Norm::Layer, MANY, 4097, Pass::ForwardResidual, false, h).unwrap();
+    assert_eq!((p.variant, p.threads), (Variant::FwdResidualStreamed, 288));
+    let p = plan::<f32, f32>(
+        Norm::Layer,
+        MANY,
+        4097,
+        Pass::ForwardResidual,
+        false,
+        DeviceLimits::A100,
+    )
+    .unwrap();
     assert_eq!((p.variant, p.threads), (Variant::FwdResidualBlock, 288));
 }
 
@@ -567,9 +578,14 @@ fn residual_forward_grid_every_row_where_measured_faster() {
             shape(f16(norm, 1024)),
             (Variant::FwdResidualPipelinedWarp, 256, Grid::Resident)
         );
-        // Unaligned rows, few rows, and sm_80 (unmeasured there).
+        // Unaligned rows (the streamed kernel, which takes them element by element at 64
+        // registers; on sm_80 the general kernel), few rows, and sm_80 (unmeasured there).
         let p = plan::<f32, f32>(norm, MANY, 12288, res, false, h).unwrap();
+        assert_eq!(shape(p), (Variant::FwdResidualStreamed, 512, Grid::Resident));
+        let p = plan::<f32, f32>(norm, MANY, 12288, res, false, DeviceLimits::A100).unwrap();
         assert_eq!(shape(p), (general, 512, Grid::Resident));
+        let p = plan::<f32, f32>(norm, h.sm_count, 12288, res, false, h).unwrap();
+        assert_eq!(p.variant, general);
         let p = plan::<f32, f32>(norm, h.sm_count, 12288, res, true, h).unwrap();
         assert_eq!(p.variant, general);
         let p = plan::<f16, f16>(norm, MANY, 32768, res, true, DeviceLimits::A100).unwrap();
@@ -903,8 +919,9 @@ fn f32_stream_plans() {
                 let p = stream_plan_of::<bf16, f32>(MANY, n, pass, limits);
                 if pass == Pass::ForwardResidual {
                     // Past 4096 f32 packs (512 ranks at 8), the streamed kernel, which
-                    // stages nothing.
-                    let streamed = n > 16384;
+                    // stages nothing; on sm_90 also rows not whole packs (N = 12289).
+                    let unaligned = limits.arch == Arch::Sm90 && !n.is_multiple_of(4) && n > 1024;
+                    let streamed = n > 16384 || unaligned;
                     assert_eq!(p.smem, 512, "n = {n}, {limits:?}: {p:?}");
                     assert_eq!(
                         p.variant == Variant::FwdResidualStreamed,

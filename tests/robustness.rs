@@ -472,7 +472,8 @@ fn rows_near_the_f32_limit_normalize_as_in_f64() {
         // One element at a time (odd n), warp rows, held block rows, streamed block rows;
         // for the residual forward also rows it holds (12288) and stages (bf16 40000), and,
         // in a launch of more rows than multiprocessors, its held kernel's (bf16 20000, by
-        // blocks of 1024) and its streamed kernel's (40000).
+        // blocks of 1024) and its streamed kernel's (40000, and, on sm_90, rows not whole
+        // aligned packs: 4097 in half packs and elements, bf16 4100 in half packs).
         let shapes = [
             (6, 7),
             (6, 1024),
@@ -481,6 +482,8 @@ fn rows_near_the_f32_limit_normalize_as_in_f64() {
             (6, 40000),
             (140, 20000),
             (140, 40000),
+            (140, 4097),
+            (140, 4100),
         ];
         for (rows, n) in shapes {
             check::<f32>(&device, rows, n);

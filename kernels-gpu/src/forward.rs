@@ -38,11 +38,13 @@
 //!   ([`forward_rows_residual_pipelined`]) for launches with a residual whose rows all fit
 //!   as the pipelined ones (below) do: s = x + residual formed in registers as each row
 //!   comes up, written out, and normalized from there;
-//! - `residual_held` and `residual_streamed` ([`forward_rows_residual_aligned`]) for
+//! - `residual_held` and `residual_streamed` ([`forward_rows_residual_lean`]) for
 //!   launches of many rows with a residual whose rows are all aligned packs past what the
 //!   pipelined block holds: 16-bit rows held 4 packs a rank by up to 1024 ranks, or, too
 //!   long for that, s summed as it is formed and read back from L2 for y, both at 64
-//!   registers;
+//!   registers; `residual_streamed` also for launches of many rows not all aligned, past
+//!   a warp's length (sm_90), whose rows not of aligned whole packs it takes in half packs
+//!   where 8-byte aligned, else element by element;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -85,13 +87,13 @@
 use crate::device::{cp_async_wait_all, fma, opaque_ptr, sqrt_rn};
 use crate::element::{
     Element, MAX_PACK, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, load_pack, read,
-    read_cached, write, write_with,
+    read_cached, read_half_pack, write, write_with,
 };
 use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
 use crate::row::{
-    ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, Staged, Widened, chunk_of, each_held_slot, fits,
-    for_each_chunk, for_each_read, for_each_read_values, values,
+    ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, Staged, Widened, chunk_of, each_held_slot, each_slot, fits,
+    for_each_chunk, for_each_element_batched, for_each_read, for_each_read_values, values,
 };
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
@@ -104,6 +106,15 @@ const PART_HELD: usize = crate::layout::PART_HELD as usize;
 /// Packs a rank of the held residual kernel (`residual_held`): x's and the residual's
 /// loaded together fit its 64 registers.
 const RESIDUAL_HELD: usize = crate::layout::RESIDUAL_HELD as usize;
+
+/// Elements a rank of an unaligned residual row adds at once ([`add_residual_elements`]),
+/// as many as it then reads back at once (`row::for_each_read`).
+const READ_BATCH_ELEMENTS: usize = crate::layout::READ_BATCH_ELEMENTS as usize;
+
+/// Half packs a rank of an unaligned residual row adds at once ([`add_residual_half_packs`]):
+/// x's and the residual's, 64 bytes in flight a rank, within the streamed kernel's 64
+/// registers.
+const ADD_BATCH_HALF_PACKS: usize = 4;
 
 /// The factor on x of rows whose f32 sums overflow: n <= 2^31 values up to 2^128 sum to at
 /// most 2^159, and their squared deviations (each at most 2^258) to 2^289; times 2^-81 and
@@ -399,7 +410,7 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
                 let held = store_sum::<T, Y, S, PART_HELD>(xs, rs, sum_row, packs);
                 crate::device::cp_async_wait_all();
                 x_staged.sum_into::<T, Y, S>(residual_staged, sum_row, n);
-                add_residual_elements::<T, Y, S>(x_row, residual_row, sum_row, packs * T::PACK as u32, n);
+                add_residual_elements::<T, Y, S, 1>(x_row, residual_row, sum_row, packs * T::PACK as u32, n);
                 normalize_staged::<T, Y, W, S, CENTERED>(&held, s_row, affine, y_row, n, eps, x_staged)
             } else if packed {
                 add_residual::<T, Y, S, true>(x_row, residual_row, sum_row, n);
@@ -415,8 +426,8 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
     unsafe { residual_rows::<T, Y, W, S, CENTERED>(p, normalize) }
 }
 
-/// As [`forward_rows_residual`] for rows of whole aligned packs only, at 64 registers
-/// (teams of up to 1024 ranks), without the general kernel's other paths:
+/// As [`forward_rows_residual`] at 64 registers (teams of up to 1024 ranks), without the
+/// general kernel's held and staged paths:
 /// - `HELD` > 0 (`residual_held`, 16-bit rows): rows that fit `HELD` packs a rank
 ///   (`layout::RESIDUAL_HELD`, 4: N <= 32768 on 1024 ranks), which the general kernel
 ///   would hold at 8 packs a rank of at most 512 ranks and 128 registers, one block a
@@ -432,17 +443,23 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
 ///   kernel stages such rows in shared memory (a block a multiprocessor, the whole row's
 ///   loads at once) or, past what shared memory holds, streams them at its 128 registers
 ///   and reads s back twice; here two blocks of 512 share a multiprocessor, and each row's
-///   tail overlaps another block's loads (docs/PERF.md, v39).
+///   tail overlaps another block's loads (docs/PERF.md, v39). Rows that are not whole
+///   aligned packs (launches not all aligned) are added in half packs where every pointer
+///   is 8-byte aligned ([`add_residual_half_packs`]), else element by element
+///   ([`add_residual_elements`]), and normalized as the plain forward streams them, s read
+///   back from L2 twice: the general kernel took them at 128 registers and 16 warps a
+///   multiprocessor, element by element; these run 32 (sm_90 only).
 ///
 /// DRAM sees x, the residual, s and y once each, and shared memory only the reductions'
 /// scratch.
 ///
 /// # Safety
-/// As for [`forward_rows_residual`]; every row is whole packs, and x, y, the residual, s,
-/// gamma and beta are aligned to a pack of `T`'s columns (the host launches it only on
-/// such rows); with `HELD` > 0, every row fits `HELD` packs a rank.
+/// As for [`forward_rows_residual`]; with `HELD` > 0, or in the sm_80 module, every row is
+/// whole packs, and x, y, the residual, s, gamma and beta are aligned to a pack of `T`'s
+/// columns (the host launches it only on such rows); with `HELD` > 0 every row fits `HELD`
+/// packs a rank.
 #[inline(always)]
-unsafe fn forward_rows_residual_aligned<
+unsafe fn forward_rows_residual_lean<
     T: Element,
     Y: Element,
     W: Element,
@@ -456,10 +473,55 @@ unsafe fn forward_rows_residual_aligned<
     let (n, eps) = (p.n, p.eps);
     let normalize = |x_row: *const Y, residual_row: *const T, sum_row: *mut T, y_row: *mut Y| {
         let s_row = sum_row.cast_const();
-        // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`), whole
-        // packs, aligned; held rows fit. y's pass reads back only this rank's packs of s.
+        // The sm_80 module takes aligned rows only (the host sends it no others): the element
+        // path spilled 4-32 bytes there at 64 registers, and no sm_80 device measured it.
+        let packed = HELD > 0
+            || !cfg!(layernorm_sm90)
+            || (n.is_multiple_of(T::PACK as u32)
+                && is_pack_aligned_as::<T, _>(x_row)
+                && is_pack_aligned_as::<T, _>(y_row)
+                && is_pack_aligned(affine.gamma)
+                && is_pack_aligned(affine.beta)
+                && is_pack_aligned(residual_row)
+                && is_pack_aligned(sum_row));
+        // Rows not whole aligned packs: half packs where every pointer allows them (8 bytes
+        // of s, of x's type: a stream in f32 beside 16-bit x goes element by element).
+        let chunk = if packed {
+            PACKS
+        } else if size_of::<Y>() == size_of::<T>() {
+            chunk_of::<T, W>(
+                &[
+                    x_row as usize,
+                    y_row as usize,
+                    residual_row as usize,
+                    sum_row as usize,
+                ],
+                &[affine.gamma as usize, affine.beta as usize],
+            )
+            .min(HALF_PACKS)
+        } else {
+            ELEMENTS
+        };
+        // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`); held
+        // rows are whole packs, aligned, and fit; `packed` and `chunk` were checked for the
+        // others' pointers, half packs only where x is of s's type. Each pass after the add
+        // reads back only this rank's packs, half packs or elements of s.
         let norm = unsafe {
-            if HELD > 0 {
+            if !packed {
+                // The pivot taken first, so that x's and the residual's pointers die with the add.
+                let pivot = if CENTERED {
+                    residual_pivot(x_row, residual_row, n)
+                } else {
+                    0.0
+                };
+                if chunk == HALF_PACKS {
+                    add_residual_half_packs::<T, Y, S>(x_row, residual_row, sum_row, n);
+                    forward_row::<T, Y, W, S, CENTERED, HALF_PACKS, 0>(s_row, affine, y_row, n, eps, || pivot)
+                } else {
+                    add_residual::<T, Y, S, false>(x_row, residual_row, sum_row, n);
+                    forward_row::<T, Y, W, S, CENTERED, ELEMENTS, 0>(s_row, affine, y_row, n, eps, || pivot)
+                }
+            } else if HELD > 0 {
                 residual_held_row::<T, Y, W, S, CENTERED, HELD>(
                     x_row,
                     residual_row,
@@ -483,21 +545,23 @@ unsafe fn forward_rows_residual_aligned<
                     .inspect(|&norm| write_y_streamed::<T, Y, W, S, CENTERED>(s_row, affine, y_row, n, norm))
             }
         };
-        (norm, true)
+        (norm, chunk != ELEMENTS)
     };
-    // SAFETY: the caller's guarantee; both paths write s by packs.
+    // SAFETY: the caller's guarantee; `normalize` writes s by elements exactly where its
+    // chunk is `ELEMENTS`.
     unsafe { residual_rows::<T, Y, W, S, CENTERED>(p, normalize) }
 }
 
 /// The residual forward's loop over the team's rows: `normalize(x, residual, sum, y)` (one
 /// row of each) forms the row's s, writes it to `sum` and y from it, and returns the row's
 /// normalization, or None where its statistics overflowed, and whether the team wrote s
-/// by packs; then this loop takes overflowed rows on the huge path and publishes the
-/// row's statistics.
+/// in chunks wider than an element (packs or half packs); then this loop takes overflowed
+/// rows on the huge path and publishes the row's statistics.
 ///
 /// # Safety
 /// As for [`forward_rows_residual`]; `normalize` is sound for one row of x, y, the
-/// residual and sum, and where it returns `true` each rank wrote s by its own packs.
+/// residual and sum, and where it returns `false` each rank wrote s's elements `rank,
+/// rank + size, ...` (as the huge path walks them).
 #[inline(always)]
 unsafe fn residual_rows<T: Element, Y: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
     p: Forward<Y, W, T>,
@@ -513,8 +577,9 @@ unsafe fn residual_rows<T: Element, Y: Element, W: Element, S: StatsTeam, const 
         // SAFETY: as above; row < rows, so its statistics lie inside mean and rstd.
         unsafe {
             let norm = norm.unwrap_or_else(|| {
-                // The huge path walks the row element by element, not in this rank's packs:
-                // the s other ranks wrote must be visible first (the branch is the team's).
+                // The huge path walks the row element by element, not in this rank's packs or
+                // half packs: the s other ranks wrote must be visible first (the branch is
+                // the team's).
                 if by_packs {
                     S::sync();
                 }
@@ -561,7 +626,7 @@ unsafe fn residual_held_row<
             sum,
             packs,
         );
-        add_residual_elements::<T, Y, S>(x, residual, sum, packs * T::PACK as u32, n);
+        add_residual_elements::<T, Y, S, 1>(x, residual, sum, packs * T::PACK as u32, n);
         // Held rows merge no chunks: no pivot.
         normalize_row::<T, Y, W, S, CENTERED, PACKS, HELD>(&held, sum.cast_const(), affine, y, n, eps, || 0.0)
     }
@@ -674,7 +739,13 @@ unsafe fn add_residual<T: Element, Y: Element, S: StatsTeam, const PACKED: bool>
     // SAFETY: the packs before `packs` are whole and aligned (PACKED).
     unsafe { each_sum_batch::<T, Y, S, false>(x, residual, sum, packs, |_, _| {}) };
     // SAFETY: the caller's guarantee.
-    unsafe { add_residual_elements::<T, Y, S>(x, residual, sum, packs * T::PACK as u32, n) };
+    unsafe {
+        if PACKED {
+            add_residual_elements::<T, Y, S, 1>(x, residual, sum, packs * T::PACK as u32, n)
+        } else {
+            add_residual_elements::<T, Y, S, READ_BATCH_ELEMENTS>(x, residual, sum, 0, n)
+        }
+    };
 }
 
 /// The residual add of a row's first `packs` whole packs, `SUM_BATCH` packs a rank at a
@@ -720,30 +791,88 @@ unsafe fn each_sum_batch<T: Element, Y: Element, S: Team, const EVICT_FIRST: boo
     }
 }
 
-/// The residual add of elements `from..n` of a row, one at a time, element `from + i` by
-/// rank `i mod size`: as `for_each_chunk` hands out the elements after a row's whole packs
-/// (`from` the first of them), or every element of an unaligned row (`from` 0).
+/// The residual add of elements `from..n` of a row, element `from + i` by rank `i mod size`:
+/// as `for_each_chunk` hands out the elements after a row's whole packs (`from` the first of
+/// them), or every element of an unaligned row (`from` 0), `BATCH` a rank at a time, every
+/// load of a batch before its first store ([`for_each_element_batched`]). A row's tail
+/// after its whole packs, less than a pack, is at most an element a rank: `BATCH` 1 there,
+/// whose registers the held kernels lack.
 ///
 /// # Safety
 /// x, residual and sum hold the `n`-element row.
 #[inline(always)]
-unsafe fn add_residual_elements<T: Element, Y: Element, S: Team>(
+unsafe fn add_residual_elements<T: Element, Y: Element, S: Team, const BATCH: usize>(
     x: *const Y,
     residual: *const T,
     sum: *mut T,
     from: u32,
     n: u32,
 ) {
-    let mut j = from + S::rank();
-    while j < n {
-        // SAFETY: j < n.
-        unsafe {
-            let mut s = read(x, j, 1);
-            s[0] += read(residual, j, 1)[0];
-            write(sum, j, 1, &s);
-        }
-        j += S::size();
+    for_each_element_batched::<S, _, BATCH>(
+        from,
+        n,
+        // SAFETY: for_each_element_batched yields j < n.
+        |j| unsafe { (read(x, j, 1)[0], read(residual, j, 1)[0]) },
+        |j, (x, residual)| {
+            let mut s: Pack = [0.0; MAX_PACK];
+            s[0] = x + residual;
+            // SAFETY: as above.
+            unsafe { write(sum, j, 1, &s) };
+        },
+    );
+}
+
+/// The residual add of a row of x's type 8-byte aligned but not 16 (the streamed kernel's,
+/// sm_90): half pack c by rank c mod size, as `for_each_read` walks them (`HALF_PACKS`),
+/// `ADD_BATCH_HALF_PACKS` a rank at a time, every load of a batch before its first store,
+/// then the elements after the last whole half pack ([`add_residual_elements`]).
+///
+/// # Safety
+/// x, residual and sum hold the `n`-element row, each 8-byte aligned, and `Y` is `T`'s
+/// size.
+#[inline(always)]
+unsafe fn add_residual_half_packs<T: Element, Y: Element, S: Team>(
+    x: *const Y,
+    residual: *const T,
+    sum: *mut T,
+    n: u32,
+) {
+    let width = T::PACK / 2;
+    let (chunks, size) = (n / width as u32, S::size());
+    let mut c = S::rank();
+    while c < chunks {
+        let column = |u: usize| (c + u as u32 * size) * width as u32;
+        let in_row = |u: usize| c + (u as u32) * size < chunks;
+        let (mut xs, mut rs) = (
+            [[0.0; MAX_PACK]; ADD_BATCH_HALF_PACKS],
+            [[0.0; MAX_PACK]; ADD_BATCH_HALF_PACKS],
+        );
+        each_slot::<ADD_BATCH_HALF_PACKS>(|u| {
+            if in_row(u) {
+                // SAFETY: half pack c + u size lies inside the row, 8-byte aligned.
+                xs[u] = unsafe { read_half_pack(x, column(u), width) };
+            }
+        });
+        each_slot::<ADD_BATCH_HALF_PACKS>(|u| {
+            if in_row(u) {
+                // SAFETY: as above.
+                rs[u] = unsafe { read_half_pack(residual, column(u), width) };
+            }
+        });
+        each_slot::<ADD_BATCH_HALF_PACKS>(|u| {
+            if in_row(u) {
+                let mut s: Pack = [0.0; MAX_PACK];
+                for k in 0..width {
+                    s[k] = xs[u][k] + rs[u][k];
+                }
+                // SAFETY: as above.
+                unsafe { write(sum, column(u), width, &s) };
+            }
+        });
+        c += ADD_BATCH_HALF_PACKS as u32 * size;
     }
+    // SAFETY: the caller's guarantee.
+    unsafe { add_residual_elements::<T, Y, S, 1>(x, residual, sum, chunks * width as u32, n) };
 }
 
 /// The pivot of a row no thread writes ([`chunk_stats`]): its first value, read when called
@@ -1744,21 +1873,21 @@ macro_rules! residual_kernels {
         residual_kernels!(@one $prefix, $centered, $types, $y, $w, $r, residual_pipelined_block,
             forward_rows_residual_pipelined, Block,
             "Forward of x + residual, one block per row, two rows in flight (rows of aligned packs, 4 a rank).");
-        residual_kernels!(@aligned $prefix, $types, $y, $w, $r, residual_streamed, $centered, 0,
-            "Forward of x + residual, one block per row, streamed (rows of aligned packs too long to hold).");
+        residual_kernels!(@lean $prefix, $types, $y, $w, $r, residual_streamed, $centered, 0,
+            "Forward of x + residual, one block per row, streamed (rows too long to hold, or not aligned).");
     };
-    (@aligned $prefix:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $centered:literal, $held:expr,
+    (@lean $prefix:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $centered:literal, $held:expr,
      $doc:literal) => {
         #[doc = $doc]
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows the kernel
-        /// takes (`forward_rows_residual_aligned`'s safety section).
+        /// takes (`forward_rows_residual_lean`'s safety section).
         #[unsafe(export_name = concat!($prefix, "_fwd_", stringify!($kind), "_", $types))]
         pub unsafe extern "ptx-kernel" fn $kind(p: Forward<$y, $w, $r>) {
-            // SAFETY: the host launches this kernel only as `forward_rows_residual_aligned`
+            // SAFETY: the host launches this kernel only as `forward_rows_residual_lean`
             // requires.
-            unsafe { forward_rows_residual_aligned::<$r, $y, $w, Block, $centered, { $held }>(p) }
+            unsafe { forward_rows_residual_lean::<$r, $y, $w, Block, $centered, { $held }>(p) }
         }
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $rows:ident,
@@ -1794,7 +1923,7 @@ macro_rules! residual_held_kernels {
         }
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $t:ty) => {
-        residual_kernels!(@aligned $prefix, $types, $t, $t, $t, residual_held, $centered, RESIDUAL_HELD,
+        residual_kernels!(@lean $prefix, $types, $t, $t, $t, residual_held, $centered, RESIDUAL_HELD,
             "Forward of x + residual, one block per row, held at 64 registers (rows of aligned packs, 4 a rank).");
     };
 }

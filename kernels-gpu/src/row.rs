@@ -151,7 +151,7 @@ pub fn each_held_slot<S: Team, const K: usize>(packs: u32, mut f: impl FnMut(usi
 /// (its body is large; 8 slots of f16 packs are) would index them at run time and move them
 /// to local memory.
 #[inline(always)]
-fn each_slot<const K: usize>(mut f: impl FnMut(usize)) {
+pub fn each_slot<const K: usize>(mut f: impl FnMut(usize)) {
     const { assert!(K <= MAX_HELD) };
     let mut slot = |c: usize| {
         if c < K {
@@ -489,6 +489,38 @@ pub fn for_each_chunk<T: Element, S: Team, const CHUNK: usize, const K: usize>(
     while j < n {
         f(j, 1, None);
         j += S::size();
+    }
+}
+
+/// Elements `from..n` of a row, element `from + i` by rank `i mod size` (as
+/// [`for_each_chunk`] hands them out), `BATCH` a rank at a time, for a caller that stores
+/// after it loads: `load(j)` for each element of the batch first, then `f(j, loaded)` for
+/// each. The compiler may not move a load past a store that might alias it, so element by
+/// element each element's loads waited for the last one's store: a DRAM round trip each
+/// (the residual add at f16 N = 4097 ran at 660 GB/s, docs/PERF.md after v62).
+#[inline(always)]
+pub fn for_each_element_batched<S: Team, V: Copy + Default, const BATCH: usize>(
+    from: u32,
+    n: u32,
+    mut load: impl FnMut(u32) -> V,
+    mut f: impl FnMut(u32, V),
+) {
+    let size = S::size();
+    let mut j = from + S::rank();
+    while j < n {
+        let column = |u: usize| j + u as u32 * size;
+        let mut loaded = [V::default(); BATCH];
+        each_slot::<BATCH>(|u| {
+            if column(u) < n {
+                loaded[u] = load(column(u));
+            }
+        });
+        each_slot::<BATCH>(|u| {
+            if column(u) < n {
+                f(column(u), loaded[u]);
+            }
+        });
+        j += BATCH as u32 * size;
     }
 }
 

@@ -7,8 +7,14 @@ use super::partials::{Destination, PartialRow, padded, padded_len};
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device;
 use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, is_pack_aligned_as, read, write};
-use crate::row::{BWD_HELD, ELEMENTS, Held, PACKS, fits, for_each_chunk, prefetch, values};
+use crate::row::{
+    BWD_HELD, ELEMENTS, Held, PACKS, fits, for_each_chunk, for_each_element_batched, prefetch, values,
+};
 use crate::team::{SCRATCH_BYTES, Team};
+
+/// Elements a rank of a block team takes at once in each pass of a row not 16-byte
+/// aligned: at 8 (the forward's) the general cluster kernels spilled 8-32 bytes.
+const BATCH_ELEMENTS: usize = 4;
 
 /// dx for one row, and its partials into `part`, a row this team alone writes; `HELD` packs
 /// of x and dy per rank stay in registers across the passes.
@@ -83,26 +89,36 @@ pub(crate) unsafe fn backward_row<
     // Pass 1: the row sums (the same arithmetic as the held path's, so that dx is the same
     // bits whichever path computed it).
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
-    for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
-        let (xhat, wdy, _) = terms(j, len, slot);
+    let mut add_sums = |len: usize, (xhat, wdy, _): (Pack, Pack, Pack)| {
         for k in 0..len {
             (s1, s2) = add_row_sums(s1, s2, xhat[k], wdy[k]);
         }
-    });
+    };
+    if batches_elements::<S, CHUNK>() {
+        for_each_element_batched::<S, _, BATCH_ELEMENTS>(
+            0,
+            cols,
+            |j| terms(j, 1, None),
+            |_, t| add_sums(1, t),
+        );
+    } else {
+        for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| add_sums(len, terms(j, len, slot)));
+    }
     let (s1, s2) = S::sum2(s1, s2);
     let coefficients = DxCoefficients::new(s1, r.s2(s2), n);
 
-    // Pass 2: dx (with dsum, where given), and the residual's copy of it where asked.
+    // Pass 2: dx (with dsum, where given), and the residual's copy of it where asked. A
+    // batch of elements loads dsum with the rest; packs load it after dx's arithmetic, which
+    // keeps fewer values live (the owned warp kernel spilled otherwise).
     let (dsum, dres) = (r.dsum_row(offset), r.dres_row(offset));
-    for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
-        let (xhat, wdy, _) = terms(j, len, slot);
+    // SAFETY: dsum holds the row as dx does, aligned where dx's packs are.
+    let read_dsum = |j: u32, len: usize| dsum.map(|dsum| unsafe { read(dsum, j, len) });
+    let write_dx = |j: u32, len: usize, (xhat, wdy): (Pack, Pack), ds: &dyn Fn() -> Option<Pack>| {
         let mut out = [0.0; MAX_PACK];
         for k in 0..len {
             out[k] = centering.dx(wdy[k], xhat[k], coefficients);
         }
-        if let Some(dsum) = dsum {
-            // SAFETY: dsum holds the row as dx does, aligned where dx's packs are.
-            let ds = unsafe { read(dsum, j, len) };
+        if let Some(ds) = ds() {
             for k in 0..len {
                 out[k] += ds[k];
             }
@@ -114,20 +130,70 @@ pub(crate) unsafe fn backward_row<
                 write(dres, j, len, &out);
             }
         }
-    });
+    };
+    if batches_elements::<S, CHUNK>() {
+        for_each_element_batched::<S, _, BATCH_ELEMENTS>(
+            0,
+            cols,
+            |j| {
+                let (xhat, wdy, _) = terms(j, 1, None);
+                (xhat, wdy, read_dsum(j, 1))
+            },
+            |j, (xhat, wdy, ds)| write_dx(j, 1, (xhat, wdy), &|| ds),
+        );
+    } else {
+        for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
+            let (xhat, wdy, _) = terms(j, len, slot);
+            let mut out = [0.0; MAX_PACK];
+            for k in 0..len {
+                out[k] = centering.dx(wdy[k], xhat[k], coefficients);
+            }
+            if let Some(dsum) = dsum {
+                // SAFETY: dsum holds the row as dx does, aligned where dx's packs are.
+                let ds = unsafe { read(dsum, j, len) };
+                for k in 0..len {
+                    out[k] += ds[k];
+                }
+            }
+            // SAFETY: as above; dres holds the row as dsum does.
+            unsafe {
+                write(dx, j, len, &out);
+                if let Some(dres) = dres {
+                    write(dres, j, len, &out);
+                }
+            }
+        });
+    }
 
     // Pass 3: the partials (dy * xhat, dy) into the team's row. A pass of its own keeps
     // fewer values live than adding them during pass 2 (no register spills at 64 per
     // thread), and held rows cost no memory.
-    for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
-        let (xhat, _, dyv) = terms(j, len, slot);
+    let add_partials = |j: u32, len: usize, (xhat, _, dyv): (Pack, Pack, Pack)| {
         let mut dgamma = [0.0; MAX_PACK];
         for k in 0..len {
             dgamma[k] = dyv[k] * xhat[k];
         }
         // SAFETY: as above; the row is this team's alone.
         unsafe { part.add(j, len, &dgamma, &dyv) };
-    });
+    };
+    if batches_elements::<S, CHUNK>() {
+        for_each_element_batched::<S, _, BATCH_ELEMENTS>(
+            0,
+            cols,
+            |j| terms(j, 1, None),
+            |j, t| add_partials(j, 1, t),
+        );
+    } else {
+        for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| add_partials(j, len, terms(j, len, slot)));
+    }
+}
+
+/// Whether [`backward_row`]'s passes take a row's chunks in batches, every load of a batch
+/// before its first store ([`for_each_element_batched`]): a block team's elements. Warp
+/// teams, whose rows are short, keep one at a time (the owned warp kernel spilled at 4).
+#[inline(always)]
+const fn batches_elements<S: Team, const CHUNK: usize>() -> bool {
+    CHUNK == ELEMENTS && S::HOLDS_PART_OF_LONG_ROWS
 }
 
 /// [`backward_row`] with the row's access pattern picked: packed and held in registers,
