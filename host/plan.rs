@@ -405,7 +405,7 @@ impl<T: Element> Planner<T> {
             return None;
         }
         let registers = row_block
-            .max_registers(self.norm, self.pair)
+            .max_registers(self.limits.arch, self.norm, self.pair)
             .unwrap_or(SM_REGISTERS / FULL_BLOCK);
         // The blocks a multiprocessor runs (one, and it idles from a block's end to the
         // next's start), and the count the wave rule takes.

@@ -304,13 +304,14 @@ macro_rules! backward_kernels {
     (@norm $norm:ident, $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty) => {
         mod $norm {
             use super::*;
-            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_warp, Warp);
-            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_block, Block);
+            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_warp, Warp, true);
+            // sm_90's block kernel holds no row, at 64 registers (`Variant::max_registers`).
+            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_block, Block, { !cfg!(layernorm_sm90) });
             backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_warp, Warp);
             backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_block, StackedBlock);
         }
     };
-    (@owned $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty) => {
+    (@owned $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty, $hold:expr) => {
         /// Stage 1 over rows of any length and alignment; block b hands its sums over to
         /// `out` (its partial row, or its group under the lock); `local` != 0 sums in
         /// shared memory first (required for warp teams).
@@ -323,7 +324,7 @@ macro_rules! backward_kernels {
             let out = Destination::of(out, p.n, 0, device::block_idx(), 1, 0);
             let r = Rows::of(p, $centered);
             // SAFETY: the host sizes every buffer as `stage1_owned` requires.
-            unsafe { stage1_owned::<$x, $t, $w, $team>(r, out, local != 0) }
+            unsafe { stage1_owned::<$x, $t, $w, $team, $hold>(r, out, local != 0) }
         }
     };
     (@held $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty) => {

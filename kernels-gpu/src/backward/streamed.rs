@@ -217,8 +217,8 @@ fn batched<X: Element, S: Team, V: Copy + Default, const CHUNK: usize>(
     }
 }
 
-/// [`backward_row`] with the row's access pattern picked: packed and held in registers,
-/// packed and streamed, in half packs (every row pointer 8-byte aligned, x, dy and the
+/// [`backward_row`] with the row's access pattern picked: packed and held in registers
+/// (where `HOLD`: kernels whose registers allow it), packed and streamed, in half packs (every row pointer 8-byte aligned, x, dy and the
 /// weights of one size: f16 rows of N = 4 mod 8 every other row, f32 rows of even N), or
 /// element by element. Half packs beside weights wider than x (f32 beside f16) spilled the
 /// general cluster kernels 8-16 bytes at their 96 registers, even a half pack at a time.
@@ -226,7 +226,7 @@ fn batched<X: Element, S: Team, V: Copy + Default, const CHUNK: usize>(
 /// # Safety
 /// `row` < `r.rows`.
 #[inline(always)]
-pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Team>(
+pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Team, const HOLD: bool>(
     r: &Rows<X, T, W>,
     row: u32,
     part: PartialRow,
@@ -252,7 +252,7 @@ pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Tea
     // SAFETY: row < rows; `packed` and `halves` were checked for every pointer the packed
     // and half-pack paths read (dres is never given where x and dy are of one size).
     unsafe {
-        if packed && fits::<X, S, BWD_HELD>(r.cols) {
+        if HOLD && packed && fits::<X, S, BWD_HELD>(r.cols) {
             backward_row::<X, T, W, S, PACKS, BWD_HELD>(r, row, part)
         } else if packed {
             backward_row::<X, T, W, S, PACKS, 0>(r, row, part)
@@ -273,7 +273,7 @@ pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Tea
 /// `r.cols` columns; the launch gave each block `scratch + per_block * 8 *
 /// (padded_len(cols) + 1)` bytes of shared memory.
 #[inline(always)]
-pub(crate) unsafe fn owned_in_shared<X: Element, T: Element, W: Element, S: Team>(
+pub(crate) unsafe fn owned_in_shared<X: Element, T: Element, W: Element, S: Team, const HOLD: bool>(
     r: &Rows<X, T, W>,
     scratch: u32,
     out: Destination,
@@ -290,7 +290,7 @@ pub(crate) unsafe fn owned_in_shared<X: Element, T: Element, W: Element, S: Team
     let mut row = S::id();
     while row < r.rows {
         // SAFETY: row < rows; the shared row is this team's alone.
-        unsafe { backward_row_any::<X, T, W, S>(r, row, mine) };
+        unsafe { backward_row_any::<X, T, W, S, HOLD>(r, row, mine) };
         // The next row may map a column to another rank (packed vs unpacked rows); the
         // barrier orders this row's partial writes before the next row's reads.
         S::sync();
@@ -331,14 +331,14 @@ pub(crate) unsafe fn owned_in_shared<X: Element, T: Element, W: Element, S: Team
 /// `SCRATCH_BYTES + teams_per_block * 8 * (padded_len(n) + 1)` bytes of shared memory.
 /// Warp teams require `local`.
 #[inline(always)]
-pub(crate) unsafe fn stage1_owned<X: Element, T: Element, W: Element, S: Team>(
+pub(crate) unsafe fn stage1_owned<X: Element, T: Element, W: Element, S: Team, const HOLD: bool>(
     r: Rows<X, T, W>,
     out: Destination,
     local: bool,
 ) {
     if local {
         // SAFETY: the launch sized shared memory for every team of the block.
-        unsafe { owned_in_shared::<X, T, W, S>(&r, SCRATCH_BYTES, out) };
+        unsafe { owned_in_shared::<X, T, W, S, HOLD>(&r, SCRATCH_BYTES, out) };
         return;
     }
     // Only block teams come here (one team per block), so the block's row is this team's.
@@ -359,7 +359,7 @@ pub(crate) unsafe fn stage1_owned<X: Element, T: Element, W: Element, S: Team>(
         // SAFETY: as above; the first row overwrites, later rows add.
         let part = unsafe { out.own_row(row != block) };
         // SAFETY: row < rows.
-        unsafe { backward_row_any::<X, T, W, S>(&r, row, part) };
+        unsafe { backward_row_any::<X, T, W, S, HOLD>(&r, row, part) };
         S::sync();
         row += S::count();
     }
