@@ -119,8 +119,9 @@ pub(crate) unsafe fn backward_row<
     let coefficients = DxCoefficients::new(s1, r.s2(s2), n);
 
     // Pass 2: dx (with dsum, where given), and the residual's copy of it where asked. A
-    // batch loads dsum with the rest; packs load it after dx's arithmetic, which
-    // keeps fewer values live (the owned warp kernel spilled otherwise).
+    // batch loads dsum with the rest; a chunk at a time loads it after dx's arithmetic
+    // (`write_dx` calls `ds` then), which keeps fewer values live (the owned warp kernel
+    // spilled otherwise).
     let (dsum, dres) = (r.dsum_row(offset), r.dres_row(offset));
     // SAFETY: dsum holds the row as dx does, aligned where dx's packs are.
     let read_dsum = |j: u32, len: usize| dsum.map(|dsum| unsafe { read(dsum, j, len) });
@@ -154,24 +155,7 @@ pub(crate) unsafe fn backward_row<
     } else {
         for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
             let (xhat, wdy, _) = terms(j, len, slot);
-            let mut out = [0.0; MAX_PACK];
-            for k in 0..len {
-                out[k] = centering.dx(wdy[k], xhat[k], coefficients);
-            }
-            if let Some(dsum) = dsum {
-                // SAFETY: dsum holds the row as dx does, aligned where dx's packs are.
-                let ds = unsafe { read(dsum, j, len) };
-                for k in 0..len {
-                    out[k] += ds[k];
-                }
-            }
-            // SAFETY: as above; dres holds the row as dsum does.
-            unsafe {
-                write(dx, j, len, &out);
-                if let Some(dres) = dres {
-                    write(dres, j, len, &out);
-                }
-            }
+            write_dx(j, len, (xhat, wdy), &|| read_dsum(j, len))
         });
     }
 
