@@ -206,6 +206,12 @@ fn batched<X: Element, S: Team, V: Copy + Default, const CHUNK: usize>(
 /// weights of one size: f16 rows of N = 4 mod 8 every other row, f32 rows of even N), or
 /// element by element. Half packs beside weights wider than x (f32 beside f16) spilled the
 /// general cluster kernels 8-16 bytes at their 96 registers, even a half pack at a time.
+/// Teams that batch ([`batches`]) take half packs only in launches whose rows are 8 bytes
+/// long modulo 16, each row then packed or in half packs: where rows of all three kinds
+/// met (f16 N = 1030 and 4097, f32 4097) those launches ran 22-33% slower than with
+/// elements, and where rows alternate packs and half packs 15-52% faster (H200, one run,
+/// docs/PERF.md v67). Cluster teams, which do not batch, take the rule's test at a cost
+/// their 96 registers lack (4 bytes of spill in LayerNorm's f16 and bf16 kernels).
 ///
 /// # Safety
 /// `row` < `r.rows`.
@@ -231,6 +237,7 @@ pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Tea
         let dsum = r.dsum_row(offset).map_or(rows[0], |d| d as usize);
         size_of::<X>() == size_of::<T>()
             && size_of::<X>() == size_of::<W>()
+            && (!batches::<S, HALF_PACKS>() || r.n.is_multiple_of(8 / size_of::<X>() as u32))
             && chunk_of::<X, W>(&[rows[0], rows[1], rows[2], dsum], &[r.gamma as usize]) != ELEMENTS
     };
     // SAFETY: row < rows; `packed` and `halves` were checked for every pointer the packed
