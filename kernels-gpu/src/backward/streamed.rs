@@ -9,15 +9,16 @@ use crate::device;
 use crate::element::{
     Element, MAX_PACK, Pack, is_pack_aligned, is_pack_aligned_as, read, read_half_pack, write,
 };
+use crate::layout::block_half_pack_rows;
 use crate::row::{
     BWD_HELD, ELEMENTS, HALF_PACKS, Held, PACKS, chunk_of, fits, for_each_chunk, for_each_chunk_batched,
     prefetch, values,
 };
 use crate::team::{SCRATCH_BYTES, Team};
 
-/// Elements a rank of a block team takes at once in each pass of a row not 8-byte aligned:
-/// at 8 (the forward's) the general cluster kernels spilled 8-32 bytes.
-const BATCH_ELEMENTS: usize = 4;
+/// Elements a rank of a block team takes at once in each pass of a row not 8-byte aligned
+/// (the host sizes the owned block kernel's teams by it).
+const BATCH_ELEMENTS: usize = crate::layout::BWD_BATCH_ELEMENTS as usize;
 /// Half packs a rank of a block team takes at once in each pass of a row 8-byte aligned but
 /// not 16: 16 bytes of x and 16 of dy in flight, twice a batch of elements' at f16.
 const BATCH_HALF_PACKS: usize = 2;
@@ -202,16 +203,14 @@ fn batched<X: Element, S: Team, V: Copy + Default, const CHUNK: usize>(
 }
 
 /// [`backward_row`] with the row's access pattern picked: packed and held in registers
-/// (where `HOLD`: kernels whose registers allow it), packed and streamed, in half packs (every row pointer 8-byte aligned, x, dy and the
-/// weights of one size: f16 rows of N = 4 mod 8 every other row, f32 rows of even N), or
-/// element by element. Half packs beside weights wider than x (f32 beside f16) spilled the
-/// general cluster kernels 8-16 bytes at their 96 registers, even a half pack at a time.
-/// Teams that batch ([`batches`]) take half packs only in launches whose rows are 8 bytes
-/// long modulo 16, each row then packed or in half packs: where rows of all three kinds
-/// met (f16 N = 1030 and 4097, f32 4097) those launches ran 22-33% slower than with
-/// elements, and where rows alternate packs and half packs 15-52% faster (H200, one run,
-/// docs/PERF.md v67). Cluster teams, which do not batch, take the rule's test at a cost
-/// their 96 registers lack (4 bytes of spill in LayerNorm's f16 and bf16 kernels).
+/// (where `HOLD`: kernels whose registers allow it), packed and streamed, in half packs
+/// (every row pointer 8-byte aligned, x, dy and the weights of one size: f16 rows of N = 4
+/// mod 8 every other row, f32 rows of even N), or element by element. Half packs beside
+/// weights wider than x (f32 beside f16) spilled the general cluster kernels 8-16 bytes at
+/// their 96 registers, even a half pack at a time. Teams that batch ([`batches`]) take half
+/// packs only in launches of [`block_half_pack_rows`]; cluster teams, which do not batch,
+/// take them wherever a row allows: the launch's test cost their 96 registers 4 bytes of
+/// spill (LayerNorm's f16 and bf16 kernels).
 ///
 /// # Safety
 /// `row` < `r.rows`.
@@ -237,7 +236,7 @@ pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Tea
         let dsum = r.dsum_row(offset).map_or(rows[0], |d| d as usize);
         size_of::<X>() == size_of::<T>()
             && size_of::<X>() == size_of::<W>()
-            && (!batches::<S, HALF_PACKS>() || r.n.is_multiple_of(8 / size_of::<X>() as u32))
+            && (!batches::<S, HALF_PACKS>() || block_half_pack_rows(r.n, size_of::<X>() as u32))
             && chunk_of::<X, W>(&[rows[0], rows[1], rows[2], dsum], &[r.gamma as usize]) != ELEMENTS
     };
     // SAFETY: row < rows; `packed` and `halves` were checked for every pointer the packed
