@@ -406,7 +406,7 @@ fn with_launch_bounds(ptx: &str, arch: Arch) -> String {
             let (_, norm, variant, pair) = expected.swap_remove(at);
             directives.clear();
             directives.push(format!(".maxntid {}, 1, 1", variant.max_threads(arch, pair)));
-            if let Some(registers) = variant.max_registers(norm, pair) {
+            if let Some(registers) = variant.max_registers(arch, norm, pair) {
                 directives.push(format!(".maxnreg {registers}"));
             }
             if variant.one_block_per_sm() {

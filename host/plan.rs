@@ -57,8 +57,9 @@
 use crate::layout::registry::pipeline_stages;
 pub use crate::layout::registry::{Arch, DTYPE_BYTES, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
-    BWD_HELD, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES, MAX_STACKED, PIPE_HELD, READ_BATCH_ELEMENTS,
-    RESIDUAL_HELD, SCRATCH_BYTES, UNALIGNED_BATCHES_PER_RANK,
+    BWD_BATCH_ELEMENTS, BWD_HELD, BWD_UNALIGNED_BATCHES_PER_RANK, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES,
+    MAX_STACKED, PIPE_HELD, READ_BATCH_ELEMENTS, RESIDUAL_HELD, SCRATCH_BYTES, UNALIGNED_BATCHES_PER_RANK,
+    block_half_pack_rows,
 };
 
 use crate::element::{Element, F32Stream, Weight, pair_of};
@@ -405,7 +406,7 @@ impl<T: Element> Planner<T> {
             return None;
         }
         let registers = row_block
-            .max_registers(self.norm, self.pair)
+            .max_registers(self.limits.arch, self.norm, self.pair)
             .unwrap_or(SM_REGISTERS / FULL_BLOCK);
         // The blocks a multiprocessor runs (one, and it idles from a block's end to the
         // next's start), and the count the wave rule takes.
@@ -791,6 +792,7 @@ impl<T: Element> Planner<T> {
         // they fit; warp teams must (8 warps * 8.3 KB at n = 1024: every sm_80 and later
         // device has room, but one without gets an error, not a launch failure).
         let owned = self.team_plan(warp_rows(self.n), Variant::BwdOwnedWarp, Variant::BwdOwnedBlock);
+        let owned = self.element_rows_block(owned);
         let per_block = if warp_rows(self.n) { owned.threads / 32 } else { 1 };
         let local_smem = crate::layout::owned_local_smem(per_block, self.n);
         let local = self.smem_fits(local_smem);
@@ -806,6 +808,29 @@ impl<T: Element> Planner<T> {
             local,
             ..owned
         })
+    }
+
+    /// The owned block kernel's team over launches whose rows go element by element (not
+    /// all aligned, nor all a whole number of half packs of x, dy and weights of one size:
+    /// `layout::block_half_pack_rows`): ranks of `BWD_UNALIGNED_BATCHES_PER_RANK` batches each
+    /// rounded down to whole warps, in place of 4 packs' columns a rank. At 16-bit N = 1030
+    /// those are 64 ranks, 16 elements each, a team's row a chain of 4 batches a pass, and a
+    /// multiprocessor runs 16 of them at 64 registers (sm_90), each block with its own partial
+    /// row: 2112 rows of partials for 4096 rows of data, and in locked mode 16 blocks queued
+    /// on each group's lock. 128 ranks there: +17% deterministic, 2.4 times locked (H200,
+    /// docs/PERF.md v70). Launches that alternate packed rows and half-pack rows keep 4 packs'
+    /// columns a rank, which ran 12% faster at f16 N = 4100 than 512 ranks.
+    fn element_rows_block(&self, owned: Plan) -> Plan {
+        let bytes = size_of::<T>() as u32;
+        let one_size =
+            DTYPE_BYTES[self.pair.x] as u32 == bytes && DTYPE_BYTES[self.pair.weights] as u32 == bytes;
+        let half_packs = one_size && block_half_pack_rows(self.n, bytes);
+        if owned.variant != Variant::BwdOwnedBlock || self.aligned || half_packs || self.few_rows {
+            return owned;
+        }
+        let per_rank = BWD_UNALIGNED_BATCHES_PER_RANK * BWD_BATCH_ELEMENTS;
+        let threads = (self.n / per_rank / 32 * 32).clamp(64, self.max_threads(Variant::BwdOwnedBlock));
+        Plan { threads, ..owned }
     }
 
     /// The cluster kernels, where they should run: on sm_90, for block-team rows that one

@@ -191,6 +191,28 @@ fn gpu_backward_many_rows() {
     }
 }
 
+/// Rows 8-byte aligned but not 16 every other row (f16 and bf16 N = 4 mod 8, f32 N = 2 mod
+/// 4): those rows in half packs, the others in packs, in one launch, so that a team's
+/// columns change hands between its rows. Warp teams (f16 N = 36), block teams (f16 4100,
+/// f32 1030), and on sm_90 clusters (bf16 16388: 2049 packs, past what one block holds),
+/// both modes.
+#[test]
+fn gpu_backward_rows_8_byte_aligned() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let f16_cases = [(4096, 36), (1500, 4100)];
+    for (i, &(rows, n)) in f16_cases.iter().enumerate() {
+        let p = Problem::<f16>::random(rows, n, 1800 + i as u64);
+        p.check(&gpu, BackwardMode::Deterministic, "8-byte aligned rows");
+        p.check(&gpu, LOCKED, "8-byte aligned rows");
+    }
+    let p = Problem::<f32>::random(2000, 1030, 1810);
+    p.check(&gpu, BackwardMode::Deterministic, "8-byte aligned rows");
+    p.check(&gpu, LOCKED, "8-byte aligned rows");
+    let p = Problem::<bf16>::random(300, 16388, 1811);
+    p.check(&gpu, BackwardMode::Deterministic, "8-byte aligned rows");
+    p.check(&gpu, LOCKED, "8-byte aligned rows");
+}
+
 /// Rows too long for one block to hold in registers or to sum in shared memory (8n
 /// bytes): on Hopper, clusters of 8 blocks split each row (kernels-gpu/src/cluster/),
 /// elsewhere partials go through global memory. Many rows per cluster, fewer rows than clusters,

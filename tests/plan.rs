@@ -210,6 +210,42 @@ fn unaligned_forward_rows_take_four_read_batches_a_rank() {
     assert_eq!((p.variant, p.threads), (Variant::FwdResidualBlock, 288));
 }
 
+/// The backward's owned block kernel over rows that go element by element: ranks of two
+/// batches of 4 elements, whole warps, 64 to 512 (its bound), where 4 packs' columns a rank
+/// gave 16-bit N = 1030 64 ranks of 16 elements. Launches whose rows are packed or half
+/// packs (x, dy and weights of one size, rows a whole number of half packs), few rows, and
+/// aligned rows keep 4 packs' columns a rank.
+#[test]
+fn element_rows_of_the_owned_block_take_two_batches_a_rank() {
+    for limits in [DeviceLimits::H100, DeviceLimits::A100] {
+        for norm in [Norm::Layer, Norm::Rms] {
+            let owned = |n, p: Plan| {
+                assert_eq!(p.variant, Variant::BwdOwnedBlock, "{norm:?} N = {n}");
+                p.threads
+            };
+            for (n, threads) in [(1030, 128), (1031, 128), (2050, 256), (4097, 512)] {
+                let p = plan::<f16, f16>(norm, MANY, n, Pass::Backward, false, limits).unwrap();
+                assert_eq!(owned(n, p), threads, "{norm:?} f16 N = {n}");
+            }
+            let p = plan::<f32, f32>(norm, MANY, 4097, Pass::Backward, false, limits).unwrap();
+            assert_eq!(owned(4097, p), 512);
+            // f16 beside f32 weights: no half packs, so every unaligned row is elements.
+            let p = plan::<f16, f32>(norm, MANY, 4100, Pass::Backward, false, limits).unwrap();
+            assert_eq!(owned(4100, p), 512);
+            // Rows packed or in half packs: 4 packs' columns a rank (513 packs: 160 ranks).
+            let p = plan::<f16, f16>(norm, MANY, 4100, Pass::Backward, false, limits).unwrap();
+            assert_eq!(owned(4100, p), 160);
+            let p = plan::<f32, f32>(norm, MANY, 1030, Pass::Backward, false, limits).unwrap();
+            assert_eq!(owned(1030, p), 96);
+            // Few rows: a pack's columns a rank, as before.
+            let p = plan::<f16, f16>(norm, 3, 4097, Pass::Backward, false, limits).unwrap();
+            assert_eq!(owned(4097, p), 512);
+            let p = plan::<f16, f16>(norm, 3, 1030, Pass::Backward, false, limits).unwrap();
+            assert_eq!(owned(1030, p), 160);
+        }
+    }
+}
+
 /// A few choices spelled out, as a reader would check them against the rules in plan.rs.
 #[test]
 fn known_choices() {

@@ -102,6 +102,27 @@ pub const fn staged_smem(packs: u32, threads: u32, copies: u32) -> u32 {
 /// Packs of x and of dy each rank of the backward holds: 2 * 4 packs = 32 registers.
 pub const BWD_HELD: u32 = 4;
 
+/// Elements a rank of the backward's block team takes at once in each pass of a row read
+/// element by element (`backward::streamed`): at 8 (the forward's) the general cluster
+/// kernels spilled 8-32 bytes.
+pub const BWD_BATCH_ELEMENTS: u32 = 4;
+
+/// Batches of [`BWD_BATCH_ELEMENTS`] a rank of the owned block kernel takes in each pass of
+/// launches whose rows go element by element (`plan::Planner::element_rows_block`), in
+/// place of 4 packs' columns a rank: fewer, larger teams, so fewer partial rows (and in
+/// locked mode fewer blocks queued on each group's lock) and a shorter chain a row.
+pub const BWD_UNALIGNED_BATCHES_PER_RANK: u32 = 2;
+
+/// Whether the backward's block teams take rows of `n` elements of `bytes`-byte x, dy and
+/// weights (one size) in 8-byte half packs where a row is 8-byte aligned: only in launches
+/// whose rows are a whole number of half packs long, where each row is packed or in half
+/// packs (with 8-byte aligned tensors). Where rows of three kinds met (f16 N = 1030 and
+/// 4097, f32 4097) half packs ran 22-33% slower than elements (docs/PERF.md v67).
+#[inline(always)]
+pub const fn block_half_pack_rows(n: u32, bytes: u32) -> bool {
+    (n as u64 * bytes as u64).is_multiple_of(PACK_BYTES as u64 / 2)
+}
+
 /// Whether `cols` columns (a row, or a cluster's slice of one) of `pack`-element packs fit
 /// `held` packs a rank for `ranks` ranks.
 #[inline(always)]

@@ -11,7 +11,9 @@
 //! - The forward and stage 2 run at 1024 (64 registers): a multiprocessor then holds 2048
 //!   threads, and rows in flight, not registers, decide the memory traffic under way.
 //! - Stage 1 holds x and dy and adds partials a pack at a time, and spills at 64: the owned
-//!   mode, with its shared-memory rows and their final combine, needs 128 (512) (the f32
+//!   mode, with its shared-memory rows and their final combine, needs 128 (512) where it
+//!   holds rows (sm_80's block kernel, and the warp kernel; sm_90's block kernel holds none
+//!   and is bound to 64 registers: `Variant::max_registers`) (the f32
 //!   block kernel on sm_90 fitted 96 (640) with flat parameters; with its parameters in
 //!   structs, whose pointers are generic rather than global, it spills 8 bytes there); the
 //!   held mode keeps two rows in
@@ -498,13 +500,18 @@ impl Variant {
     /// row widened to f32, in the 64 of the thread limit: docs/PERF.md, v31.) The row block
     /// holds one row of 4 packs a rank and fits 40 without spilling, so that a
     /// multiprocessor runs 1536 of its threads where 64 allow 1024 (RMSNorm's f32 kernel
-    /// since v54, which takes gamma's addresses anew each row; at 48 it ran 1152).
-    pub const fn max_registers(self, norm: Norm, pair: TypePair) -> Option<u32> {
+    /// since v54, which takes gamma's addresses anew each row; at 48 it ran 1152). The owned
+    /// backward's block kernel in the sm_90 module holds no row (rows all of aligned packs
+    /// that fit go to the held kernels), and fits 64 where its 512 threads allow 128, so
+    /// that a multiprocessor runs 32 of its warps, not 16 (sm_80's ptxas spilled its
+    /// f16/bf16 kernels 24-28 bytes there, so that module's keeps holding rows at 128).
+    pub const fn max_registers(self, arch: Arch, norm: Norm, pair: TypePair) -> Option<u32> {
         // Weights of another type than x's are f32 beside 16-bit rows, staged at any length.
         let stages = pipeline_stages(norm, DTYPE_BYTES[pair.x], 0);
         match self {
             Variant::FwdPipelinedBlock if stages && pair.weights != pair.x => Some(56),
             Variant::FwdRowBlock => Some(40),
+            Variant::BwdOwnedBlock if matches!(arch, Arch::Sm90) => Some(64),
             _ => None,
         }
     }

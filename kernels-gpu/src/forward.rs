@@ -93,7 +93,7 @@ use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
 use crate::row::{
     ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, Staged, Widened, chunk_of, each_held_slot, each_slot, fits,
-    for_each_chunk, for_each_element_batched, for_each_read, for_each_read_values, values,
+    for_each_batched, for_each_chunk, for_each_read, for_each_read_values, values,
 };
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
@@ -794,7 +794,7 @@ unsafe fn each_sum_batch<T: Element, Y: Element, S: Team, const EVICT_FIRST: boo
 /// The residual add of elements `from..n` of a row, element `from + i` by rank `i mod size`:
 /// as `for_each_chunk` hands out the elements after a row's whole packs (`from` the first of
 /// them), or every element of an unaligned row (`from` 0), `BATCH` a rank at a time, every
-/// load of a batch before its first store ([`for_each_element_batched`]). A row's tail
+/// load of a batch before its first store ([`for_each_batched`]). A row's tail
 /// after its whole packs, less than a pack, is at most an element a rank: `BATCH` 1 there,
 /// whose registers the held kernels lack.
 ///
@@ -808,10 +808,10 @@ unsafe fn add_residual_elements<T: Element, Y: Element, S: Team, const BATCH: us
     from: u32,
     n: u32,
 ) {
-    for_each_element_batched::<S, _, BATCH>(
+    for_each_batched::<S, _, BATCH>(
         from,
         n,
-        // SAFETY: for_each_element_batched yields j < n.
+        // SAFETY: for_each_batched yields j < n.
         |j| unsafe { (read(x, j, 1)[0], read(residual, j, 1)[0]) },
         |j, (x, residual)| {
             let mut s: Pack = [0.0; MAX_PACK];

@@ -492,14 +492,15 @@ pub fn for_each_chunk<T: Element, S: Team, const CHUNK: usize, const K: usize>(
     }
 }
 
-/// Elements `from..n` of a row, element `from + i` by rank `i mod size` (as
-/// [`for_each_chunk`] hands them out), `BATCH` a rank at a time, for a caller that stores
-/// after it loads: `load(j)` for each element of the batch first, then `f(j, loaded)` for
-/// each. The compiler may not move a load past a store that might alias it, so element by
-/// element each element's loads waited for the last one's store: a DRAM round trip each
-/// (the residual add at f16 N = 4097 ran at 660 GB/s, docs/PERF.md after v62).
+/// Items `from..n` of a row (its elements, or its chunks: [`for_each_chunk_batched`]), item
+/// `from + i` by rank `i mod size` (as [`for_each_chunk`] hands them out), `BATCH` a rank at
+/// a time, for a caller that stores after it loads: `load(j)` for each item of the batch
+/// first, then `f(j, loaded)` for each. The compiler may not move a load past a store that
+/// might alias it, so item by item each item's loads waited for the last one's store: a
+/// DRAM round trip each (the residual add at f16 N = 4097 ran at 660 GB/s, docs/PERF.md
+/// after v62).
 #[inline(always)]
-pub fn for_each_element_batched<S: Team, V: Copy + Default, const BATCH: usize>(
+pub fn for_each_batched<S: Team, V: Copy + Default, const BATCH: usize>(
     from: u32,
     n: u32,
     mut load: impl FnMut(u32) -> V,
@@ -508,19 +509,52 @@ pub fn for_each_element_batched<S: Team, V: Copy + Default, const BATCH: usize>(
     let size = S::size();
     let mut j = from + S::rank();
     while j < n {
-        let column = |u: usize| j + u as u32 * size;
+        let item = |u: usize| j + u as u32 * size;
         let mut loaded = [V::default(); BATCH];
         each_slot::<BATCH>(|u| {
-            if column(u) < n {
-                loaded[u] = load(column(u));
+            if item(u) < n {
+                loaded[u] = load(item(u));
             }
         });
         each_slot::<BATCH>(|u| {
-            if column(u) < n {
-                f(column(u), loaded[u]);
+            if item(u) < n {
+                f(item(u), loaded[u]);
             }
         });
         j += BATCH as u32 * size;
+    }
+}
+
+/// As [`for_each_chunk`] with no chunk held, `BATCH` chunks a rank at a time as
+/// [`for_each_batched`] takes them: `load(start, len)` for each chunk of a batch, then
+/// `f(start, len, loaded)` for each. The elements after the last whole chunk follow one by
+/// one (at most 3 of them, one per rank: a batch of their own gains nothing).
+#[inline(always)]
+pub fn for_each_chunk_batched<
+    T: Element,
+    S: Team,
+    V: Copy + Default,
+    const CHUNK: usize,
+    const BATCH: usize,
+>(
+    n: u32,
+    mut load: impl FnMut(u32, usize) -> V,
+    mut f: impl FnMut(u32, usize, V),
+) {
+    let width = chunk_len::<T, CHUNK>() as u32;
+    let chunks = n / width;
+    for_each_batched::<S, V, BATCH>(
+        0,
+        chunks,
+        |p| load(p * width, width as usize),
+        |p, v| f(p * width, width as usize, v),
+    );
+    let mut j = chunks * width + S::rank();
+    // Single elements have no tail (and with none written here, the compiler need not
+    // prove that `chunks * width + rank` cannot wrap).
+    while width > 1 && j < n {
+        f(j, 1, load(j, 1));
+        j += S::size();
     }
 }
 

@@ -70,8 +70,9 @@
 //!
 //! The general kernels (owned, `cluster8`) take each row as its pointers and length
 //! allow (`streamed::backward_row_any`): x and dy held in registers where the row is aligned and
-//! fits 4 packs a rank, else read in 16-byte packs where aligned, else element by element;
-//! three passes (sums, dx, partials), each chunk's loads before its stores.
+//! fits 4 packs a rank, else read in 16-byte packs where aligned, in 8-byte half packs where
+//! that aligned (x, dy and the weights of one size), else element by element; three passes
+//! (sums, dx, partials), each chunk's loads before its stores, block teams' in batches.
 //! docs/PERF.md has each version's changes and measurements.
 //!
 //! Files: this one, the math every stage 1 shares (xhat, dx, the row sums) and the kernel
@@ -303,13 +304,14 @@ macro_rules! backward_kernels {
     (@norm $norm:ident, $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty) => {
         mod $norm {
             use super::*;
-            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_warp, Warp);
-            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_block, Block);
+            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_warp, Warp, true);
+            // sm_90's block kernel holds no row, at 64 registers (`Variant::max_registers`).
+            backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_block, Block, { !cfg!(layernorm_sm90) });
             backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_warp, Warp);
             backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_block, StackedBlock);
         }
     };
-    (@owned $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty) => {
+    (@owned $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty, $hold:expr) => {
         /// Stage 1 over rows of any length and alignment; block b hands its sums over to
         /// `out` (its partial row, or its group under the lock); `local` != 0 sums in
         /// shared memory first (required for warp teams).
@@ -322,7 +324,7 @@ macro_rules! backward_kernels {
             let out = Destination::of(out, p.n, 0, device::block_idx(), 1, 0);
             let r = Rows::of(p, $centered);
             // SAFETY: the host sizes every buffer as `stage1_owned` requires.
-            unsafe { stage1_owned::<$x, $t, $w, $team>(r, out, local != 0) }
+            unsafe { stage1_owned::<$x, $t, $w, $team, $hold>(r, out, local != 0) }
         }
     };
     (@held $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty) => {

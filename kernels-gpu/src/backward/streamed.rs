@@ -1,28 +1,36 @@
 //! Stage 1 over rows of any length and alignment: a row's packs held in registers where
-//! they fit, else streamed (read once per pass), else element by element; partials into the
-//! team's own row, in shared memory or (block teams, rows too long for it) the block's row
-//! of global memory, handed over once at the end ([`Destination`]).
+//! they fit, else streamed (read once per pass), else in half packs or element by element;
+//! partials into the team's own row, in shared memory or (block teams, rows too long for
+//! it) the block's row of global memory, handed over once at the end ([`Destination`]).
 
 use super::partials::{Destination, PartialRow, padded, padded_len};
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device;
-use crate::element::{Element, MAX_PACK, Pack, is_pack_aligned, is_pack_aligned_as, read, write};
+use crate::element::{
+    Element, MAX_PACK, Pack, is_pack_aligned, is_pack_aligned_as, read, read_half_pack, write,
+};
+use crate::layout::block_half_pack_rows;
 use crate::row::{
-    BWD_HELD, ELEMENTS, Held, PACKS, fits, for_each_chunk, for_each_element_batched, prefetch, values,
+    BWD_HELD, ELEMENTS, HALF_PACKS, Held, PACKS, chunk_of, fits, for_each_chunk, for_each_chunk_batched,
+    prefetch, values,
 };
 use crate::team::{SCRATCH_BYTES, Team};
 
-/// Elements a rank of a block team takes at once in each pass of a row not 16-byte
-/// aligned: at 8 (the forward's) the general cluster kernels spilled 8-32 bytes.
-const BATCH_ELEMENTS: usize = 4;
+/// Elements a rank of a block team takes at once in each pass of a row not 8-byte aligned
+/// (the host sizes the owned block kernel's teams by it).
+const BATCH_ELEMENTS: usize = crate::layout::BWD_BATCH_ELEMENTS as usize;
+/// Half packs a rank of a block team takes at once in each pass of a row 8-byte aligned but
+/// not 16: 16 bytes of x and 16 of dy in flight, twice a batch of elements' at f16.
+const BATCH_HALF_PACKS: usize = 2;
 
 /// dx for one row, and its partials into `part`, a row this team alone writes; `HELD` packs
 /// of x and dy per rank stay in registers across the passes.
 ///
 /// # Safety
-/// `row` < `r.rows`; `CHUNK` is [`PACKS`] or [`ELEMENTS`], and with [`PACKS`] every row
-/// pointer (dsum's too, where given) and gamma are 16-byte aligned; with `HELD` > 0 the row
-/// [`fits`].
+/// `row` < `r.rows`; `CHUNK` is [`PACKS`], [`HALF_PACKS`] or [`ELEMENTS`]. With [`PACKS`]
+/// every row pointer (dsum's too, where given) and gamma are 16-byte aligned; with
+/// [`HALF_PACKS`] x, dy and gamma are of one size and every row pointer and gamma 8-byte
+/// aligned; with `HELD` > 0 the row [`fits`].
 #[inline(always)]
 pub(crate) unsafe fn backward_row<
     X: Element,
@@ -68,15 +76,24 @@ pub(crate) unsafe fn backward_row<
         }
     }
     let centering = Centering::new(mean, rstd);
-    // (xhat, gamma * dy, dy) of one chunk.
+    // (xhat, gamma * dy, dy) of one chunk. Half packs go through L1, as the forward's do: each
+    // pass reads the row again, and the next finds it there.
     let terms = |j: u32, len: usize, slot: Option<usize>| -> (Pack, Pack, Pack) {
-        // SAFETY: for_each_chunk yields in-bounds chunks, whole packs only when CHUNK is PACKS.
+        // SAFETY: the walks yield in-bounds chunks, of CHUNK's width only as it allows.
         let (xv, dyv, g) = unsafe {
-            (
-                values(&xs, x, j, len, slot),
-                values(&dys, dy, j, len, slot),
-                r.gamma(j, len),
-            )
+            if CHUNK == HALF_PACKS {
+                (
+                    read_half_pack(x, j, len),
+                    read_half_pack(dy, j, len),
+                    r.gamma(j, len),
+                )
+            } else {
+                (
+                    values(&xs, x, j, len, slot),
+                    values(&dys, dy, j, len, slot),
+                    r.gamma(j, len),
+                )
+            }
         };
         let (mut xhat, mut wdy) = ([0.0; MAX_PACK], [0.0; MAX_PACK]);
         for k in 0..len {
@@ -94,13 +111,8 @@ pub(crate) unsafe fn backward_row<
             (s1, s2) = add_row_sums(s1, s2, xhat[k], wdy[k]);
         }
     };
-    if batches_elements::<S, CHUNK>() {
-        for_each_element_batched::<S, _, BATCH_ELEMENTS>(
-            0,
-            cols,
-            |j| terms(j, 1, None),
-            |_, t| add_sums(1, t),
-        );
+    if batches::<S, CHUNK>() {
+        batched::<X, S, _, CHUNK>(cols, |j, len| terms(j, len, None), |_, len, t| add_sums(len, t));
     } else {
         for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| add_sums(len, terms(j, len, slot)));
     }
@@ -108,8 +120,9 @@ pub(crate) unsafe fn backward_row<
     let coefficients = DxCoefficients::new(s1, r.s2(s2), n);
 
     // Pass 2: dx (with dsum, where given), and the residual's copy of it where asked. A
-    // batch of elements loads dsum with the rest; packs load it after dx's arithmetic, which
-    // keeps fewer values live (the owned warp kernel spilled otherwise).
+    // batch loads dsum with the rest; a chunk at a time loads it after dx's arithmetic
+    // (`write_dx` calls `ds` then), which keeps fewer values live (the owned warp kernel
+    // spilled otherwise).
     let (dsum, dres) = (r.dsum_row(offset), r.dres_row(offset));
     // SAFETY: dsum holds the row as dx does, aligned where dx's packs are.
     let read_dsum = |j: u32, len: usize| dsum.map(|dsum| unsafe { read(dsum, j, len) });
@@ -131,37 +144,19 @@ pub(crate) unsafe fn backward_row<
             }
         }
     };
-    if batches_elements::<S, CHUNK>() {
-        for_each_element_batched::<S, _, BATCH_ELEMENTS>(
-            0,
+    if batches::<S, CHUNK>() {
+        batched::<X, S, _, CHUNK>(
             cols,
-            |j| {
-                let (xhat, wdy, _) = terms(j, 1, None);
-                (xhat, wdy, read_dsum(j, 1))
+            |j, len| {
+                let (xhat, wdy, _) = terms(j, len, None);
+                (xhat, wdy, read_dsum(j, len))
             },
-            |j, (xhat, wdy, ds)| write_dx(j, 1, (xhat, wdy), &|| ds),
+            |j, len, (xhat, wdy, ds)| write_dx(j, len, (xhat, wdy), &|| ds),
         );
     } else {
         for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
             let (xhat, wdy, _) = terms(j, len, slot);
-            let mut out = [0.0; MAX_PACK];
-            for k in 0..len {
-                out[k] = centering.dx(wdy[k], xhat[k], coefficients);
-            }
-            if let Some(dsum) = dsum {
-                // SAFETY: dsum holds the row as dx does, aligned where dx's packs are.
-                let ds = unsafe { read(dsum, j, len) };
-                for k in 0..len {
-                    out[k] += ds[k];
-                }
-            }
-            // SAFETY: as above; dres holds the row as dsum does.
-            unsafe {
-                write(dx, j, len, &out);
-                if let Some(dres) = dres {
-                    write(dres, j, len, &out);
-                }
-            }
+            write_dx(j, len, (xhat, wdy), &|| read_dsum(j, len))
         });
     }
 
@@ -176,33 +171,51 @@ pub(crate) unsafe fn backward_row<
         // SAFETY: as above; the row is this team's alone.
         unsafe { part.add(j, len, &dgamma, &dyv) };
     };
-    if batches_elements::<S, CHUNK>() {
-        for_each_element_batched::<S, _, BATCH_ELEMENTS>(
-            0,
-            cols,
-            |j| terms(j, 1, None),
-            |j, t| add_partials(j, 1, t),
-        );
+    if batches::<S, CHUNK>() {
+        batched::<X, S, _, CHUNK>(cols, |j, len| terms(j, len, None), &add_partials);
     } else {
         for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| add_partials(j, len, terms(j, len, slot)));
     }
 }
 
 /// Whether [`backward_row`]'s passes take a row's chunks in batches, every load of a batch
-/// before its first store ([`for_each_element_batched`]): a block team's elements. Warp
-/// teams, whose rows are short, keep one at a time (the owned warp kernel spilled at 4).
+/// before its first store ([`for_each_chunk_batched`]): a block team's elements and half
+/// packs. Warp teams, whose rows are short, keep one at a time (the owned warp kernel
+/// spilled at 4 elements).
 #[inline(always)]
-const fn batches_elements<S: Team, const CHUNK: usize>() -> bool {
-    CHUNK == ELEMENTS && S::HOLDS_PART_OF_LONG_ROWS
+const fn batches<S: Team, const CHUNK: usize>() -> bool {
+    (CHUNK == ELEMENTS || CHUNK == HALF_PACKS) && S::HOLDS_PART_OF_LONG_ROWS
 }
 
-/// [`backward_row`] with the row's access pattern picked: packed and held in registers,
-/// packed and streamed, or element by element.
+/// A pass of [`backward_row`] over the row's chunks in batches ([`batches`]):
+/// [`BATCH_ELEMENTS`] elements or [`BATCH_HALF_PACKS`] half packs a rank at a time.
+#[inline(always)]
+fn batched<X: Element, S: Team, V: Copy + Default, const CHUNK: usize>(
+    cols: u32,
+    load: impl FnMut(u32, usize) -> V,
+    f: impl FnMut(u32, usize, V),
+) {
+    if CHUNK == HALF_PACKS {
+        for_each_chunk_batched::<X, S, V, CHUNK, BATCH_HALF_PACKS>(cols, load, f)
+    } else {
+        for_each_chunk_batched::<X, S, V, CHUNK, BATCH_ELEMENTS>(cols, load, f)
+    }
+}
+
+/// [`backward_row`] with the row's access pattern picked: packed and held in registers
+/// (where `HOLD`: kernels whose registers allow it), packed and streamed, in half packs
+/// (every row pointer 8-byte aligned, x, dy and the weights of one size: f16 rows of N = 4
+/// mod 8 every other row, f32 rows of even N), or element by element. Half packs beside
+/// weights wider than x (f32 beside f16) spilled the general cluster kernels 8-16 bytes at
+/// their 96 registers, even a half pack at a time. Teams that batch ([`batches`]) take half
+/// packs only in launches of [`block_half_pack_rows`]; cluster teams, which do not batch,
+/// take them wherever a row allows: the launch's test cost their 96 registers 4 bytes of
+/// spill (LayerNorm's f16 and bf16 kernels).
 ///
 /// # Safety
 /// `row` < `r.rows`.
 #[inline(always)]
-pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Team>(
+pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Team, const HOLD: bool>(
     r: &Rows<X, T, W>,
     row: u32,
     part: PartialRow,
@@ -214,12 +227,27 @@ pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Tea
         && r.dsum_row(offset).is_none_or(is_pack_aligned)
         && r.dres_row(offset).is_none_or(|d| is_pack_aligned(d.cast_const()))
         && is_pack_aligned(r.gamma);
-    // SAFETY: row < rows; `packed` was checked for every pointer the packed paths read.
+    let halves = || {
+        let rows = [
+            r.x.wrapping_add(offset) as usize,
+            r.dy.wrapping_add(offset) as usize,
+            r.dx.wrapping_add(offset) as usize,
+        ];
+        let dsum = r.dsum_row(offset).map_or(rows[0], |d| d as usize);
+        size_of::<X>() == size_of::<T>()
+            && size_of::<X>() == size_of::<W>()
+            && (!batches::<S, HALF_PACKS>() || block_half_pack_rows(r.n, size_of::<X>() as u32))
+            && chunk_of::<X, W>(&[rows[0], rows[1], rows[2], dsum], &[r.gamma as usize]) != ELEMENTS
+    };
+    // SAFETY: row < rows; `packed` and `halves` were checked for every pointer the packed
+    // and half-pack paths read (dres is never given where x and dy are of one size).
     unsafe {
-        if packed && fits::<X, S, BWD_HELD>(r.cols) {
+        if HOLD && packed && fits::<X, S, BWD_HELD>(r.cols) {
             backward_row::<X, T, W, S, PACKS, BWD_HELD>(r, row, part)
         } else if packed {
             backward_row::<X, T, W, S, PACKS, 0>(r, row, part)
+        } else if halves() {
+            backward_row::<X, T, W, S, HALF_PACKS, 0>(r, row, part)
         } else {
             backward_row::<X, T, W, S, ELEMENTS, 0>(r, row, part)
         }
@@ -235,7 +263,7 @@ pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Tea
 /// `r.cols` columns; the launch gave each block `scratch + per_block * 8 *
 /// (padded_len(cols) + 1)` bytes of shared memory.
 #[inline(always)]
-pub(crate) unsafe fn owned_in_shared<X: Element, T: Element, W: Element, S: Team>(
+pub(crate) unsafe fn owned_in_shared<X: Element, T: Element, W: Element, S: Team, const HOLD: bool>(
     r: &Rows<X, T, W>,
     scratch: u32,
     out: Destination,
@@ -252,7 +280,7 @@ pub(crate) unsafe fn owned_in_shared<X: Element, T: Element, W: Element, S: Team
     let mut row = S::id();
     while row < r.rows {
         // SAFETY: row < rows; the shared row is this team's alone.
-        unsafe { backward_row_any::<X, T, W, S>(r, row, mine) };
+        unsafe { backward_row_any::<X, T, W, S, HOLD>(r, row, mine) };
         // The next row may map a column to another rank (packed vs unpacked rows); the
         // barrier orders this row's partial writes before the next row's reads.
         S::sync();
@@ -293,14 +321,14 @@ pub(crate) unsafe fn owned_in_shared<X: Element, T: Element, W: Element, S: Team
 /// `SCRATCH_BYTES + teams_per_block * 8 * (padded_len(n) + 1)` bytes of shared memory.
 /// Warp teams require `local`.
 #[inline(always)]
-pub(crate) unsafe fn stage1_owned<X: Element, T: Element, W: Element, S: Team>(
+pub(crate) unsafe fn stage1_owned<X: Element, T: Element, W: Element, S: Team, const HOLD: bool>(
     r: Rows<X, T, W>,
     out: Destination,
     local: bool,
 ) {
     if local {
         // SAFETY: the launch sized shared memory for every team of the block.
-        unsafe { owned_in_shared::<X, T, W, S>(&r, SCRATCH_BYTES, out) };
+        unsafe { owned_in_shared::<X, T, W, S, HOLD>(&r, SCRATCH_BYTES, out) };
         return;
     }
     // Only block teams come here (one team per block), so the block's row is this team's.
@@ -321,7 +349,7 @@ pub(crate) unsafe fn stage1_owned<X: Element, T: Element, W: Element, S: Team>(
         // SAFETY: as above; the first row overwrites, later rows add.
         let part = unsafe { out.own_row(row != block) };
         // SAFETY: row < rows.
-        unsafe { backward_row_any::<X, T, W, S>(&r, row, part) };
+        unsafe { backward_row_any::<X, T, W, S, HOLD>(&r, row, part) };
         S::sync();
         row += S::count();
     }

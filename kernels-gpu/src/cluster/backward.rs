@@ -36,7 +36,7 @@ unsafe fn stage1_cluster<X: Element, T: Element, W: Element, const C: u32>(r: Ro
     Cluster::<C>::begin();
     // SAFETY: the cluster's unit exists (cluster id < clusters) and only this block hands
     // over its slice's columns of it; the launch sized shared memory for one slice.
-    unsafe { owned_in_shared::<X, T, W, Cluster<C>>(&slice, CLUSTER_SCRATCH_BYTES, out) };
+    unsafe { owned_in_shared::<X, T, W, Cluster<C>, true>(&slice, CLUSTER_SCRATCH_BYTES, out) };
     Cluster::<C>::end();
 }
 
