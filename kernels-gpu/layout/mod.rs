@@ -103,8 +103,8 @@ pub const fn staged_smem(packs: u32, threads: u32, copies: u32) -> u32 {
 pub const BWD_HELD: u32 = 4;
 
 /// Elements a rank of the backward's block team takes at once in each pass of a row read
-/// element by element (`backward::streamed`): at 8 (the forward's) the general cluster
-/// kernels spilled 8-32 bytes.
+/// element by element (`backward::streamed`, since v66: 8 bytes of 16-bit x and of dy in
+/// flight a rank, where one at a time waited a DRAM round trip each).
 pub const BWD_BATCH_ELEMENTS: u32 = 4;
 
 /// Batches of [`BWD_BATCH_ELEMENTS`] a rank of the owned block kernel takes in each pass of
