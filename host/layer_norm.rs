@@ -43,9 +43,9 @@ pub enum BackwardMode {
     /// `Deterministic`, then adds them into group b mod G (Kahan-compensated) while it holds
     /// that group's lock; stage 2 adds the G groups. `None` picks G from n as the tutorial
     /// does (256 for n <= 1024, 128 to 4096, 96 to 8192, else 64), or more where the launch
-    /// has many blocks: a group for every 2 blocks at most. G is
-    /// never more than the blocks. The order in which blocks take a lock varies from run to
-    /// run, so the last bits may too.
+    /// has many blocks: a group for every 2 blocks at most. G is never more than the blocks.
+    /// The order in which blocks take a lock varies from run to run, so the last bits may
+    /// too.
     Locked { groups: Option<u32> },
 }
 
