@@ -42,9 +42,10 @@ pub enum BackwardMode {
     /// block rather than once per row: each block sums its rows' partials, as in
     /// `Deterministic`, then adds them into group b mod G (Kahan-compensated) while it holds
     /// that group's lock; stage 2 adds the G groups. `None` picks G from n as the tutorial
-    /// does (256 for n <= 1024, 128 to 4096, 96 to 8192, else 64); G is never more than the
-    /// blocks. The order in which blocks take a lock varies from run to run, so the last
-    /// bits may too.
+    /// does (256 for n <= 1024, 128 to 4096, 96 to 8192, else 64), or more where the launch
+    /// has many blocks: a group for every 2 blocks at most. G is never more than the blocks.
+    /// The order in which blocks take a lock varies from run to run, so the last bits may
+    /// too.
     Locked { groups: Option<u32> },
 }
 
@@ -1079,9 +1080,7 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
             };
             let reduction = match mode {
                 BackwardMode::Deterministic => gpu::Reduction::Owned,
-                BackwardMode::Locked { groups } => gpu::Reduction::Locked {
-                    groups: groups.unwrap_or_else(|| gpu::default_groups(n)),
-                },
+                BackwardMode::Locked { groups } => gpu::Reduction::Locked { groups },
             };
             gpu::backward(g, reduction, a, dgamma, dbeta)
         }

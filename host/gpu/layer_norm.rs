@@ -86,15 +86,25 @@ pub(crate) fn forward<T: Element, W: Weight<T>, R: Element>(
     launch::forward(gpu, kernel, launch, a)
 }
 
-/// The tutorial's group count for the locked mode: more groups for short rows, where many
-/// rows finish at once and would otherwise queue on few locks.
-pub(crate) fn default_groups(n: usize) -> u32 {
-    match n {
+/// Blocks (or clusters) the locked mode's default groups take each, at most.
+const LOCKED_BLOCKS_PER_GROUP: u32 = 2;
+
+/// The locked mode's group count where the caller names none, for a launch of `units`
+/// blocks (or clusters): the tutorial's for rows of `n` (more groups for short rows, where
+/// many rows finish at once and would otherwise queue on few locks), or more, so that no
+/// group takes more than [`LOCKED_BLOCKS_PER_GROUP`] blocks. The tutorial takes a lock per
+/// row; we take one per block, so a launch's blocks, not its rows, queue on the locks, and
+/// launches of many small blocks (the owned block kernel's 64-160-rank teams, 6-10 a
+/// multiprocessor) queued 6-10 to a group: f32 N = 1030 ran at half the deterministic
+/// mode's speed there, f16 N = 4097 on 2 blocks a group at 95% of it (H200, docs/PERF.md v70).
+fn default_groups(n: u32, units: u32) -> u32 {
+    let tutorial = match n {
         0..=1024 => 256,
         1025..=4096 => 128,
         4097..=8192 => 96,
         _ => 64,
-    }
+    };
+    tutorial.max(units.div_ceil(LOCKED_BLOCKS_PER_GROUP))
 }
 
 /// How stage 1's blocks hand their sums of dgamma and dbeta over. The op converts its
@@ -104,9 +114,9 @@ pub(crate) fn default_groups(n: usize) -> u32 {
 pub(crate) enum Reduction {
     /// Each block (or cluster) owns a partial row; stage 2 adds them in a fixed order.
     Owned,
-    /// Block (or cluster) u adds its sums into group u mod `groups` (>= 1) under that
-    /// group's spinlock.
-    Locked { groups: u32 },
+    /// Block (or cluster) u adds its sums into group u mod `groups` (>= 1; `None`: as
+    /// [`default_groups`] picks) under that group's spinlock.
+    Locked { groups: Option<u32> },
 }
 
 /// `sums`, or for a parameter the op lacks, `n` sums of `W` in `spare`, the room the
@@ -186,7 +196,7 @@ pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
             (pg, pb, units as usize, units, None)
         }
         Reduction::Locked { groups } => {
-            let groups = groups.min(units);
+            let groups = groups.unwrap_or_else(|| default_groups(n, units)).min(units);
             let buffer_rows = 2 * groups as usize + if own_rows { units as usize } else { 0 };
             let words = 2 * (groups * slices) as usize;
             let (pg, pb, words) = workspace.locked(&gpu.stream, (buffer_rows + 1) * n as usize, words)?;
