@@ -213,6 +213,25 @@ fn gpu_backward_rows_8_byte_aligned() {
     p.check(&gpu, LOCKED, "8-byte aligned rows");
 }
 
+/// Rows whose pointers all sit the same bytes past a 16-byte boundary, a different number
+/// from row to row: block teams take each in packs from its first boundary, its head and
+/// tail element by element, and gamma's columns off its own boundaries (f16 N = 4097: every
+/// head from 0 to 7 elements, odd ones reading gamma's words from the column before; bf16
+/// N = 1030: heads of 0, 2, 4 and 6; f32 N = 4097: 0 to 3), both modes.
+#[test]
+fn gpu_backward_rows_shifted_off_their_boundaries() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    let p = Problem::<f16>::random(1000, 4097, 1820);
+    p.check(&gpu, BackwardMode::Deterministic, "shifted rows");
+    p.check(&gpu, LOCKED, "shifted rows");
+    let p = Problem::<bf16>::random(3000, 1030, 1821);
+    p.check(&gpu, BackwardMode::Deterministic, "shifted rows");
+    p.check(&gpu, LOCKED, "shifted rows");
+    let p = Problem::<f32>::random(1000, 4097, 1822);
+    p.check(&gpu, BackwardMode::Deterministic, "shifted rows");
+    p.check(&gpu, LOCKED, "shifted rows");
+}
+
 /// Rows too long for one block to hold in registers or to sum in shared memory (8n
 /// bytes): on Hopper, clusters of 8 blocks split each row (kernels-gpu/src/cluster/),
 /// elsewhere partials go through global memory. Many rows per cluster, fewer rows than clusters,
