@@ -157,10 +157,10 @@ impl<X, T, W> Rows<X, T, W> {
     }
 
     /// As [`Rows::gamma`], for columns whose first is off gamma's 16-byte boundaries (a
-    /// shifted row's packs, `streamed::backward_row`): 16-bit weights as four 4-byte words,
-    /// from column j where it starts a word, else from j - 1 with column j + 7 alone, each
-    /// word then the halves of two (the loads and registers of a half pack and a word, where
-    /// an element at a time took eight of each: the owned block kernel spilled at its 64);
+    /// shifted row's packs, `streamed::backward_row`): 16-bit weights as four 4-byte words
+    /// where column j starts one, else column j alone, three words from j + 1 and column
+    /// j + 7 alone, each word then the halves of two (five loads and registers, where an
+    /// element at a time took eight of each: the owned block kernel spilled at its 64);
     /// others an element at a time. They come from L1, where every row keeps them.
     ///
     /// # Safety
@@ -173,22 +173,23 @@ impl<X, T, W> Rows<X, T, W> {
     {
         let at = self.gamma.wrapping_add(j as usize);
         let mut g = if size_of::<W>() == 2 && len == 8 {
-            // SAFETY: columns j..j + 8 are inside gamma; a word from j - 1 (j odd in words,
-            // so j >= 1) ends at j + 6, and column j + 7 is read alone.
+            // SAFETY: columns j..j + 8 are inside gamma, and each load reads only them: four
+            // words from j where it starts one, else one column, three words and one column.
             let words = unsafe {
                 if (at as usize).is_multiple_of(4) {
                     let p = at as *const u32;
                     [p.read(), p.add(1).read(), p.add(2).read(), p.add(3).read()]
                 } else {
-                    let p = at.wrapping_sub(1) as *const u32;
-                    let w = [p.read(), p.add(1).read(), p.add(2).read(), p.add(3).read()];
+                    let first = (at as *const u16).read() as u32;
+                    let p = at.add(1) as *const u32;
+                    let w = [p.read(), p.add(1).read(), p.add(2).read()];
                     let last = (at.add(7) as *const u16).read() as u32;
                     let halves = |lo: u32, hi: u32| (lo >> 16) | (hi << 16);
                     [
+                        first | (w[0] << 16),
                         halves(w[0], w[1]),
                         halves(w[1], w[2]),
-                        halves(w[2], w[3]),
-                        halves(w[3], last),
+                        halves(w[2], last),
                     ]
                 }
             };
