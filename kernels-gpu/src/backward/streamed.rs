@@ -237,7 +237,9 @@ fn batched<X: Element, S: Team, V: Copy + Default, const CHUNK: usize>(
 }
 
 /// [`backward_row`] with the row's access pattern picked: packed and held in registers
-/// (where `HOLD`: kernels whose registers allow it), packed and streamed, in half packs
+/// (where `HOLD`: kernels whose registers allow it), packed and streamed (for teams that
+/// [`Team::TAKES_SHIFTED_ROWS`], also rows shifted off their boundaries, and packed rows
+/// then on the same path: a path of their own spilled the owned block kernel), in half packs
 /// (every row pointer 8-byte aligned, x, dy and the weights of one size: f16 rows of N = 4
 /// mod 8 every other row, f32 rows of even N), or element by element. Half packs beside
 /// weights wider than x (f32 beside f16) spilled the general cluster kernels 8-16 bytes at
@@ -288,7 +290,7 @@ pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Tea
     unsafe {
         if HOLD && packed && fits::<X, S, BWD_HELD>(r.cols) {
             backward_row::<X, T, W, S, PACKS, BWD_HELD, false>(r, row, part)
-        } else if packed || (S::HOLDS_PART_OF_LONG_ROWS && shifted()) {
+        } else if packed || (S::TAKES_SHIFTED_ROWS && shifted()) {
             backward_row::<X, T, W, S, PACKS, 0, true>(r, row, part)
         } else if halves() {
             backward_row::<X, T, W, S, HALF_PACKS, 0, false>(r, row, part)
