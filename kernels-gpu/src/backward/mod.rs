@@ -60,8 +60,9 @@
 //!     rows whose partials do not fit in shared memory add straight into the block's own
 //!     row in global memory (sm_80, or past what clusters take).
 //!
-//!   In locked mode with G groups (by default 256 for n <= 1024, 128 to 4096, 96 to 8192,
-//!   64 beyond, the tutorial's counts; never more than the blocks or clusters).
+//!   In locked mode with G groups (by default the tutorial's counts, 256 for n <= 1024, 128
+//!   to 4096, 96 to 8192, 64 beyond, or one for every 2 blocks or clusters where that is
+//!   more; never more than the blocks or clusters).
 //! - stage 2, both modes: `layer_norm_bwd_reduce_<W>` ([`stage2`]), W the type of the
 //!   weights and their gradients. On sm_90 the host launches it as stage 1's programmatic
 //!   dependent: every stage 1 lets it launch from its first instruction, and it waits for
