@@ -465,74 +465,31 @@ const fn chunk_len<T: Element, const CHUNK: usize>() -> usize {
 #[inline(always)]
 pub fn for_each_chunk<T: Element, S: Team, const CHUNK: usize, const K: usize>(
     n: u32,
-    f: impl FnMut(u32, usize, Option<usize>),
-) {
-    walk_chunks::<T, S, CHUNK, K>(n, 0, f)
-}
-
-/// [`for_each_chunk`], whole chunks from column `head` on (the columns before it one by
-/// one, with the tail's: one call site for single elements, whose copies of a pass's code
-/// cost the owned block kernel registers).
-#[inline(always)]
-fn walk_chunks<T: Element, S: Team, const CHUNK: usize, const K: usize>(
-    n: u32,
-    head: u32,
     mut f: impl FnMut(u32, usize, Option<usize>),
 ) {
     const { assert!(K == 0 || CHUNK == PACKS) };
     let width = chunk_len::<T, CHUNK>() as u32;
-    let chunks = (n - head) / width;
+    let chunks = n / width;
     if K > 0 {
         // Slot by slot ([`each_slot`]), so that `Held`'s slots stay registers.
         each_slot::<K>(|c| {
             let p = S::rank() + c as u32 * S::size();
             if p < chunks {
-                f(head + p * width, T::PACK, Some(c));
+                f(p * width, T::PACK, Some(c));
             }
         });
     } else {
         let mut p = S::rank();
         while p < chunks {
-            f(head + p * width, width as usize, None);
+            f(p * width, width as usize, None);
             p += S::size();
         }
     }
-    // The head's columns, then the tail's (from `head + chunks * width`), as one run of
-    // edge columns handed out rank by rank.
-    let tail = head + chunks * width;
-    let mut j = if S::rank() < head {
-        S::rank()
-    } else {
-        tail + S::rank() - head
-    };
+    let mut j = chunks * width + S::rank();
     while j < n {
         f(j, 1, None);
-        // A rank's head column (one at most: head < size) is followed by its tail's.
-        j += S::size() + if j < head { chunks * width } else { 0 };
+        j += S::size();
     }
-}
-
-/// Elements of a row at `row`, `n` long, before its first 16-byte boundary (at most `n`):
-/// the head a shifted walk takes one by one ([`for_each_shifted_chunk`]).
-#[inline(always)]
-pub fn head_elements<T>(row: *const T, n: u32) -> u32 {
-    let to_boundary = (16 - row as usize % 16) % 16;
-    ((to_boundary / size_of::<T>()) as u32).min(n)
-}
-
-/// As [`for_each_chunk`] in whole packs, for a row whose pointers all sit the same bytes
-/// past a 16-byte boundary (an f16 row of N = 4097 sits 2 bytes further along than the
-/// row before it): the packs from column `head` ([`head_elements`]) on, where every
-/// pointer's packs are aligned (held slots too: a [`Held`] loaded from the row + `head`),
-/// then the `head` columns before them and the tail one by one. Element by element, each
-/// 16 bytes of f16 took 8 loads.
-#[inline(always)]
-pub fn for_each_shifted_chunk<T: Element, S: Team, const K: usize>(
-    n: u32,
-    head: u32,
-    f: impl FnMut(u32, usize, Option<usize>),
-) {
-    walk_chunks::<T, S, PACKS, K>(n, head, f)
 }
 
 /// Items `from..n` of a row (its elements, or its chunks: [`for_each_chunk_batched`]), item

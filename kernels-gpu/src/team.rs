@@ -137,13 +137,6 @@ pub trait Team {
     /// that fit, and the path would cost the warp kernels registers they do not have.
     const HOLDS_PART_OF_LONG_ROWS: bool = false;
 
-    /// Whether the backward takes rows whose pointers sit the same bytes past a 16-byte
-    /// boundary in packs from that boundary (`backward::streamed::backward_row_any`), rather
-    /// than element by element. Block and cluster teams do; warp teams' rows are short, and
-    /// with them too sm_90's owned block kernels spilled 20-32 bytes more at their 64
-    /// registers.
-    const TAKES_SHIFTED_ROWS: bool = false;
-
     /// Index of this thread within the team.
     fn rank() -> u32;
     /// Threads in the team.
@@ -308,7 +301,6 @@ impl<const STACKED: bool, const NARROW: bool> Blocks<STACKED, NARROW> {
 
 impl<const STACKED: bool, const NARROW: bool> Team for Blocks<STACKED, NARROW> {
     const HOLDS_PART_OF_LONG_ROWS: bool = true;
-    const TAKES_SHIFTED_ROWS: bool = true;
     #[inline(always)]
     fn rank() -> u32 {
         device::thread_idx()
