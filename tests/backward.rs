@@ -214,8 +214,7 @@ fn gpu_backward_rows_8_byte_aligned() {
 }
 
 /// Rows whose pointers all sit the same bytes past a 16-byte boundary, a different number
-/// from row to row: block teams (here; cluster teams in the long rows below) take each in
-/// packs from its first boundary, its head and tail element by element, and gamma's columns
+/// from row to row: block teams take each in packs from its first boundary, its head and tail element by element, and gamma's columns
 /// off its own boundaries (f16 N = 4097: every head from 0 to 7 elements, odd ones starting
 /// gamma's columns mid-word; bf16 N = 1030: heads of 0, 2, 4 and 6; f32 N = 4097: 0 to 3),
 /// both modes.

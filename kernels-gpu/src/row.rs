@@ -467,31 +467,38 @@ pub fn for_each_chunk<T: Element, S: Team, const CHUNK: usize, const K: usize>(
     n: u32,
     f: impl FnMut(u32, usize, Option<usize>),
 ) {
-    walk_chunks::<T, S, CHUNK, K>(n, 0, f)
+    walk_chunks::<T, S, CHUNK, K, false>(n, 0, f)
 }
 
 /// [`for_each_chunk`], whole chunks from column `head` on (the columns before it one by
 /// one, with the tail's: one call site for single elements, whose copies of a pass's code
-/// cost the owned block kernel registers).
+/// cost the owned block kernel registers). `OPAQUE_RANK`: the rank through
+/// [`device::opaque`], so that values made from it (a pack's columns) are made again in
+/// each pass rather than kept across the team's row loop.
 #[inline(always)]
-fn walk_chunks<T: Element, S: Team, const CHUNK: usize, const K: usize>(
+fn walk_chunks<T: Element, S: Team, const CHUNK: usize, const K: usize, const OPAQUE_RANK: bool>(
     n: u32,
     head: u32,
     mut f: impl FnMut(u32, usize, Option<usize>),
 ) {
     const { assert!(K == 0 || CHUNK == PACKS) };
+    let rank = if OPAQUE_RANK {
+        device::opaque(S::rank())
+    } else {
+        S::rank()
+    };
     let width = chunk_len::<T, CHUNK>() as u32;
     let chunks = (n - head) / width;
     if K > 0 {
         // Slot by slot ([`each_slot`]), so that `Held`'s slots stay registers.
         each_slot::<K>(|c| {
-            let p = S::rank() + c as u32 * S::size();
+            let p = rank + c as u32 * S::size();
             if p < chunks {
                 f(head + p * width, T::PACK, Some(c));
             }
         });
     } else {
-        let mut p = S::rank();
+        let mut p = rank;
         while p < chunks {
             f(head + p * width, width as usize, None);
             p += S::size();
@@ -500,11 +507,7 @@ fn walk_chunks<T: Element, S: Team, const CHUNK: usize, const K: usize>(
     // The head's columns, then the tail's (from `head + chunks * width`), as one run of
     // edge columns handed out rank by rank.
     let tail = head + chunks * width;
-    let mut j = if S::rank() < head {
-        S::rank()
-    } else {
-        tail + S::rank() - head
-    };
+    let mut j = if rank < head { rank } else { tail + rank - head };
     while j < n {
         f(j, 1, None);
         // A rank's head column (one at most: head < size) is followed by its tail's.
@@ -532,7 +535,9 @@ pub fn for_each_shifted_chunk<T: Element, S: Team, const K: usize>(
     head: u32,
     f: impl FnMut(u32, usize, Option<usize>),
 ) {
-    walk_chunks::<T, S, PACKS, K>(n, head, f)
+    // The rank opaque: two of its pack columns, kept across the team's row loop, spilled
+    // sm_90's owned block kernels at their 64 registers.
+    walk_chunks::<T, S, PACKS, K, true>(n, head, f)
 }
 
 /// Items `from..n` of a row (its elements, or its chunks: [`for_each_chunk_batched`]), item
@@ -546,11 +551,22 @@ pub fn for_each_shifted_chunk<T: Element, S: Team, const K: usize>(
 pub fn for_each_batched<S: Team, V: Copy + Default, const BATCH: usize>(
     from: u32,
     n: u32,
+    load: impl FnMut(u32) -> V,
+    f: impl FnMut(u32, V),
+) {
+    batches_from::<S, V, BATCH>(from + S::rank(), n, load, f)
+}
+
+/// [`for_each_batched`] from item `first` (`from` + the rank) on.
+#[inline(always)]
+fn batches_from<S: Team, V: Copy + Default, const BATCH: usize>(
+    first: u32,
+    n: u32,
     mut load: impl FnMut(u32) -> V,
     mut f: impl FnMut(u32, V),
 ) {
     let size = S::size();
-    let mut j = from + S::rank();
+    let mut j = first;
     while j < n {
         let item = |u: usize| j + u as u32 * size;
         let mut loaded = [V::default(); BATCH];
@@ -586,13 +602,16 @@ pub fn for_each_chunk_batched<
 ) {
     let width = chunk_len::<T, CHUNK>() as u32;
     let chunks = n / width;
-    for_each_batched::<S, V, BATCH>(
-        0,
+    // The rank through `device::opaque`, as in [`for_each_shifted_chunk`]: a half pack's
+    // first column, kept across the row loop, spilled sm_90's owned block kernels.
+    let rank = device::opaque(S::rank());
+    batches_from::<S, V, BATCH>(
+        rank,
         chunks,
         |p| load(p * width, width as usize),
         |p, v| f(p * width, width as usize, v),
     );
-    let mut j = chunks * width + S::rank();
+    let mut j = chunks * width + rank;
     // Single elements have no tail (and with none written here, the compiler need not
     // prove that `chunks * width + rank` cannot wrap).
     while width > 1 && j < n {

@@ -139,9 +139,10 @@ pub trait Team {
 
     /// Whether the backward takes rows whose pointers sit the same bytes past a 16-byte
     /// boundary in packs from that boundary (`backward::streamed::backward_row_any`), rather
-    /// than element by element. Block and cluster teams do; warp teams' rows are short, and
-    /// with them too sm_90's owned block kernels spilled 20-32 bytes more at their 64
-    /// registers.
+    /// than element by element. Block teams do. Warp teams' rows are short, and with them
+    /// too sm_90's owned block kernels spilled 20-32 bytes more at their 64 registers; with
+    /// cluster teams, the general cluster8 kernels spilled 4-12 bytes at their 96 (and the
+    /// rows that reach them, past 16384 elements, are mostly 8-byte aligned: half packs).
     const TAKES_SHIFTED_ROWS: bool = false;
 
     /// Index of this thread within the team.

@@ -292,7 +292,12 @@ pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Tea
         if HOLD && packed && fits::<X, S, BWD_HELD>(r.cols) {
             backward_row::<X, T, W, S, PACKS, BWD_HELD, false>(r, row, part)
         } else if packed || (S::TAKES_SHIFTED_ROWS && !halves() && shifted()) {
-            backward_row::<X, T, W, S, PACKS, 0, true>(r, row, part)
+            // Other teams' packed rows keep the plain path (no head, partials a pack at once).
+            if S::TAKES_SHIFTED_ROWS {
+                backward_row::<X, T, W, S, PACKS, 0, true>(r, row, part)
+            } else {
+                backward_row::<X, T, W, S, PACKS, 0, false>(r, row, part)
+            }
         } else if halves() {
             backward_row::<X, T, W, S, HALF_PACKS, 0, false>(r, row, part)
         } else {

@@ -239,7 +239,6 @@ pub use crate::layout::{CLUSTER_SCRATCH_BYTES, EXCHANGE_SLOTS, slice_width};
 
 impl<const C: u32> Team for Cluster<C> {
     const PREFETCH_NEXT_ROW: bool = true;
-    const TAKES_SHIFTED_ROWS: bool = true;
     #[inline(always)]
     fn rank() -> u32 {
         Block::rank()
