@@ -546,27 +546,22 @@ pub fn for_each_shifted_chunk<T: Element, S: Team, const K: usize>(
 /// first, then `f(j, loaded)` for each. The compiler may not move a load past a store that
 /// might alias it, so item by item each item's loads waited for the last one's store: a
 /// DRAM round trip each (the residual add at f16 N = 4097 ran at 660 GB/s, docs/PERF.md
-/// after v62).
+/// after v62). `OPAQUE_RANK`: the rank through [`device::opaque`] (values made from it
+/// made again at each call rather than kept across the caller's row loop).
 #[inline(always)]
-pub fn for_each_batched<S: Team, V: Copy + Default, const BATCH: usize>(
+pub fn for_each_batched<S: Team, V: Copy + Default, const BATCH: usize, const OPAQUE_RANK: bool>(
     from: u32,
-    n: u32,
-    load: impl FnMut(u32) -> V,
-    f: impl FnMut(u32, V),
-) {
-    batches_from::<S, V, BATCH>(from + S::rank(), n, load, f)
-}
-
-/// [`for_each_batched`] from item `first` (`from` + the rank) on.
-#[inline(always)]
-fn batches_from<S: Team, V: Copy + Default, const BATCH: usize>(
-    first: u32,
     n: u32,
     mut load: impl FnMut(u32) -> V,
     mut f: impl FnMut(u32, V),
 ) {
     let size = S::size();
-    let mut j = first;
+    let rank = if OPAQUE_RANK {
+        device::opaque(S::rank())
+    } else {
+        S::rank()
+    };
+    let mut j = from + rank;
     while j < n {
         let item = |u: usize| j + u as u32 * size;
         let mut loaded = [V::default(); BATCH];
@@ -602,16 +597,15 @@ pub fn for_each_chunk_batched<
 ) {
     let width = chunk_len::<T, CHUNK>() as u32;
     let chunks = n / width;
-    // The rank through `device::opaque`, as in [`for_each_shifted_chunk`]: a half pack's
-    // first column, kept across the row loop, spilled sm_90's owned block kernels.
-    let rank = device::opaque(S::rank());
-    batches_from::<S, V, BATCH>(
-        rank,
+    // The rank opaque, as in [`for_each_shifted_chunk`]: a half pack's first column, kept
+    // across the row loop, spilled sm_90's owned block kernels.
+    for_each_batched::<S, V, BATCH, true>(
+        0,
         chunks,
         |p| load(p * width, width as usize),
         |p, v| f(p * width, width as usize, v),
     );
-    let mut j = chunks * width + rank;
+    let mut j = chunks * width + S::rank();
     // Single elements have no tail (and with none written here, the compiler need not
     // prove that `chunks * width + rank` cannot wrap).
     while width > 1 && j < n {
