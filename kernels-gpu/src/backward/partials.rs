@@ -163,9 +163,11 @@ impl PartialRow {
     ///
     /// `OFF_PACK`: the chunk may start off a multiple of its length (a shifted row's pack),
     /// and so cross a shared row's padding word ([`padded`]): its words past it then sit
-    /// one further on. Such a chunk goes a word at a time, each load beside its store (one
-    /// pack in four of a shifted row; shared memory answers in tens of cycles, and
-    /// addresses for a whole pack at once spilled sm_90's owned block kernels 120 bytes).
+    /// one further on. In a shared row such chunks go a word at a time, each load beside
+    /// its store, whether they cross one or not (one f16 pack in four of a shifted row
+    /// does): shared memory answers in tens of cycles, and a branch for the crossing ones,
+    /// or addresses for a whole pack at once, spilled sm_90's owned block kernels 56-124
+    /// bytes at their 64 registers.
     ///
     /// # Safety
     /// The chunk is inside the row, and no other thread writes it concurrently; without
