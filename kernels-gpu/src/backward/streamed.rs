@@ -27,7 +27,7 @@ const BATCH_HALF_PACKS: usize = 2;
 /// of x and dy per rank stay in registers across the passes. `SHIFTED` (with [`PACKS`]):
 /// the row's packs start at x's first 16-byte boundary, its head before it goes element by
 /// element ([`for_each_shifted_chunk`]), and gamma, whose columns then sit off its own
-/// boundaries, is read an element at a time.
+/// boundaries, is read in words or elements ([`Rows::gamma_shifted`]).
 ///
 /// # Safety
 /// `row` < `r.rows`; `CHUNK` is [`PACKS`], [`HALF_PACKS`] or [`ELEMENTS`]. With [`PACKS`]
