@@ -15,7 +15,9 @@ use ndarray::{Array1, Array2, ArrayView, ArrayView1, Dimension};
 /// Element offsets of (x, gamma, beta, dy) in their buffers: each of 1, 2, 3, 4 and 5 for
 /// every input, and mixes where some inputs are aligned (0) and others not. 8-byte offsets
 /// (f32 at 2, f16 and bf16 at 4) make rows the forward reads in half packs, or, with x
-/// aligned and only the weights at 8 bytes, rows whose weights allow no more.
+/// aligned and only the weights at 8 bytes, rows whose weights allow no more. x and dy at
+/// one offset make rows the backward's block teams take in packs from x's first boundary,
+/// gamma's columns then off its own (at 3: its first pack starts mid-word).
 const OFFSETS: &[[usize; 4]] = &[
     [1, 1, 1, 1],
     [2, 2, 2, 2],
@@ -27,6 +29,7 @@ const OFFSETS: &[[usize; 4]] = &[
     [2, 5, 0, 0],
     [0, 4, 4, 0],
     [0, 4, 2, 0],
+    [0, 3, 1, 0],
 ];
 
 /// (rows, n): n a multiple of 8 (64, 1000, 4096) and not (77, 3001), for warp teams (n <= 1024)

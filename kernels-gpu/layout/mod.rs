@@ -168,8 +168,8 @@ pub const fn slice_width(n: u32, pack: u32, c: u32) -> u32 {
 }
 
 /// Word of column `j` in a shared-memory partial row: one padding word after every 32, so a
-/// warp's packs spread over all 32 banks (a pack never straddles a padding word, since the
-/// pack length divides 32).
+/// warp's packs spread over all 32 banks (a pack from a multiple of its length never
+/// straddles a padding word, since the pack length divides 32; a shifted row's may).
 #[inline(always)]
 pub const fn padded(j: u32) -> u32 {
     j + j / 32

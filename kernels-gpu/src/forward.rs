@@ -808,7 +808,7 @@ unsafe fn add_residual_elements<T: Element, Y: Element, S: Team, const BATCH: us
     from: u32,
     n: u32,
 ) {
-    for_each_batched::<S, _, BATCH>(
+    for_each_batched::<S, _, BATCH, false>(
         from,
         n,
         // SAFETY: for_each_batched yields j < n.

@@ -465,31 +465,79 @@ const fn chunk_len<T: Element, const CHUNK: usize>() -> usize {
 #[inline(always)]
 pub fn for_each_chunk<T: Element, S: Team, const CHUNK: usize, const K: usize>(
     n: u32,
+    f: impl FnMut(u32, usize, Option<usize>),
+) {
+    walk_chunks::<T, S, CHUNK, K, false>(n, 0, f)
+}
+
+/// [`for_each_chunk`], whole chunks from column `head` on (the columns before it one by
+/// one, with the tail's: one call site for single elements, whose copies of a pass's code
+/// cost the owned block kernel registers). `OPAQUE_RANK`: the rank through
+/// [`device::opaque`], so that values made from it (a pack's columns) are made again in
+/// each pass rather than kept across the team's row loop.
+#[inline(always)]
+fn walk_chunks<T: Element, S: Team, const CHUNK: usize, const K: usize, const OPAQUE_RANK: bool>(
+    n: u32,
+    head: u32,
     mut f: impl FnMut(u32, usize, Option<usize>),
 ) {
     const { assert!(K == 0 || CHUNK == PACKS) };
+    let rank = if OPAQUE_RANK {
+        device::opaque(S::rank())
+    } else {
+        S::rank()
+    };
     let width = chunk_len::<T, CHUNK>() as u32;
-    let chunks = n / width;
+    let chunks = (n - head) / width;
     if K > 0 {
         // Slot by slot ([`each_slot`]), so that `Held`'s slots stay registers.
         each_slot::<K>(|c| {
-            let p = S::rank() + c as u32 * S::size();
+            let p = rank + c as u32 * S::size();
             if p < chunks {
-                f(p * width, T::PACK, Some(c));
+                f(head + p * width, T::PACK, Some(c));
             }
         });
     } else {
-        let mut p = S::rank();
+        let mut p = rank;
         while p < chunks {
-            f(p * width, width as usize, None);
+            f(head + p * width, width as usize, None);
             p += S::size();
         }
     }
-    let mut j = chunks * width + S::rank();
+    // The head's columns, then the tail's (from `head + chunks * width`), as one run of
+    // edge columns handed out rank by rank.
+    let tail = head + chunks * width;
+    let mut j = if rank < head { rank } else { tail + rank - head };
     while j < n {
         f(j, 1, None);
-        j += S::size();
+        // A rank's head column (one at most: head < size) is followed by its tail's.
+        j += S::size() + if j < head { chunks * width } else { 0 };
     }
+}
+
+/// Elements of a row at `row`, `n` long, before its first 16-byte boundary (at most `n`):
+/// the head a shifted walk takes one by one ([`for_each_shifted_chunk`]).
+#[inline(always)]
+pub fn head_elements<T>(row: *const T, n: u32) -> u32 {
+    let to_boundary = (16 - row as usize % 16) % 16;
+    ((to_boundary / size_of::<T>()) as u32).min(n)
+}
+
+/// As [`for_each_chunk`] in whole packs, for a row whose pointers all sit the same bytes
+/// past a 16-byte boundary (an f16 row of N = 4097 sits 2 bytes further along than the
+/// row before it): the packs from column `head` ([`head_elements`]) on, where every
+/// pointer's packs are aligned (held slots too: a [`Held`] loaded from the row + `head`),
+/// then the `head` columns before them and the tail one by one. Element by element, each
+/// 16 bytes of f16 took 8 loads.
+#[inline(always)]
+pub fn for_each_shifted_chunk<T: Element, S: Team, const K: usize>(
+    n: u32,
+    head: u32,
+    f: impl FnMut(u32, usize, Option<usize>),
+) {
+    // The rank opaque: two of its pack columns, kept across the team's row loop, spilled
+    // sm_90's owned block kernels at their 64 registers.
+    walk_chunks::<T, S, PACKS, K, true>(n, head, f)
 }
 
 /// Items `from..n` of a row (its elements, or its chunks: [`for_each_chunk_batched`]), item
@@ -498,16 +546,22 @@ pub fn for_each_chunk<T: Element, S: Team, const CHUNK: usize, const K: usize>(
 /// first, then `f(j, loaded)` for each. The compiler may not move a load past a store that
 /// might alias it, so item by item each item's loads waited for the last one's store: a
 /// DRAM round trip each (the residual add at f16 N = 4097 ran at 660 GB/s, docs/PERF.md
-/// after v62).
+/// after v62). `OPAQUE_RANK`: the rank through [`device::opaque`] (values made from it
+/// made again at each call rather than kept across the caller's row loop).
 #[inline(always)]
-pub fn for_each_batched<S: Team, V: Copy + Default, const BATCH: usize>(
+pub fn for_each_batched<S: Team, V: Copy + Default, const BATCH: usize, const OPAQUE_RANK: bool>(
     from: u32,
     n: u32,
     mut load: impl FnMut(u32) -> V,
     mut f: impl FnMut(u32, V),
 ) {
     let size = S::size();
-    let mut j = from + S::rank();
+    let rank = if OPAQUE_RANK {
+        device::opaque(S::rank())
+    } else {
+        S::rank()
+    };
+    let mut j = from + rank;
     while j < n {
         let item = |u: usize| j + u as u32 * size;
         let mut loaded = [V::default(); BATCH];
@@ -543,7 +597,9 @@ pub fn for_each_chunk_batched<
 ) {
     let width = chunk_len::<T, CHUNK>() as u32;
     let chunks = n / width;
-    for_each_batched::<S, V, BATCH>(
+    // The rank opaque, as in [`for_each_shifted_chunk`]: a half pack's first column, kept
+    // across the row loop, spilled sm_90's owned block kernels.
+    for_each_batched::<S, V, BATCH, true>(
         0,
         chunks,
         |p| load(p * width, width as usize),

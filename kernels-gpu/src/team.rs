@@ -137,6 +137,14 @@ pub trait Team {
     /// that fit, and the path would cost the warp kernels registers they do not have.
     const HOLDS_PART_OF_LONG_ROWS: bool = false;
 
+    /// Whether the backward takes rows whose pointers sit the same bytes past a 16-byte
+    /// boundary in packs from that boundary (`backward::streamed::backward_row_any`), rather
+    /// than element by element. Block teams do. Warp teams' rows are short, and with them
+    /// too sm_90's owned block kernels spilled 20-32 bytes more at their 64 registers; with
+    /// cluster teams, the general cluster8 kernels spilled 4-12 bytes at their 96 (and the
+    /// rows that reach them, past 16384 elements, are mostly 8-byte aligned: half packs).
+    const TAKES_SHIFTED_ROWS: bool = false;
+
     /// Index of this thread within the team.
     fn rank() -> u32;
     /// Threads in the team.
@@ -301,6 +309,7 @@ impl<const STACKED: bool, const NARROW: bool> Blocks<STACKED, NARROW> {
 
 impl<const STACKED: bool, const NARROW: bool> Team for Blocks<STACKED, NARROW> {
     const HOLDS_PART_OF_LONG_ROWS: bool = true;
+    const TAKES_SHIFTED_ROWS: bool = true;
     #[inline(always)]
     fn rank() -> u32 {
         device::thread_idx()

@@ -72,9 +72,11 @@
 //! The general kernels (owned, `cluster8`) take each row as its pointers and length
 //! allow (`streamed::backward_row_any`): x and dy held in registers where the row is aligned and
 //! fits 4 packs a rank, else read in 16-byte packs where aligned, in 8-byte half packs where
-//! that aligned (x, dy and the weights of one size), else element by element; three passes
-//! (sums, dx, partials), each chunk's loads before its stores, block teams' in batches.
-//! docs/PERF.md has each version's changes and measurements.
+//! that aligned (x, dy and the weights of one size), in packs from the row's first 16-byte
+//! boundary where every row pointer sits as far past one as x's (block teams), else
+//! element by element; three passes (sums, dx, partials), each chunk's loads before its
+//! stores, block teams' in batches. docs/PERF.md has each version's changes and
+//! measurements.
 //!
 //! Files: this one, the math every stage 1 shares (xhat, dx, the row sums) and the kernel
 //! exports; `partials` (the partial rows, and where a block's sums go); `streamed` (the
@@ -89,7 +91,7 @@ mod stage2;
 pub(crate) mod streamed;
 
 use crate::device::{self, fma};
-use crate::element::{Element, Pack, read_cached};
+use crate::element::{Element, MAX_PACK, Pack, read_cached};
 use crate::layout::params::{BackwardRows, Partials, Reduce};
 use crate::team::{Block, SCRATCH_BYTES, StackedBlock, Warp};
 use held::stage1_held;
@@ -150,6 +152,58 @@ impl<X, T, W> Rows<X, T, W> {
     {
         // SAFETY: the caller's guarantee.
         let mut g = unsafe { read_cached::<W, true>(self.gamma, j, len) };
+        for g in &mut g[..len] {
+            *g += self.gamma_offset;
+        }
+        g
+    }
+
+    /// As [`Rows::gamma`], for columns whose first is off gamma's 16-byte boundaries (a
+    /// shifted row's packs, `streamed::backward_row`): 16-bit weights as four 4-byte words
+    /// where column j starts one, else column j alone, three words from j + 1 and column
+    /// j + 7 alone, each word then the halves of two (five loads and registers, where an
+    /// element at a time took eight of each: the owned block kernel spilled at its 64);
+    /// others an element at a time. They come from L1, where every row keeps them.
+    ///
+    /// # Safety
+    /// Columns `j..j + len` are inside gamma (no launch writes it).
+    #[inline(always)]
+    pub(crate) unsafe fn gamma_shifted(&self, j: u32, len: usize) -> Pack
+    where
+        X: Element,
+        W: Element,
+    {
+        let at = self.gamma.wrapping_add(j as usize);
+        let mut g = if size_of::<W>() == 2 && len == 8 {
+            // SAFETY: columns j..j + 8 are inside gamma, and each load reads only them: four
+            // words from j where it starts one, else one column, three words and one column.
+            let words = unsafe {
+                if (at as usize).is_multiple_of(4) {
+                    let p = at as *const u32;
+                    [p.read(), p.add(1).read(), p.add(2).read(), p.add(3).read()]
+                } else {
+                    let first = (at as *const u16).read() as u32;
+                    let p = at.add(1) as *const u32;
+                    let w = [p.read(), p.add(1).read(), p.add(2).read()];
+                    let last = (at.add(7) as *const u16).read() as u32;
+                    let halves = |lo: u32, hi: u32| (lo >> 16) | (hi << 16);
+                    [
+                        first | (w[0] << 16),
+                        halves(w[0], w[1]),
+                        halves(w[1], w[2]),
+                        halves(w[2], last),
+                    ]
+                }
+            };
+            W::unpack(words)
+        } else {
+            let mut g = [0.0; MAX_PACK];
+            for (k, g) in g.iter_mut().enumerate().take(len) {
+                // SAFETY: column j + k < j + len, inside gamma (the caller's guarantee).
+                *g = unsafe { read_cached::<W, true>(self.gamma, j + k as u32, 1)[0] };
+            }
+            g
+        };
         for g in &mut g[..len] {
             *g += self.gamma_offset;
         }

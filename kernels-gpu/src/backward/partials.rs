@@ -26,7 +26,8 @@ pub(crate) struct PartialRow {
 /// A rank's pack starts `PACK` words after its neighbour's, so in the plain layout lanes
 /// i and i + 32 / PACK hit the same bank (an 8-way conflict for f16); the padding shifts
 /// each group of 32 words by one bank, which spreads a warp's 32 lanes over all 32 banks.
-/// A pack never straddles a padding word (PACK divides 32), so its words stay contiguous.
+/// A pack from a multiple of PACK never straddles a padding word (PACK divides 32); one
+/// from a shifted row's boundary may ([`PartialRow::add`]).
 #[inline(always)]
 pub(crate) fn padded(j: u32) -> usize {
     crate::layout::padded(j) as usize
@@ -160,11 +161,40 @@ impl PartialRow {
     /// chunk comes before its stores: a store could alias a later load, so interleaving
     /// them would make each load wait a full memory latency for the one before.
     ///
+    /// `OFF_PACK`: the chunk may start off a multiple of its length (a shifted row's pack),
+    /// and so cross a shared row's padding word ([`padded`]): its words past it then sit
+    /// one further on. In a shared row such chunks go a word at a time, each load beside
+    /// its store, whether they cross one or not (one f16 pack in four of a shifted row
+    /// does): shared memory answers in tens of cycles, and a branch for the crossing ones,
+    /// or addresses for a whole pack at once, spilled sm_90's owned block kernels 56-124
+    /// bytes at their 64 registers.
+    ///
     /// # Safety
-    /// The chunk is inside the row, and no other thread writes it concurrently.
+    /// The chunk is inside the row, and no other thread writes it concurrently; without
+    /// `OFF_PACK`, a chunk longer than one column starts at a multiple of its length.
     #[inline(always)]
-    pub(crate) unsafe fn add(self, start: u32, len: usize, dgamma: &Pack, dbeta: &Pack) {
+    pub(crate) unsafe fn add<const OFF_PACK: bool>(
+        self,
+        start: u32,
+        len: usize,
+        dgamma: &Pack,
+        dbeta: &Pack,
+    ) {
         let (g, b, vector) = self.chunk(start, len);
+        let to_padding = (32 - start % 32) as usize;
+        if OFF_PACK && self.shared {
+            // (A chunk is at most a pack; the bound spares the PTX a panic path.)
+            for k in 0..len.min(MAX_PACK) {
+                let word = k + (k >= to_padding) as usize;
+                // SAFETY: the chunk's columns and the padding word between them lie inside
+                // this team's shared row, which it alone writes (shared rows accumulate).
+                unsafe {
+                    g.add(word).write(g.add(word).read() + dgamma[k]);
+                    b.add(word).write(b.add(word).read() + dbeta[k]);
+                }
+            }
+            return;
+        }
         let zero = [0.0; MAX_PACK];
         let (old_g, old_b) = if self.accumulate {
             // SAFETY: as above; vectors only where both rows are 16-byte aligned.
@@ -246,7 +276,7 @@ impl PartialRow {
             if self.compensation != 0 {
                 self.add_compensated(start, len, dgamma, dbeta)
             } else {
-                self.add(start, len, dgamma, dbeta)
+                self.add::<false>(start, len, dgamma, dbeta)
             }
         }
     }

@@ -12,7 +12,7 @@ use crate::element::{
 use crate::layout::block_half_pack_rows;
 use crate::row::{
     BWD_HELD, ELEMENTS, HALF_PACKS, Held, PACKS, chunk_of, fits, for_each_chunk, for_each_chunk_batched,
-    prefetch, values,
+    for_each_shifted_chunk, head_elements, prefetch, values,
 };
 use crate::team::{SCRATCH_BYTES, Team};
 
@@ -24,13 +24,17 @@ const BATCH_ELEMENTS: usize = crate::layout::BWD_BATCH_ELEMENTS as usize;
 const BATCH_HALF_PACKS: usize = 2;
 
 /// dx for one row, and its partials into `part`, a row this team alone writes; `HELD` packs
-/// of x and dy per rank stay in registers across the passes.
+/// of x and dy per rank stay in registers across the passes. `SHIFTED` (with [`PACKS`]):
+/// the row's packs start at x's first 16-byte boundary, its head before it goes element by
+/// element ([`for_each_shifted_chunk`]), and gamma, whose columns then sit off its own
+/// boundaries, is read in words or elements ([`Rows::gamma_shifted`]).
 ///
 /// # Safety
 /// `row` < `r.rows`; `CHUNK` is [`PACKS`], [`HALF_PACKS`] or [`ELEMENTS`]. With [`PACKS`]
-/// every row pointer (dsum's too, where given) and gamma are 16-byte aligned; with
-/// [`HALF_PACKS`] x, dy and gamma are of one size and every row pointer and gamma 8-byte
-/// aligned; with `HELD` > 0 the row [`fits`].
+/// every row pointer (dsum's too, where given) and gamma are 16-byte aligned, or with
+/// `SHIFTED` x, dy and dx are of one size and every row pointer sits as many bytes past a
+/// 16-byte boundary as x's; with [`HALF_PACKS`] x, dy and gamma are of one size and every
+/// row pointer and gamma 8-byte aligned; with `HELD` > 0 the row (past its head) [`fits`].
 #[inline(always)]
 pub(crate) unsafe fn backward_row<
     X: Element,
@@ -39,6 +43,7 @@ pub(crate) unsafe fn backward_row<
     S: Team,
     const CHUNK: usize,
     const HELD: usize,
+    const SHIFTED: bool,
 >(
     r: &Rows<X, T, W>,
     row: u32,
@@ -56,12 +61,20 @@ pub(crate) unsafe fn backward_row<
         )
     };
     let (n, cols) = (r.n, r.cols);
-    let packs = if CHUNK == PACKS { cols / X::PACK as u32 } else { 0 };
-    // SAFETY: with HELD > 0 the row is packed and fits (the caller's guarantee).
+    let head = if SHIFTED { head_elements(x, cols) } else { 0 };
+    // A shifted row that starts at a boundary is a packed row: gamma in packs where aligned.
+    let packed_gamma = head == 0 && is_pack_aligned(r.gamma);
+    let packs = if CHUNK == PACKS {
+        (cols - head) / X::PACK as u32
+    } else {
+        0
+    };
+    // SAFETY: with HELD > 0 the row past its head is packed and fits (the caller's
+    // guarantee), x + head and dy + head at a boundary.
     let (xs, dys) = unsafe {
         (
-            Held::<HELD>::load::<X, S>(x, packs),
-            Held::<HELD>::load_as::<X, T, S>(dy, packs),
+            Held::<HELD>::load::<X, S>(x.wrapping_add(head as usize), packs),
+            Held::<HELD>::load_as::<X, T, S>(dy.wrapping_add(head as usize), packs),
         )
     };
     // The team's next row streams into L2 while this one is worked on (teams that gain
@@ -91,7 +104,11 @@ pub(crate) unsafe fn backward_row<
                 (
                     values(&xs, x, j, len, slot),
                     values(&dys, dy, j, len, slot),
-                    r.gamma(j, len),
+                    if SHIFTED && !packed_gamma {
+                        r.gamma_shifted(j, len)
+                    } else {
+                        r.gamma(j, len)
+                    },
                 )
             }
         };
@@ -114,7 +131,7 @@ pub(crate) unsafe fn backward_row<
     if batches::<S, CHUNK>() {
         batched::<X, S, _, CHUNK>(cols, |j, len| terms(j, len, None), |_, len, t| add_sums(len, t));
     } else {
-        for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| add_sums(len, terms(j, len, slot)));
+        walk::<X, S, CHUNK, HELD, SHIFTED>(cols, head, |j, len, slot| add_sums(len, terms(j, len, slot)));
     }
     let (s1, s2) = S::sum2(s1, s2);
     let coefficients = DxCoefficients::new(s1, r.s2(s2), n);
@@ -154,7 +171,7 @@ pub(crate) unsafe fn backward_row<
             |j, len, (xhat, wdy, ds)| write_dx(j, len, (xhat, wdy), &|| ds),
         );
     } else {
-        for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| {
+        walk::<X, S, CHUNK, HELD, SHIFTED>(cols, head, |j, len, slot| {
             let (xhat, wdy, _) = terms(j, len, slot);
             write_dx(j, len, (xhat, wdy), &|| read_dsum(j, len))
         });
@@ -169,12 +186,29 @@ pub(crate) unsafe fn backward_row<
             dgamma[k] = dyv[k] * xhat[k];
         }
         // SAFETY: as above; the row is this team's alone.
-        unsafe { part.add(j, len, &dgamma, &dyv) };
+        unsafe { part.add::<SHIFTED>(j, len, &dgamma, &dyv) };
     };
     if batches::<S, CHUNK>() {
         batched::<X, S, _, CHUNK>(cols, |j, len| terms(j, len, None), &add_partials);
     } else {
-        for_each_chunk::<X, S, CHUNK, HELD>(cols, |j, len, slot| add_partials(j, len, terms(j, len, slot)));
+        walk::<X, S, CHUNK, HELD, SHIFTED>(cols, head, |j, len, slot| {
+            add_partials(j, len, terms(j, len, slot))
+        });
+    }
+}
+
+/// This rank's chunks of a row of `cols` columns as [`backward_row`]'s `CHUNK`, `HELD` and
+/// `SHIFTED` take them (`head`: the shifted row's, else 0), one at a time.
+#[inline(always)]
+fn walk<X: Element, S: Team, const CHUNK: usize, const HELD: usize, const SHIFTED: bool>(
+    cols: u32,
+    head: u32,
+    f: impl FnMut(u32, usize, Option<usize>),
+) {
+    if SHIFTED {
+        for_each_shifted_chunk::<X, S, HELD>(cols, head, f)
+    } else {
+        for_each_chunk::<X, S, CHUNK, HELD>(cols, f)
     }
 }
 
@@ -205,7 +239,10 @@ fn batched<X: Element, S: Team, V: Copy + Default, const CHUNK: usize>(
 /// [`backward_row`] with the row's access pattern picked: packed and held in registers
 /// (where `HOLD`: kernels whose registers allow it), packed and streamed, in half packs
 /// (every row pointer 8-byte aligned, x, dy and the weights of one size: f16 rows of N = 4
-/// mod 8 every other row, f32 rows of even N), or element by element. Half packs beside
+/// mod 8 every other row, f32 rows of even N), in packs from the first 16-byte boundary
+/// (teams that [`Team::TAKES_SHIFTED_ROWS`], rows shifted off their boundaries: on the
+/// packed rows' path, as a path of their own spilled the owned block kernel; after half
+/// packs, which ran f32 N = 1030 5.5% faster), or element by element. Half packs beside
 /// weights wider than x (f32 beside f16) spilled the general cluster kernels 8-16 bytes at
 /// their 96 registers, even a half pack at a time. Teams that batch ([`batches`]) take half
 /// packs only in launches of [`block_half_pack_rows`]; cluster teams, which do not batch,
@@ -227,6 +264,16 @@ pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Tea
         && r.dsum_row(offset).is_none_or(is_pack_aligned)
         && r.dres_row(offset).is_none_or(|d| is_pack_aligned(d.cast_const()))
         && is_pack_aligned(r.gamma);
+    // Every row pointer the same bytes past a 16-byte boundary (x, dy and dx of one size, so
+    // an element's offset is the same in each): the row in packs after its head.
+    let shifted = || {
+        let x = r.x.wrapping_add(offset) as usize % 16;
+        let same = |p: usize| p % 16 == x;
+        size_of::<X>() == size_of::<T>()
+            && same(r.dy.wrapping_add(offset) as usize)
+            && same(r.dx.wrapping_add(offset) as usize)
+            && r.dsum_row(offset).is_none_or(|d| same(d as usize))
+    };
     let halves = || {
         let rows = [
             r.x.wrapping_add(offset) as usize,
@@ -243,13 +290,18 @@ pub(crate) unsafe fn backward_row_any<X: Element, T: Element, W: Element, S: Tea
     // and half-pack paths read (dres is never given where x and dy are of one size).
     unsafe {
         if HOLD && packed && fits::<X, S, BWD_HELD>(r.cols) {
-            backward_row::<X, T, W, S, PACKS, BWD_HELD>(r, row, part)
-        } else if packed {
-            backward_row::<X, T, W, S, PACKS, 0>(r, row, part)
+            backward_row::<X, T, W, S, PACKS, BWD_HELD, false>(r, row, part)
+        } else if packed || (S::TAKES_SHIFTED_ROWS && !halves() && shifted()) {
+            // Other teams' packed rows keep the plain path (no head, partials a pack at once).
+            if S::TAKES_SHIFTED_ROWS {
+                backward_row::<X, T, W, S, PACKS, 0, true>(r, row, part)
+            } else {
+                backward_row::<X, T, W, S, PACKS, 0, false>(r, row, part)
+            }
         } else if halves() {
-            backward_row::<X, T, W, S, HALF_PACKS, 0>(r, row, part)
+            backward_row::<X, T, W, S, HALF_PACKS, 0, false>(r, row, part)
         } else {
-            backward_row::<X, T, W, S, ELEMENTS, 0>(r, row, part)
+            backward_row::<X, T, W, S, ELEMENTS, 0, false>(r, row, part)
         }
     }
 }
