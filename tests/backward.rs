@@ -84,13 +84,13 @@ impl<T: Element> Problem<T> {
         )
     }
 
-    /// Checks `run`'s result against the reference.
     /// [`Problem::check`] in both modes.
     fn check_both_modes(&self, device: &Device, what: &str) {
         self.check(device, BackwardMode::Deterministic, what);
         self.check(device, LOCKED, what);
     }
 
+    /// Checks `run`'s result against the reference.
     fn check(&self, device: &Device, mode: BackwardMode, what: &str) {
         let (dx, dgamma, dbeta) = self.run(device, mode);
         let (rdx, rdgamma, rdbeta) = reference::backward(
@@ -214,10 +214,10 @@ fn gpu_backward_rows_8_byte_aligned() {
 }
 
 /// Rows whose pointers all sit the same bytes past a 16-byte boundary, a different number
-/// from row to row: block teams take each in packs from its first boundary, its head and tail element by element, and gamma's columns
-/// off its own boundaries (f16 N = 4097: every head from 0 to 7 elements, odd ones starting
-/// gamma's columns mid-word; bf16 N = 1030: heads of 0, 2, 4 and 6; f32 N = 4097: 0 to 3),
-/// both modes.
+/// from row to row: block teams take each in packs from its first boundary, its head and
+/// tail element by element, and gamma's columns off its own boundaries (f16 N = 4097: every
+/// head from 0 to 7 elements, odd ones starting gamma's columns mid-word; bf16 N = 1030:
+/// heads of 0, 2, 4 and 6; f32 N = 4097: 0 to 3), both modes.
 #[test]
 fn gpu_backward_rows_shifted_off_their_boundaries() {
     let Some(gpu) = gpu_or_skip() else { return };
