@@ -145,6 +145,16 @@ pub trait Team {
     /// rows that reach them, past 16384 elements, are mostly 8-byte aligned: half packs).
     const TAKES_SHIFTED_ROWS: bool = false;
 
+    /// Whether the backward adds a streamed row's partials in the pass that writes dx, so
+    /// that x, dy and gamma are read twice a row, not three times
+    /// (`backward::streamed::backward_row`). Cluster teams do: the general cluster8 kernel
+    /// is bound by the instructions it issues (docs/PERF.md, v74), and the third pass
+    /// repeats the loads, the widening and xhat. Block teams keep the pass of its own (with
+    /// the merge, sm_90's 16-bit owned block kernels spilled 4-16 bytes at their 64
+    /// registers), as do held rows (their third pass reads nothing, and the merge spilled
+    /// the 16-bit cluster8 kernels 8-24 bytes at their 96).
+    const PARTIALS_WITH_DX: bool = false;
+
     /// Index of this thread within the team.
     fn rank() -> u32;
     /// Threads in the team.

@@ -74,8 +74,9 @@
 //! fits 4 packs a rank, else read in 16-byte packs where aligned, in 8-byte half packs where
 //! that aligned (x, dy and the weights of one size), in packs from the row's first 16-byte
 //! boundary where every row pointer sits as far past one as x's (block teams), else
-//! element by element; three passes (sums, dx, partials), each chunk's loads before its
-//! stores, block teams' in batches. docs/PERF.md has each version's changes and
+//! element by element; three passes (sums, dx, partials; cluster teams add a streamed
+//! row's partials in the dx pass, so two), each chunk's loads before its stores, block
+//! teams' in batches. docs/PERF.md has each version's changes and
 //! measurements.
 //!
 //! Files: this one, the math every stage 1 shares (xhat, dx, the row sums) and the kernel

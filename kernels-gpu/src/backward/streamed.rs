@@ -136,6 +136,20 @@ pub(crate) unsafe fn backward_row<
     let (s1, s2) = S::sum2(s1, s2);
     let coefficients = DxCoefficients::new(s1, r.s2(s2), n);
 
+    // The partials (dy * xhat, dy) into the team's row: in a pass of their own (pass 3),
+    // which keeps fewer values live than adding them during pass 2 (no register spills at
+    // 64 per thread) and, for held rows, costs no memory; or, for teams whose streamed rows
+    // gain more from one read fewer (`Team::PARTIALS_WITH_DX`), during pass 2.
+    let add_partials = |j: u32, len: usize, (xhat, _, dyv): (Pack, Pack, Pack)| {
+        let mut dgamma = [0.0; MAX_PACK];
+        for k in 0..len {
+            dgamma[k] = dyv[k] * xhat[k];
+        }
+        // SAFETY: as above; the row is this team's alone.
+        unsafe { part.add::<SHIFTED>(j, len, &dgamma, &dyv) };
+    };
+    let partials_with_dx = S::PARTIALS_WITH_DX && HELD == 0 && !batches::<S, CHUNK>();
+
     // Pass 2: dx (with dsum, where given), and the residual's copy of it where asked. A
     // batch loads dsum with the rest; a chunk at a time loads it after dx's arithmetic
     // (`write_dx` calls `ds` then), which keeps fewer values live (the owned warp kernel
@@ -170,6 +184,12 @@ pub(crate) unsafe fn backward_row<
             },
             |j, len, (xhat, wdy, ds)| write_dx(j, len, (xhat, wdy), &|| ds),
         );
+    } else if partials_with_dx {
+        walk::<X, S, CHUNK, HELD, SHIFTED>(cols, head, |j, len, slot| {
+            let (xhat, wdy, dyv) = terms(j, len, slot);
+            write_dx(j, len, (xhat, wdy), &|| read_dsum(j, len));
+            add_partials(j, len, (xhat, wdy, dyv));
+        });
     } else {
         walk::<X, S, CHUNK, HELD, SHIFTED>(cols, head, |j, len, slot| {
             let (xhat, wdy, _) = terms(j, len, slot);
@@ -177,20 +197,10 @@ pub(crate) unsafe fn backward_row<
         });
     }
 
-    // Pass 3: the partials (dy * xhat, dy) into the team's row. A pass of its own keeps
-    // fewer values live than adding them during pass 2 (no register spills at 64 per
-    // thread), and held rows cost no memory.
-    let add_partials = |j: u32, len: usize, (xhat, _, dyv): (Pack, Pack, Pack)| {
-        let mut dgamma = [0.0; MAX_PACK];
-        for k in 0..len {
-            dgamma[k] = dyv[k] * xhat[k];
-        }
-        // SAFETY: as above; the row is this team's alone.
-        unsafe { part.add::<SHIFTED>(j, len, &dgamma, &dyv) };
-    };
+    // Pass 3: the partials, where pass 2 did not add them.
     if batches::<S, CHUNK>() {
         batched::<X, S, _, CHUNK>(cols, |j, len| terms(j, len, None), &add_partials);
-    } else {
+    } else if !partials_with_dx {
         walk::<X, S, CHUNK, HELD, SHIFTED>(cols, head, |j, len, slot| {
             add_partials(j, len, terms(j, len, slot))
         });

@@ -239,6 +239,7 @@ pub use crate::layout::{CLUSTER_SCRATCH_BYTES, EXCHANGE_SLOTS, slice_width};
 
 impl<const C: u32> Team for Cluster<C> {
     const PREFETCH_NEXT_ROW: bool = true;
+    const PARTIALS_WITH_DX: bool = true;
     #[inline(always)]
     fn rank() -> u32 {
         Block::rank()
