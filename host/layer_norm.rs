@@ -1053,16 +1053,18 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
             });
             let stream = &g.stream;
             // An absent dsum or dres counts as address 0, which is aligned.
-            let packed = packed_rows::<T, R>(
-                n,
-                &[address(&dy, stream), address(&dx, stream)],
-                &[
+            let (xs, rows_of_r) = (
+                [address(&dy, stream), address(&dx, stream)],
+                [
                     address(&x, stream),
                     dsum.as_ref().map_or(0, |d| address(d, stream)),
                     dres.as_ref().map_or(0, |d| address(d, stream)),
                 ],
-                &[address(&gamma, stream)],
             );
+            let weights = [address(&gamma, stream)];
+            let packed = packed_rows::<T, R>(n, &xs, &rows_of_r, &weights);
+            let half_packed =
+                !packed && half_packed_rows::<T, W, R>(n, xs.iter().chain(&rows_of_r).chain(&weights));
             let a = Backward {
                 x,
                 dy,
@@ -1076,6 +1078,7 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
                 rows: rows as u32,
                 n: n as u32,
                 packed,
+                half_packed,
                 norm,
             };
             let reduction = match mode {
@@ -1245,6 +1248,20 @@ fn packed_rows<T: Element, R: Element>(n: usize, xs: &[u64], rows: &[u64], weigh
     (n * size_of::<R>()).is_multiple_of(16)
         && xs.iter().all(|a| a.is_multiple_of(x_pack))
         && rows.iter().chain(weights).all(|a| a.is_multiple_of(16))
+}
+
+/// Whether the backward may walk every row of `n` elements in half packs (four columns, 8
+/// bytes): x, dy and the weights of one 16-bit type (`T` = `R`, `W` the same size), n a
+/// multiple of 4, and every address (each tensor's, the weights' too) 8-byte aligned.
+fn half_packed_rows<'a, T: Element, W: Element, R: Element>(
+    n: usize,
+    addresses: impl IntoIterator<Item = &'a u64>,
+) -> bool {
+    size_of::<T>() == 2
+        && size_of::<R>() == 2
+        && size_of::<W>() == 2
+        && n.is_multiple_of(4)
+        && addresses.into_iter().all(|a| a.is_multiple_of(8))
 }
 
 /// A device buffer's address. Where the context tracks events, `device_ptr` records a read

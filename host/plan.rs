@@ -48,7 +48,9 @@
 //!   of 2, 4 or 8 blocks whose slices fit, else the general cluster of 8; rows all of
 //!   aligned packs that fit take the held kernel (block teams stacked along y, as many as
 //!   the thread limit and shared memory allow); the rest the owned kernel, summing in shared
-//!   memory where it fits.
+//!   memory where it fits. Block-team rows of 16-bit x, dy and weights of one type that are
+//!   all 8-byte aligned ([`Alignment::HalfPacks`]) are held in half packs, by the held
+//!   block and held cluster kernels' `_halves` copies, as aligned rows are in packs.
 //! - Backward with a residual's dsum: as above, but for 16-bit rows with 16-bit weights the
 //!   general cluster kernel only (their held cluster kernels take no dsum).
 //! - A residual stream kept in f32 beside f16/bf16 x ([`plan_f32_stream`]): the residual
@@ -106,6 +108,30 @@ pub enum Pass {
     /// cluster kernels of 16-bit rows and weights take none, so such rows that need a
     /// cluster take the general one (`Variant::takes_dsum`).
     BackwardResidual,
+}
+
+/// How a launch's rows sit in memory, as far as the planner needs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Alignment {
+    /// Every row of every tensor involved starts 16-byte aligned and `n` is a whole number
+    /// of packs.
+    Packs,
+    /// Not `Packs`, but every row (and the weights) starts 8-byte aligned and `n` is a
+    /// multiple of 4: 16-bit x, dy and weights of one type then take half packs (8 bytes).
+    HalfPacks,
+    /// Anything else.
+    Other,
+}
+
+impl From<bool> for Alignment {
+    /// `Packs` where every row is aligned whole packs, else `Other`.
+    fn from(aligned: bool) -> Self {
+        if aligned {
+            Alignment::Packs
+        } else {
+            Alignment::Other
+        }
+    }
 }
 
 /// One launch's kernel and block.
@@ -203,8 +229,9 @@ fn warp_rows(n: u32) -> bool {
 }
 
 /// Which of `norm`'s kernels runs `pass` over `rows` rows of `n` elements of `T` (rows,
-/// n >= 1) with weights of `W`, and with which block. `aligned`: every row of every tensor involved starts 16-byte aligned and `n`
-/// is a whole number of packs (whole tensors; views may not be). An error only where no
+/// n >= 1) with weights of `W`, and with which block. `aligned`: how every row of every
+/// tensor involved sits ([`Alignment`]; `true` for whole packs, as whole tensors always
+/// are, views not always). An error only where no
 /// kernel can take the shape: a warp-row backward whose partials do not fit the device's
 /// shared memory.
 pub fn plan<T: Element, W: Weight<T>>(
@@ -212,7 +239,7 @@ pub fn plan<T: Element, W: Weight<T>>(
     rows: u32,
     n: u32,
     pass: Pass,
-    aligned: bool,
+    aligned: impl Into<Alignment>,
     limits: DeviceLimits,
 ) -> Result<Plan> {
     plan_rows::<T>(norm, TYPE_PAIRS[W::PAIR], rows, n, pass, aligned, limits)
@@ -228,7 +255,7 @@ pub fn plan_f32_stream<T: F32Stream, W: Weight<T>>(
     rows: u32,
     n: u32,
     pass: Pass,
-    aligned: bool,
+    aligned: impl Into<Alignment>,
     limits: DeviceLimits,
 ) -> Result<Plan> {
     match pass {
@@ -253,15 +280,17 @@ pub(crate) fn plan_rows<R: Element>(
     rows: u32,
     n: u32,
     pass: Pass,
-    aligned: bool,
+    aligned: impl Into<Alignment>,
     limits: DeviceLimits,
 ) -> Result<Plan> {
+    let alignment = aligned.into();
     let planner = Planner::<R> {
         norm,
         rows,
         few_rows: rows <= limits.sm_count,
         n,
-        aligned,
+        aligned: alignment == Alignment::Packs,
+        half_packs: alignment == Alignment::HalfPacks,
         limits,
         pair,
         ty: std::marker::PhantomData,
@@ -281,6 +310,8 @@ struct Planner<T> {
     few_rows: bool,
     n: u32,
     aligned: bool,
+    /// The rows are in half packs ([`Alignment::HalfPacks`]).
+    half_packs: bool,
     limits: DeviceLimits,
     /// The kernels' types: x's, the weights' and the rows' (`T`: x's, or f32 for a residual
     /// stream kept in f32).
@@ -850,19 +881,28 @@ impl<T: Element> Planner<T> {
         if one_block || !self.smem_fits(general_smem) {
             return None;
         }
+        // 16-bit rows 8-byte aligned are held in half packs, as the held block kernel holds
+        // them ([`Self::held`]).
+        let halves = !self.aligned && self.half_packs;
         let held = HELD_CLUSTER_SIZES.iter().find_map(|&size| {
-            let variant = Variant::cluster_held(size).filter(|v| !dsum || self.takes_dsum(*v))?;
+            let variant = if halves {
+                Variant::cluster_held_halves(size).filter(|v| v.has_pair(self.pair))
+            } else {
+                Variant::cluster_held(size)
+            };
+            let variant = variant.filter(|v| !dsum || self.takes_dsum(*v))?;
             let slice = crate::layout::slice_width(n, pack_len::<T>(), size);
             let threads = self.block_threads(variant, slice, 4);
             let smem = crate::layout::cluster_held_smem(pack_len::<T>(), threads);
-            (self.aligned && self.fits(slice, threads, BWD_HELD) && self.smem_fits(smem)).then_some(Plan {
-                variant,
-                threads,
-                stacked: 1,
-                smem: smem as u32,
-                local: true,
-                grid: Grid::Resident,
-            })
+            ((self.aligned || halves) && self.fits(slice, threads, BWD_HELD) && self.smem_fits(smem))
+                .then_some(Plan {
+                    variant,
+                    threads,
+                    stacked: 1,
+                    smem: smem as u32,
+                    local: true,
+                    grid: Grid::Resident,
+                })
         });
         held.or_else(|| {
             let slice = crate::layout::slice_width(n, pack_len::<T>(), CLUSTER_SIZE);
@@ -889,8 +929,13 @@ impl<T: Element> Planner<T> {
         // 513-1024) go a block team, held, rather than a warp, streamed (the owned kernel):
         // H200, docs/PERF.md v37, 19-44% faster at f32 N = 544-1024 and with a stream in f32.
         let warp = warp_rows(self.n) && self.n / pack_len::<T>() <= 32 * BWD_HELD;
+        // Block teams hold 16-bit rows 8-byte aligned in half packs: as many columns a rank
+        // as whole packs, read 8 bytes at a time.
+        let halves = !warp && self.half_packs && Variant::BwdHeldBlockHalves.has_pair(self.pair);
         let variant = if warp {
             Variant::BwdHeldWarp
+        } else if halves {
+            Variant::BwdHeldBlockHalves
         } else {
             Variant::BwdHeldBlock
         };
@@ -911,7 +956,7 @@ impl<T: Element> Planner<T> {
         // The most of those whose partials fit shared memory (each rank holds its own).
         let held_smem = |threads| crate::layout::held_smem(pack_len::<T>(), threads);
         let teams = (1..=most).rev().find(|&t| self.smem_fits(held_smem(ranks * t)))?;
-        if !(self.aligned && self.fits(self.n, ranks, BWD_HELD)) {
+        if !((self.aligned || halves) && self.fits(self.n, ranks, BWD_HELD)) {
             return None;
         }
         let (threads, stacked) = if warp { (32 * teams, 1) } else { (ranks, teams) };

@@ -199,9 +199,11 @@ fn gpu_backward_many_rows() {
 
 /// Rows 8-byte aligned but not 16 every other row (f16 and bf16 N = 4 mod 8, f32 N = 2 mod
 /// 4): those rows in half packs, the others in packs, in one launch, so that a team's
-/// columns change hands between its rows. Warp teams (f16 N = 36), block teams (f16 4100,
-/// f32 1030), and on sm_90 clusters (bf16 16388: 2049 packs, past what one block holds),
-/// both modes.
+/// columns change hands between its rows. Warp teams (f16 N = 36), block teams (f32
+/// 1030), the held block kernel in half packs (f16 4100, bf16 2052: every row in half
+/// packs, 4100's last slot half full), and on sm_90 the held cluster kernels in half packs
+/// (bf16 16388 over 2 blocks, f16 32772 over 4 and 65540 over 8: past what one block
+/// holds), both modes.
 #[test]
 fn gpu_backward_rows_8_byte_aligned() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -209,6 +211,9 @@ fn gpu_backward_rows_8_byte_aligned() {
     for (i, &(rows, n)) in f16_cases.iter().enumerate() {
         Problem::<f16>::random(rows, n, 1800 + i as u64).check_both_modes(&gpu, "8-byte aligned rows");
     }
+    Problem::<bf16>::random(700, 2052, 1812).check_both_modes(&gpu, "8-byte aligned rows");
+    Problem::<f16>::random(200, 32772, 1813).check_both_modes(&gpu, "8-byte aligned rows");
+    Problem::<f16>::random(100, 65540, 1814).check_both_modes(&gpu, "8-byte aligned rows");
     Problem::<f32>::random(2000, 1030, 1810).check_both_modes(&gpu, "8-byte aligned rows");
     Problem::<bf16>::random(300, 16388, 1811).check_both_modes(&gpu, "8-byte aligned rows");
 }

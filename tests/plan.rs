@@ -17,11 +17,13 @@ mod layout;
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use layernorm_cuda::plan::{Arch, DeviceLimits, Grid, Norm, Pass, Plan, Variant, plan, plan_f32_stream};
+use layernorm_cuda::plan::{
+    Alignment, Arch, DeviceLimits, Grid, Norm, Pass, Plan, Variant, plan, plan_f32_stream,
+};
 use layernorm_cuda::{Element, F32Stream, Weight, bf16, f16};
 
 /// (type pair, pass, rows, n) the GPU tests run on whole tensors (aligned where n is whole
-/// packs): every shape of `common::SHAPES` in every type pair (tests/weights.rs runs the
+/// packs, in half packs where 16-bit rows and weights are a whole number of them): every shape of `common::SHAPES` in every type pair (tests/weights.rs runs the
 /// f32 weights), pass (both backward modes run the same kernels; tests/residual.rs the
 /// residual passes), at its own rows (at most one a multiprocessor: the few-rows plans),
 /// and the long rows of tests/forward.rs and tests/backward.rs and the many-row forwards of
@@ -77,6 +79,13 @@ fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
     ] {
         cases.push((dtype, Pass::Forward, rows, n));
     }
+    // tests/backward.rs, `gpu_backward_rows_8_byte_aligned` (half packs, in rows enough
+    // for the held block kernel's plan).
+    cases.push((f16, Pass::Backward, 1500, 4100));
+    cases.push((bf16, Pass::Backward, 700, 2052));
+    cases.push((bf16, Pass::Backward, 300, 16388));
+    cases.push((f16, Pass::Backward, 200, 32772));
+    cases.push((f16, Pass::Backward, 100, 65540));
     // tests/residual.rs, `gpu_residual_streamed_rows_match_the_reference`.
     let bf16_f32w_f32s = 8;
     assert_eq!(
@@ -104,7 +113,16 @@ fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
 
 fn plan_of<T: Element, W: Weight<T>>(rows: u32, n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
     let pack = (16 / size_of::<T>()) as u32;
-    plan::<T, W>(Norm::Layer, rows, n, pass, n.is_multiple_of(pack), limits).unwrap()
+    // A whole tensor's rows of 16-bit values and weights, n a multiple of 4, start 8-byte
+    // aligned, as the library finds them.
+    let alignment = if n.is_multiple_of(pack) {
+        Alignment::Packs
+    } else if size_of::<T>() == 2 && size_of::<W>() == 2 && n.is_multiple_of(4) {
+        Alignment::HalfPacks
+    } else {
+        Alignment::Other
+    };
+    plan::<T, W>(Norm::Layer, rows, n, pass, alignment, limits).unwrap()
 }
 
 /// As [`plan_of`], with the residual stream in f32 (rows of f32: aligned where n is whole
@@ -242,6 +260,67 @@ fn element_rows_of_the_owned_block_take_two_batches_a_rank() {
             assert_eq!(owned(4097, p), 512);
             let p = plan::<f16, f16>(norm, 3, 1030, Pass::Backward, false, limits).unwrap();
             assert_eq!(owned(1030, p), 160);
+        }
+    }
+}
+
+/// Block-team rows of 16-bit values and weights of one type, 8-byte aligned and a whole
+/// number of half packs (f16 N = 4100 and 16388 of a whole tensor: every other row starts
+/// 8 bytes past a 16-byte boundary), are held in half packs as packed rows are in packs:
+/// 4 packs' columns a rank (513 packs: 160 ranks, 3 teams a block of 512); on sm_90 rows
+/// past what a block holds, over the fewest of 2, 4 or 8 blocks whose slices fit, as packed
+/// rows are (f16 16388, 32772, 65540). Not with f32 weights, whose 8-byte alignment gives
+/// no 16-bit half packs, nor warp rows, nor (clusters) a residual's dsum.
+#[test]
+fn half_packed_rows_take_the_held_block_kernel() {
+    for limits in [DeviceLimits::H100, DeviceLimits::A100] {
+        for norm in [Norm::Layer, Norm::Rms] {
+            let halves =
+                |n| plan::<f16, f16>(norm, MANY, n, Pass::Backward, Alignment::HalfPacks, limits).unwrap();
+            let p = halves(4100);
+            assert_eq!(
+                (p.variant, p.threads),
+                (Variant::BwdHeldBlockHalves, 160),
+                "{norm:?}"
+            );
+            assert_eq!(
+                p.stacked,
+                if limits.arch == Arch::Sm90 { 3 } else { 2 },
+                "{norm:?}"
+            );
+            let p = plan::<bf16, bf16>(
+                norm,
+                MANY,
+                4100,
+                Pass::BackwardResidual,
+                Alignment::HalfPacks,
+                limits,
+            )
+            .unwrap();
+            assert_eq!(p.variant, Variant::BwdHeldBlockHalves, "{norm:?} bf16 with dsum");
+            let p = plan::<f16, f32>(norm, MANY, 4100, Pass::Backward, Alignment::HalfPacks, limits).unwrap();
+            assert_eq!(p.variant, Variant::BwdOwnedBlock, "{norm:?} f32 weights");
+            let p = halves(1020);
+            assert_eq!(p.variant, Variant::BwdOwnedWarp, "{norm:?} warp rows");
+            if limits.arch == Arch::Sm90 {
+                for (n, v) in [
+                    (16388, Variant::BwdCluster2HeldHalves),
+                    (32772, Variant::BwdCluster4HeldHalves),
+                    (65540, Variant::BwdCluster8HeldHalves),
+                ] {
+                    assert_eq!(halves(n).variant, v, "{norm:?} {n}");
+                }
+                let p = plan::<f16, f16>(
+                    norm,
+                    MANY,
+                    16388,
+                    Pass::BackwardResidual,
+                    Alignment::HalfPacks,
+                    limits,
+                )
+                .unwrap();
+                assert_eq!(p.variant, Variant::BwdCluster8, "{norm:?} 16388 with dsum");
+            }
         }
     }
 }
@@ -841,8 +920,9 @@ fn only_the_sm90_module_has_cluster_kernels() {
     let clusters = |ptx| declared(ptx).values().filter(|(_, c)| *c > 1).count();
     assert_eq!(clusters(SM80), 0);
     // The general cluster kernel over 8 blocks and the held ones over 2, 4 and 8, in all
-    // nine type pairs (the four with the stream in f32 too), for each of the two norms.
-    assert_eq!(clusters(SM90), 72);
+    // nine type pairs (the four with the stream in f32 too), for each of the two norms; the
+    // held ones in half packs over f16 and bf16 alone.
+    assert_eq!(clusters(SM90), 72 + 3 * 2 * 2);
 }
 
 /// Kernel name -> the bytes of each parameter it declares: `.param .align A .b8 name[B]` (a
@@ -1037,7 +1117,11 @@ fn stage2_waits_for_stage1_in_the_sm90_module() {
             let stage1 = v.cluster() > 1
                 || matches!(
                     v,
-                    V::BwdOwnedWarp | V::BwdOwnedBlock | V::BwdHeldWarp | V::BwdHeldBlock
+                    V::BwdOwnedWarp
+                        | V::BwdOwnedBlock
+                        | V::BwdHeldWarp
+                        | V::BwdHeldBlock
+                        | V::BwdHeldBlockHalves
                 );
             match (arch, v) {
                 (Arch::Sm90, V::BwdReduce) => {

@@ -13,7 +13,7 @@ use super::Gpu;
 use super::module::Kernel;
 use crate::element::{Element, Weight, pair_of};
 use crate::error::{DriverContext, Error, Result};
-use crate::plan::{Norm, Variant, pack_len};
+use crate::plan::{Alignment, Norm, TYPE_PAIRS, Variant, pack_len};
 
 // What the kernels and the launches must agree on, from the one crate both compile.
 pub(crate) use crate::layout::{BWD_HELD, CLUSTER_SIZE, SCRATCH_BYTES};
@@ -215,11 +215,25 @@ pub(crate) struct Backward<'a, T, W, R = T> {
     /// Every row of x, dy and dx (dsum and dres too), and gamma, starts aligned to a pack
     /// of the rows' type, as [`Forward::packed`] says, and n is a whole number of packs.
     pub(crate) packed: bool,
+    /// Not `packed`, but x, dy and gamma are of one 16-bit type, every row of x, dy, dx
+    /// and dsum, and gamma, starts 8-byte aligned, and n is a multiple of 4 (half packs).
+    pub(crate) half_packed: bool,
     /// LayerNorm's kernels or RMSNorm's.
     pub(crate) norm: Norm,
 }
 
 impl<T: Element, W: Weight<T>, R: Element> Backward<'_, T, W, R> {
+    /// How the rows sit, for the planner.
+    pub(crate) fn alignment(&self) -> Alignment {
+        if self.packed {
+            Alignment::Packs
+        } else if self.half_packed {
+            Alignment::HalfPacks
+        } else {
+            Alignment::Other
+        }
+    }
+
     /// Every stage 1's first parameter, and cudarc's guards for its buffers (to be dropped
     /// after the launch is queued).
     fn params<'s>(&'s mut self, gpu: &'s Gpu) -> (ByValue<BackwardRows<T, W, R>>, Guards<'s, 8>) {
@@ -402,35 +416,41 @@ pub(crate) fn backward_owned<T: Element, W: Weight<T>, R: Element>(
     Ok(())
 }
 
-/// Stage 1, rows all held (`a.packed`, and the rows fit `BWD_HELD` packs a rank): one unit
-/// per block, each rank summing its columns' partials in its own shared memory
-/// ([`held_smem`]).
+/// Stage 1, rows all held (`a.packed`, and the rows fit `BWD_HELD` packs a rank; or for
+/// [`Variant::BwdHeldBlockHalves`], `a.half_packed` and as many half packs a rank as 8-byte
+/// halves of `BWD_HELD` packs): one unit per block, each rank summing its columns'
+/// partials in its own shared memory ([`held_smem`]). `variant` is one of the held kernels.
 pub(crate) fn backward_held<T: Element, W: Weight<T>, R: Element>(
     gpu: &Gpu,
-    team: Team,
+    variant: Variant,
     launch: Launch,
     a: Backward<'_, T, W, R>,
     sums: Sums<'_, '_>,
 ) -> Result<()> {
     a.check();
-    require(
-        a.packed && fits_held::<R>(team, launch.threads, a.n, BWD_HELD),
-        "held rows",
-    );
+    let team = if variant == Variant::BwdHeldWarp {
+        Team::Warp
+    } else {
+        Team::Block
+    };
+    let rows_held = if variant == Variant::BwdHeldBlockHalves {
+        a.half_packed
+            && Variant::BwdHeldBlockHalves.has_pair(TYPE_PAIRS[pair_of::<T, W, R>()])
+            && a.n.is_multiple_of(4)
+            && a.n / 4 <= 2 * BWD_HELD * launch.threads
+    } else {
+        a.packed && fits_held::<R>(team, launch.threads, a.n, BWD_HELD)
+    };
+    require(rows_held, "held rows");
     sums.check(launch.blocks, 1, a.n, false);
     require(
         launch.smem as usize >= held_smem::<R>(launch.threads * launch.stacked),
         "held smem",
     );
-    let k = a.kernels(gpu)?;
-    let f = k.any(if team == Team::Warp {
-        Variant::BwdHeldWarp
-    } else {
-        Variant::BwdHeldBlock
-    });
+    let f = a.kernels(gpu)?.any(variant);
     // SAFETY: `backward_kernels!(@held ..)` in kernels-gpu/src/backward/mod.rs takes these
     // arguments; every buffer (shared memory included) holds what the kernel indexes, and
-    // every row is whole aligned packs that fit (checked above).
+    // every row is whole aligned packs (or half packs) that fit (checked above).
     unsafe { a.launch_with_partials(gpu, f, launch, sums, "backward stage 1 (held rows)") }
 }
 
@@ -447,36 +467,39 @@ pub(crate) use crate::layout::owned_local_smem;
 /// [`CLUSTER_SIZE`]).
 pub(crate) fn backward_cluster<T: Element, W: Weight<T>, R: Element>(
     gpu: &Gpu,
-    held: bool,
-    size: u32,
+    variant: Variant,
     launch: Launch,
     a: Backward<'_, T, W, R>,
     sums: Sums<'_, '_>,
 ) -> Result<()> {
     a.check();
-    let takes_dsum = |v: Variant| v.takes_dsum(size_of::<R>(), size_of::<W>());
-    let variant = if held {
-        Variant::cluster_held(size)
-    } else {
-        Some(Variant::BwdCluster8)
-    };
+    let size = variant.cluster();
+    require(size > 1, "a cluster kernel");
     require(
-        a.dsum.is_none() || variant.is_some_and(takes_dsum),
+        a.dsum.is_none() || variant.takes_dsum(size_of::<R>(), size_of::<W>()),
         "a cluster kernel that takes dsum",
     );
     require(launch.blocks.is_multiple_of(size), "whole clusters");
     sums.check(launch.blocks / size, size, a.n, false);
-    let k = a.kernels(gpu)?;
-    let (kernel, smem) = if held {
+    let smem = if variant.held_cluster() {
         let slice = cluster_slice::<R>(a.n, size);
-        let slice_fits = a.packed && fits_held::<R>(Team::Block, launch.threads, slice, BWD_HELD);
-        require(slice_fits, "held cluster slices");
-        let kernel = Variant::cluster_held(size).and_then(|v| k.get(v));
-        (kernel, cluster_held_smem::<R>(launch.threads))
+        // Half packs: as many a rank as 8-byte halves of the packs that fit, every slice
+        // starting at a whole pack.
+        let rows = if variant.halves() {
+            a.half_packed && variant.has_pair(TYPE_PAIRS[pair_of::<T, W, R>()]) && a.n.is_multiple_of(4)
+        } else {
+            a.packed
+        };
+        require(
+            rows && fits_held::<R>(Team::Block, launch.threads, slice, BWD_HELD),
+            "held cluster slices",
+        );
+        cluster_held_smem::<R>(launch.threads)
     } else {
         require(size == CLUSTER_SIZE, "general cluster size");
-        (k.get(Variant::BwdCluster8), cluster_smem::<R>(a.n))
+        cluster_smem::<R>(a.n)
     };
+    let kernel = a.kernels(gpu)?.get(variant);
     require(launch.smem as usize >= smem, "cluster smem");
     let Some(f) = kernel else {
         panic!("layernorm-cuda bug: a cluster launch on a device without cluster kernels");

@@ -160,7 +160,7 @@ pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
         rows,
         n,
         pass,
-        stage1.packed,
+        stage1.alignment(),
         gpu.kernels.limits,
     )?;
     let team = team_of(&plan);
@@ -178,7 +178,10 @@ pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
             ..shape(&plan)
         };
         (launch, clusters, false)
-    } else if matches!(plan.variant, Variant::BwdHeldWarp | Variant::BwdHeldBlock) {
+    } else if matches!(
+        plan.variant,
+        Variant::BwdHeldWarp | Variant::BwdHeldBlock | Variant::BwdHeldBlockHalves
+    ) {
         let launch = balanced(grid(gpu, kernel, rows, &plan)?, rows, team);
         (launch, launch.blocks, false)
     } else {
@@ -217,15 +220,9 @@ pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
         locks: locks.as_mut().map(|(words, groups)| (words, *groups)),
     };
     match plan.variant {
-        Variant::BwdCluster8
-        | Variant::BwdCluster2Held
-        | Variant::BwdCluster4Held
-        | Variant::BwdCluster8Held => {
-            let held = plan.variant != Variant::BwdCluster8;
-            launch::backward_cluster(gpu, held, slices, launch, stage1, sums)?;
-        }
-        Variant::BwdHeldWarp | Variant::BwdHeldBlock => {
-            launch::backward_held(gpu, team, launch, stage1, sums)?
+        v if v.cluster() > 1 => launch::backward_cluster(gpu, v, launch, stage1, sums)?,
+        Variant::BwdHeldWarp | Variant::BwdHeldBlock | Variant::BwdHeldBlockHalves => {
+            launch::backward_held(gpu, plan.variant, launch, stage1, sums)?
         }
         _ => launch::backward_owned(gpu, team, launch, stage1, sums, plan.local)?,
     }

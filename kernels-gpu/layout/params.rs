@@ -178,10 +178,14 @@ pub const fn param_bytes(variant: Variant) -> &'static [usize] {
         Variant::BwdOwnedWarp | Variant::BwdOwnedBlock => &[ROWS, size_of::<Partials>(), size_of::<u32>()],
         Variant::BwdHeldWarp
         | Variant::BwdHeldBlock
+        | Variant::BwdHeldBlockHalves
         | Variant::BwdCluster8
         | Variant::BwdCluster2Held
         | Variant::BwdCluster4Held
-        | Variant::BwdCluster8Held => &[ROWS, size_of::<Partials>()],
+        | Variant::BwdCluster8Held
+        | Variant::BwdCluster2HeldHalves
+        | Variant::BwdCluster4HeldHalves
+        | Variant::BwdCluster8HeldHalves => &[ROWS, size_of::<Partials>()],
         Variant::BwdReduce => &[size_of::<Reduce<f32>>()],
     }
 }

@@ -336,6 +336,8 @@ pub enum Variant {
     /// Stage 1, owned mode, rows all of aligned packs held in registers.
     BwdHeldWarp,
     BwdHeldBlock,
+    /// The held block kernel over 16-bit rows 8-byte aligned, in half packs.
+    BwdHeldBlockHalves,
     /// Stage 2: the partial rows' column sums.
     BwdReduce,
     /// Stage 1, owned mode, rows split over clusters of 8 blocks (sm_90).
@@ -344,11 +346,15 @@ pub enum Variant {
     BwdCluster2Held,
     BwdCluster4Held,
     BwdCluster8Held,
+    /// The same over 16-bit rows 8-byte aligned, in half packs (sm_90).
+    BwdCluster2HeldHalves,
+    BwdCluster4HeldHalves,
+    BwdCluster8HeldHalves,
 }
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 22] = [
+    pub const ALL: [Variant; 26] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
@@ -366,11 +372,15 @@ impl Variant {
         Variant::BwdOwnedBlock,
         Variant::BwdHeldWarp,
         Variant::BwdHeldBlock,
+        Variant::BwdHeldBlockHalves,
         Variant::BwdReduce,
         Variant::BwdCluster8,
         Variant::BwdCluster2Held,
         Variant::BwdCluster4Held,
         Variant::BwdCluster8Held,
+        Variant::BwdCluster2HeldHalves,
+        Variant::BwdCluster4HeldHalves,
+        Variant::BwdCluster8HeldHalves,
     ];
 
     /// The name between `layer_norm_` and the storage type.
@@ -393,20 +403,24 @@ impl Variant {
             Variant::BwdOwnedBlock => "bwd_owned_block",
             Variant::BwdHeldWarp => "bwd_held_warp",
             Variant::BwdHeldBlock => "bwd_held_block",
+            Variant::BwdHeldBlockHalves => "bwd_held_block_halves",
             Variant::BwdReduce => "bwd_reduce",
             Variant::BwdCluster8 => "bwd_cluster8",
             Variant::BwdCluster2Held => "bwd_cluster2_held",
             Variant::BwdCluster4Held => "bwd_cluster4_held",
             Variant::BwdCluster8Held => "bwd_cluster8_held",
+            Variant::BwdCluster2HeldHalves => "bwd_cluster2_held_halves",
+            Variant::BwdCluster4HeldHalves => "bwd_cluster4_held_halves",
+            Variant::BwdCluster8HeldHalves => "bwd_cluster8_held_halves",
         }
     }
 
     /// Blocks per cluster (`.reqnctapercluster`), 1 for kernels without clusters.
     pub const fn cluster(self) -> u32 {
         match self {
-            Variant::BwdCluster8 | Variant::BwdCluster8Held => 8,
-            Variant::BwdCluster4Held => 4,
-            Variant::BwdCluster2Held => 2,
+            Variant::BwdCluster8 | Variant::BwdCluster8Held | Variant::BwdCluster8HeldHalves => 8,
+            Variant::BwdCluster4Held | Variant::BwdCluster4HeldHalves => 4,
+            Variant::BwdCluster2Held | Variant::BwdCluster2HeldHalves => 2,
             _ => 1,
         }
     }
@@ -431,10 +445,7 @@ impl Variant {
     /// general cluster kernel). Rows of f32 take half the packs of 16-bit rows a rank, which
     /// leaves the registers for it.
     pub const fn takes_dsum(self, row_bytes: usize, weight_bytes: usize) -> bool {
-        let held_cluster = matches!(
-            self,
-            Variant::BwdCluster2Held | Variant::BwdCluster4Held | Variant::BwdCluster8Held
-        );
+        let held_cluster = self.held_cluster();
         !(held_cluster && row_bytes == 2 && weight_bytes == 2)
     }
 
@@ -478,17 +489,30 @@ impl Variant {
             ) => 512,
             (Variant::BwdOwnedWarp, _) => 512,
             (Variant::BwdOwnedBlock, _) => 512,
-            (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm80) if pair.wide_stream() => 256,
-            (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm80) => 384,
-            (Variant::BwdHeldWarp | Variant::BwdHeldBlock, Arch::Sm90) => 512,
+            (Variant::BwdHeldWarp | Variant::BwdHeldBlock | Variant::BwdHeldBlockHalves, Arch::Sm80)
+                if pair.wide_stream() =>
+            {
+                256
+            }
+            (Variant::BwdHeldWarp | Variant::BwdHeldBlock | Variant::BwdHeldBlockHalves, Arch::Sm80) => 384,
+            (Variant::BwdHeldWarp | Variant::BwdHeldBlock | Variant::BwdHeldBlockHalves, Arch::Sm90) => 512,
             (Variant::BwdCluster8, _) if f32_rows => 384,
             (Variant::BwdCluster8, _) => 640,
-            (Variant::BwdCluster2Held | Variant::BwdCluster4Held | Variant::BwdCluster8Held, _)
-                if f32_weights_of_halves && !f32_rows =>
-            {
-                384
+            (
+                Variant::BwdCluster2Held
+                | Variant::BwdCluster4Held
+                | Variant::BwdCluster8Held
+                | Variant::BwdCluster2HeldHalves
+                | Variant::BwdCluster4HeldHalves
+                | Variant::BwdCluster8HeldHalves,
+                _,
+            ) => {
+                if f32_weights_of_halves && !f32_rows {
+                    384
+                } else {
+                    512
+                }
             }
-            (Variant::BwdCluster2Held | Variant::BwdCluster4Held | Variant::BwdCluster8Held, _) => 512,
         }
     }
 
@@ -538,7 +562,8 @@ impl Variant {
     /// Whether the kernel comes in type pair `pair`: stage 2, which reads f32 partials and
     /// writes the weights' gradients, only in pairs of one type; the held residual forward
     /// only over f16 and bf16 rows with weights and stream of their type, the widened warp
-    /// forward only over f16 and bf16 x (with weights of its type or f32), the row block
+    /// forward only over f16 and bf16 x (with weights of its type or f32), the held block
+    /// kernel in half packs over f16 and bf16 x, dy and weights of one type, the row block
     /// only with weights of x's type; with a residual stream in f32, only the kernels that
     /// read or write it: the residual forward and stage 1.
     pub const fn has_pair(self, pair: TypePair) -> bool {
@@ -548,6 +573,10 @@ impl Variant {
         }
         if matches!(self, Variant::FwdWidenedWarp) {
             return DTYPE_BYTES[pair.x] == 2 && !pair.wide_stream();
+        }
+        if self.halves() {
+            // Half packs of 16-bit rows: 8 bytes of x, dy and the weights alike.
+            return DTYPE_BYTES[pair.x] == 2 && pair.weights == pair.x && pair.stream == pair.x;
         }
         if matches!(self, Variant::FwdResidualHeld) {
             // Where it was measured faster (H200, docs/PERF.md v40: f32 rows, a stream in
@@ -575,8 +604,48 @@ impl Variant {
     pub const fn own_pairs_only(self) -> bool {
         matches!(
             self,
-            Variant::FwdResidualHeld | Variant::FwdWidenedWarp | Variant::FwdRowBlock
+            Variant::FwdResidualHeld
+                | Variant::FwdWidenedWarp
+                | Variant::FwdRowBlock
+                | Variant::BwdHeldBlockHalves
+                | Variant::BwdCluster2HeldHalves
+                | Variant::BwdCluster4HeldHalves
+                | Variant::BwdCluster8HeldHalves
         )
+    }
+
+    /// Whether the kernel holds rows in half packs (16-bit rows 8-byte aligned).
+    pub const fn halves(self) -> bool {
+        matches!(
+            self,
+            Variant::BwdHeldBlockHalves
+                | Variant::BwdCluster2HeldHalves
+                | Variant::BwdCluster4HeldHalves
+                | Variant::BwdCluster8HeldHalves
+        )
+    }
+
+    /// Whether the kernel is a held cluster kernel (in packs or half packs).
+    pub const fn held_cluster(self) -> bool {
+        matches!(
+            self,
+            Variant::BwdCluster2Held
+                | Variant::BwdCluster4Held
+                | Variant::BwdCluster8Held
+                | Variant::BwdCluster2HeldHalves
+                | Variant::BwdCluster4HeldHalves
+                | Variant::BwdCluster8HeldHalves
+        )
+    }
+
+    /// The held cluster kernel over `size` blocks in half packs (as [`Variant::cluster_held`]).
+    pub const fn cluster_held_halves(size: u32) -> Option<Variant> {
+        match size {
+            2 => Some(Variant::BwdCluster2HeldHalves),
+            4 => Some(Variant::BwdCluster4HeldHalves),
+            8 => Some(Variant::BwdCluster8HeldHalves),
+            _ => None,
+        }
     }
 
     /// The held cluster kernel over `size` blocks (one of `HELD_CLUSTER_SIZES` (layout/mod.rs)).

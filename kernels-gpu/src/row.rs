@@ -63,6 +63,34 @@ impl<const K: usize> Held<K> {
         Held { words }
     }
 
+    /// As [`Held::load`], for a row of 16-bit values 8-byte aligned but not 16, in half
+    /// packs (four columns, 8 bytes): slot c keeps half packs rank + 2c * size and
+    /// rank + (2c + 1) * size, one in each half of its words, among the row's first
+    /// `halves`. A rank's k-th half pack is then rank + k * size, in columns of four as a
+    /// packed row's are over its whole packs, so the layouts by rank hold for both.
+    ///
+    /// # Safety
+    /// `row` is 8-byte aligned and holds `halves` whole half packs of a 16-bit type.
+    #[inline(always)]
+    pub unsafe fn load_halves<T: Element, S: Team>(row: *const T, halves: u32) -> Self {
+        let mut words = [[0u32; 4]; K];
+        for (c, w) in words.iter_mut().enumerate() {
+            // The halves written out: their words' indices constants, so they stay registers.
+            let mut half = |h: usize| {
+                let q = S::rank() + (2 * c + h) as u32 * S::size();
+                if q < halves {
+                    // SAFETY: q < halves, each 8 bytes at an 8-byte boundary (the caller's
+                    // guarantee).
+                    let [a, b] = unsafe { device::load_8(row.add(4 * q as usize) as *const u32) };
+                    (w[2 * h], w[2 * h + 1]) = (a, b);
+                }
+            };
+            half(0);
+            half(1);
+        }
+        Held { words }
+    }
+
     /// The values of slot `c`, widened anew at each call (see [`device::opaque`]).
     #[inline(always)]
     pub fn pack<T: Element>(&self, c: usize) -> Pack {

@@ -1,11 +1,12 @@
-//! Stage 1 for launches whose rows are all whole aligned packs held in registers: partials
-//! kept per rank in shared memory, no barrier between rows, two rows in flight per team.
+//! Stage 1 for launches whose rows are all whole aligned packs held in registers (or, for
+//! 16-bit rows 8-byte aligned, half packs): partials kept per rank in shared memory, no
+//! barrier between rows, two rows in flight per team.
 
 use super::partials::Destination;
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device::{self, fma};
 use crate::element::{Element, MAX_PACK, Pack, read, write};
-use crate::row::{BWD_HELD, Held, PACKS, for_each_chunk, prefetch};
+use crate::row::{BWD_HELD, Held, PACKS, each_slot, for_each_chunk, prefetch};
 use crate::team::Team;
 
 /// One rank's partial dgamma and dbeta over the rows its team handled, for the columns of
@@ -50,16 +51,17 @@ impl RankPartials {
     }
 
     /// Sets to zero the chunks of the held slots of rank `rank` (of `size`) that rows of
-    /// `packs` packs fill (slot c holds pack rank + c * size): those its block hands over.
-    /// A launch of few rows holds a pack a rank, one slot of `BWD_HELD`, and the stores of
-    /// the others would lengthen every rank's one row.
+    /// `units` packs fill (slot c holds pack rank + c * size), or with `HALVES` `units` half
+    /// packs (chunk q is half pack rank + q * size): those its block hands over. A launch
+    /// of few rows holds a pack a rank, one slot of `BWD_HELD`, and the stores of the
+    /// others would lengthen every rank's one row.
     ///
     /// # Safety
     /// The launch gave the team's area (see [`stage1_held`]).
     #[inline(always)]
-    pub(crate) unsafe fn zero<T: Element>(self, rank: u32, size: u32, packs: u32) {
+    pub(crate) unsafe fn zero<T: Element, const HALVES: bool>(self, rank: u32, size: u32, units: u32) {
         for q in 0..Self::chunks::<T>() {
-            if rank + q / (T::PACK as u32 / 4) * size < packs {
+            if rank + held_unit::<T, HALVES>(q) * size < units {
                 // SAFETY: chunk q of this rank lies inside the team's area.
                 unsafe {
                     device::store_shared_16(self.dgamma + q * self.stride, [0; 4]);
@@ -69,13 +71,15 @@ impl RankPartials {
         }
     }
 
-    /// dgamma += xhat * dy and dbeta += dy for the columns of held slot `c`.
+    /// dgamma += xhat * dy and dbeta += dy for the columns of held slot `c`'s values
+    /// `first..first + len` (the whole slot, or one half pack of it).
     ///
     /// # Safety
-    /// As for [`RankPartials::zero`]; `c < BWD_HELD`.
+    /// As for [`RankPartials::zero`]; `c < BWD_HELD`, `first` and `len` multiples of 4 inside
+    /// the slot.
     #[inline(always)]
-    pub(crate) unsafe fn add<T: Element>(self, c: usize, xhat: &Pack, dy: &Pack) {
-        for h in 0..T::PACK / 4 {
+    pub(crate) unsafe fn add<T: Element>(self, c: usize, first: usize, len: usize, xhat: &Pack, dy: &Pack) {
+        for h in first / 4..(first + len) / 4 {
             let at = (c * T::PACK / 4 + h) as u32 * self.stride;
             // SAFETY: chunk c * PACK / 4 + h < chunks, inside this rank's area.
             let (g, b) = unsafe {
@@ -111,6 +115,49 @@ impl RankPartials {
     }
 }
 
+/// Which of a rank's units (packs, or with `HALVES` half packs: rank + k * size is its
+/// k-th) chunk q of [`RankPartials`] covers columns of.
+#[inline(always)]
+const fn held_unit<T: Element, const HALVES: bool>(q: u32) -> u32 {
+    if HALVES { q } else { q / (T::PACK as u32 / 4) }
+}
+
+/// Columns in one unit of a held row: a pack's, or four (a 16-bit half pack's).
+#[inline(always)]
+const fn unit_len<T: Element, const HALVES: bool>() -> u32 {
+    if HALVES { 4 } else { T::PACK as u32 }
+}
+
+/// Calls `f(j, c, first, len)` for each unit of a held row this rank holds: its first
+/// column j, its slot c, and its values `first..first + len` in the slot. Packs: one a
+/// slot, the slot's all (rows of whole packs have no element-wise tail, so every chunk
+/// `for_each_chunk` yields is a held slot). `HALVES`: two a slot, half pack rank +
+/// (2c + h) * size in values 4h..4h + 4. c, first and len are constants in each copy
+/// (the halves written out, as [`each_slot`] writes out the slots: a loop over them left
+/// the first value's index to run time, and the kept terms in local memory), so the kept
+/// terms stay registers.
+#[inline(always)]
+fn for_each_held_unit<X: Element, S: Team, const HALVES: bool>(
+    cols: u32,
+    mut f: impl FnMut(u32, usize, usize, usize),
+) {
+    if HALVES {
+        let halves = cols / 4;
+        each_slot::<BWD_HELD>(|c| {
+            let mut half = |h: usize| {
+                let q = S::rank() + (2 * c + h) as u32 * S::size();
+                if q < halves {
+                    f(4 * q, c, 4 * h, 4)
+                }
+            };
+            half(0);
+            half(1);
+        });
+    } else {
+        for_each_chunk::<X, S, PACKS, BWD_HELD>(cols, |j, _, slot| f(j, slot.unwrap_or(0), 0, X::PACK));
+    }
+}
+
 /// A row's x and dy, `BWD_HELD` packs of each per rank, in registers, and its mean and
 /// rstd.
 pub(crate) struct HeldRow {
@@ -130,15 +177,21 @@ pub(crate) struct HeldRow {
 ///
 /// # Safety
 /// Every row pointer 16-byte aligned, `r.n` and `r.cols` whole numbers of packs, `r.cols`
-/// packs that [`fits`].
+/// packs that [`fits`]; with `HALVES`, x and dy of one 16-bit type, every row pointer
+/// 8-byte aligned, `r.n` and `r.cols` multiples of 4, and `r.cols / 4` half packs that
+/// fit `2 * BWD_HELD` a rank.
 #[inline(always)]
-pub(crate) unsafe fn load_held_row<X: Element, T: Element, W, S: Team>(
+pub(crate) unsafe fn load_held_row<X: Element, T: Element, W, S: Team, const HALVES: bool>(
     r: &Rows<X, T, W>,
     row: u32,
 ) -> HeldRow {
     let offset = row as usize * r.n as usize;
     let inside = row < r.rows;
-    let packs = if inside { r.cols / X::PACK as u32 } else { 0 };
+    let units = if inside {
+        r.cols / unit_len::<X, HALVES>()
+    } else {
+        0
+    };
     // SAFETY: with row < rows the row lies inside x and dy, aligned whole packs that fit
     // (the caller's guarantee), and inside mean and rstd; past the last row nothing is read.
     unsafe {
@@ -147,9 +200,18 @@ pub(crate) unsafe fn load_held_row<X: Element, T: Element, W, S: Team>(
         {
             prefetch::<X, S>(dsum, r.cols);
         }
+        let (x, dy) = (r.x.wrapping_add(offset), r.dy.wrapping_add(offset));
         HeldRow {
-            xs: Held::load::<X, S>(r.x.wrapping_add(offset), packs),
-            dys: Held::load_as::<X, T, S>(r.dy.wrapping_add(offset), packs),
+            xs: if HALVES {
+                Held::load_halves::<X, S>(x, units)
+            } else {
+                Held::load::<X, S>(x, units)
+            },
+            dys: if HALVES {
+                Held::load_halves::<T, S>(dy, units)
+            } else {
+                Held::load_as::<X, T, S>(dy, units)
+            },
             mean: if inside && r.centered {
                 *r.mean.add(row as usize)
             } else {
@@ -176,15 +238,23 @@ pub(crate) unsafe fn load_held_row<X: Element, T: Element, W, S: Team>(
 /// them. Between the passes, before the row's reduction, the loads of the team's next row
 /// go out (`next`): they arrive while this row is reduced and written, so each block keeps
 /// two rows in flight and DRAM does not idle while the block works on registers. Returns
-/// the next row's registers.
+/// the next row's registers. `HALVES`: the rows in half packs ([`Held::load_halves`]), each
+/// read, weighted and written 8 bytes at a time.
 ///
 /// # Safety
 /// `row` < `r.rows`; every row pointer (dsum's too, where given) and gamma 16-byte aligned,
 /// `r.n` and `r.cols` whole numbers of packs, `r.cols` packs that [`fits`] `BWD_HELD` per
-/// rank; the [`HeldRow`] is
-/// row `row`'s; `acc` as [`RankPartials::zero`] requires.
+/// rank, or with `HALVES` as [`load_held_row`] requires and gamma 8-byte aligned; the
+/// [`HeldRow`] is row `row`'s; `acc` as [`RankPartials::zero`] requires.
 #[inline(always)]
-pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Team, const TIGHT: bool>(
+pub(crate) unsafe fn backward_row_held<
+    X: Element,
+    T: Element,
+    W: Element,
+    S: Team,
+    const TIGHT: bool,
+    const HALVES: bool,
+>(
     r: &Rows<X, T, W>,
     row: u32,
     HeldRow { xs, dys, mean, rstd }: HeldRow,
@@ -197,61 +267,66 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
     let centering = Centering::new(mean, rstd);
     // f32 rows hold 16 values a rank: their kept terms take the registers x and dy took.
     let keep_wdy = !TIGHT || X::PACK * BWD_HELD <= 16;
-    // wdy_j of a held slot, from dy's held words and the weights.
-    let wdy = |j: u32, c: usize| -> Pack {
+    // wdy_j of a held unit (slot c's values first..first + len, from column j), from dy's
+    // held words and the weights, at the unit's places in the slot.
+    let wdy = |j: u32, c: usize, first: usize, len: usize| -> Pack {
         let dyv = dys.pack::<T>(c);
-        // SAFETY: j is a pack of the row, aligned (the caller's guarantee).
-        let g = unsafe { r.gamma(j, X::PACK) };
-        core::array::from_fn(|k| g[k] * dyv[k])
+        // SAFETY: j is a unit of the row, aligned to its bytes (the caller's guarantee).
+        let g = unsafe { r.gamma(j, len) };
+        core::array::from_fn(|k| {
+            if (first..first + len).contains(&k) {
+                g[k - first] * dyv[k]
+            } else {
+                0.0
+            }
+        })
     };
 
-    // Pass 1. Rows of whole packs have no element-wise tail, so every chunk for_each_chunk
-    // yields is a held slot (c a constant in each copy: the kept terms stay registers).
+    // Pass 1.
     let (mut xhats, mut wdys) = ([[0.0f32; MAX_PACK]; BWD_HELD], [[0.0f32; MAX_PACK]; BWD_HELD]);
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
-    for_each_chunk::<X, S, PACKS, BWD_HELD>(r.cols, |j, _, slot| {
-        let c = slot.unwrap_or(0);
+    for_each_held_unit::<X, S, HALVES>(r.cols, |j, c, first, len| {
         let (xv, dyv) = (xs.pack::<X>(c), dys.pack::<T>(c));
-        // SAFETY: j is a pack of the row, aligned (the caller's guarantee).
-        let g = unsafe { r.gamma(j, X::PACK) };
-        for k in 0..X::PACK {
-            let (xhat, wdy) = (centering.xhat(xv[k]), g[k] * dyv[k]);
+        // SAFETY: j is a unit of the row, aligned to its bytes (the caller's guarantee).
+        let g = unsafe { r.gamma(j, len) };
+        for (k, &g) in g[..len].iter().enumerate() {
+            let i = first + k;
+            let (xhat, wdy) = (centering.xhat(xv[i]), g * dyv[i]);
             (s1, s2) = add_row_sums(s1, s2, xhat, wdy);
-            xhats[c][k] = xhat;
+            xhats[c][i] = xhat;
             if keep_wdy {
-                wdys[c][k] = wdy;
+                wdys[c][i] = wdy;
             }
         }
         // SAFETY: c < BWD_HELD; the rank's partials are its own.
-        unsafe { acc.add::<X>(c, &xhats[c], &dyv) };
+        unsafe { acc.add::<X>(c, first, len, &xhats[c], &dyv) };
     });
     // SAFETY: as this function requires of every row.
-    let upcoming = unsafe { load_held_row::<X, T, W, S>(r, next) };
+    let upcoming = unsafe { load_held_row::<X, T, W, S, HALVES>(r, next) };
     let (s1, s2) = S::sum2(s1, s2);
     let coefficients = DxCoefficients::new(s1, r.s2(s2), r.n);
 
     // Pass 2.
     let (dsum, dres) = (r.dsum_row(offset), r.dres_row(offset));
-    for_each_chunk::<X, S, PACKS, BWD_HELD>(r.cols, |j, _, slot| {
-        let c = slot.unwrap_or(0);
-        let wdyv = if keep_wdy { wdys[c] } else { wdy(j, c) };
+    for_each_held_unit::<X, S, HALVES>(r.cols, |j, c, first, len| {
+        let wdyv = if keep_wdy { wdys[c] } else { wdy(j, c, first, len) };
         let mut out = [0.0; MAX_PACK];
-        for k in 0..X::PACK {
-            out[k] = centering.dx(wdyv[k], xhats[c][k], coefficients);
+        for k in 0..len {
+            out[k] = centering.dx(wdyv[first + k], xhats[c][first + k], coefficients);
         }
         if let Some(dsum) = dsum {
             // From L2, where `load_held_row` prefetched it.
-            // SAFETY: dsum's rows are aligned whole packs as dx's are (the caller's guarantee).
-            let ds = unsafe { read(dsum, j, X::PACK) };
-            for k in 0..X::PACK {
+            // SAFETY: dsum's rows are aligned whole units as dx's are (the caller's guarantee).
+            let ds = unsafe { read(dsum, j, len) };
+            for k in 0..len {
                 out[k] += ds[k];
             }
         }
         // SAFETY: as above.
         unsafe {
-            write(dx, j, X::PACK, &out);
+            write(dx, j, len, &out);
             if let Some(dres) = dres {
-                write(dres, j, X::PACK, &out);
+                write(dres, j, len, &out);
             }
         }
     });
@@ -262,7 +337,7 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
 /// host checks): team u handles rows u, u + U, ... and each rank adds its columns' partials
 /// into its own [`RankPartials`]; at the end the block sums its teams' (in team order) and
 /// hands them over to `out` for its `r.cols` columns. No barrier between rows: a rank's
-/// partials are its own. `TIGHT` as [`backward_row_held`] takes it.
+/// partials are its own. `TIGHT` and `HALVES` as [`backward_row_held`] takes them.
 ///
 /// # Safety
 /// As [`backward_row_held`] requires of every row; `out` as [`Destination::hand_over`]
@@ -270,7 +345,14 @@ pub(crate) unsafe fn backward_row_held<X: Element, T: Element, W: Element, S: Te
 /// 8 * BWD_HELD * PACK * size` bytes of shared memory (`size` ranks per team), the first
 /// `scratch` for the team's reductions.
 #[inline(always)]
-pub(crate) unsafe fn stage1_held<X: Element, T: Element, W: Element, S: Team, const TIGHT: bool>(
+pub(crate) unsafe fn stage1_held<
+    X: Element,
+    T: Element,
+    W: Element,
+    S: Team,
+    const TIGHT: bool,
+    const HALVES: bool,
+>(
     r: Rows<X, T, W>,
     out: Destination,
     scratch: u32,
@@ -278,16 +360,17 @@ pub(crate) unsafe fn stage1_held<X: Element, T: Element, W: Element, S: Team, co
     let team_bytes = RankPartials::team_bytes::<X>(S::size());
     let team = |t: u32, rank: u32| RankPartials::of::<X>(scratch + t * team_bytes, S::size(), rank);
     let mine = team(S::index_in_block(), S::rank());
+    let units = r.cols / unit_len::<X, HALVES>();
     // SAFETY: the launch sized shared memory for every team of the block.
-    unsafe { mine.zero::<X>(S::rank(), S::size(), r.cols / X::PACK as u32) };
+    unsafe { mine.zero::<X, HALVES>(S::rank(), S::size(), units) };
     let mut row = S::id();
     // SAFETY: the launch's rows are held packs (the caller's guarantee); past the last row
     // nothing is loaded.
-    let mut held = unsafe { load_held_row::<X, T, W, S>(&r, row) };
+    let mut held = unsafe { load_held_row::<X, T, W, S, HALVES>(&r, row) };
     while row < r.rows {
         let next = row + S::count();
         // SAFETY: as above, and row < rows.
-        held = unsafe { backward_row_held::<X, T, W, S, TIGHT>(&r, row, held, next, mine) };
+        held = unsafe { backward_row_held::<X, T, W, S, TIGHT, HALVES>(&r, row, held, next, mine) };
         row = next;
     }
     // Each stacked team passes its own barrier before the block's. The block barrier alone
@@ -300,10 +383,10 @@ pub(crate) unsafe fn stage1_held<X: Element, T: Element, W: Element, S: Team, co
     }
     device::sync_block();
     // Chunk q of rank k (in every team): the teams' sums in team order, into the columns of
-    // the pack it covers, where rank k's slot holds a pack of the rows (p < packs). The
-    // chunks go in slot order, so the first past the rows' packs ends the walk: a launch of
-    // few rows fills one slot of `BWD_HELD`.
-    let (packs, per_pack) = (r.cols / X::PACK as u32, X::PACK as u32 / 4);
+    // the unit it covers, where rank k holds a unit of the rows (p < units). The chunks go
+    // in slot order, so the first past the rows' units ends the walk: a launch of few rows
+    // fills one slot of `BWD_HELD`.
+    let per_unit = unit_len::<X, HALVES>() / 4;
     let size = S::size();
     // Every thread of the block takes chunks, whichever team it belongs to (block teams
     // stack along y).
@@ -315,12 +398,12 @@ pub(crate) unsafe fn stage1_held<X: Element, T: Element, W: Element, S: Team, co
             let mut i = first;
             while i < RankPartials::chunks::<X>() * size {
                 let (rank, q) = (i % size, i / size);
-                let slot_start = q / per_pack * size;
-                if slot_start >= packs {
+                let slot_start = held_unit::<X, HALVES>(q) * size;
+                if slot_start >= units {
                     break;
                 }
                 let p = rank + slot_start;
-                if p < packs {
+                if p < units {
                     let (mut g, mut b) = ([0.0f32; MAX_PACK], [0.0f32; MAX_PACK]);
                     for t in 0..S::per_block() {
                         // q < chunks, inside team t's area, written before the barrier.
@@ -330,9 +413,10 @@ pub(crate) unsafe fn stage1_held<X: Element, T: Element, W: Element, S: Team, co
                             b[k] += f32::from_bits(tb[k]);
                         }
                     }
-                    // Columns inside the block's `cols` (p < packs); n and the slice start
-                    // are whole numbers of packs, so the column is 16-byte aligned.
-                    dst.merge(p * X::PACK as u32 + 4 * (q % per_pack), 4, &g, &b);
+                    // Columns inside the block's `cols` (p < units); n and the slice start
+                    // are whole numbers of units, so the column is 16-byte aligned in the
+                    // f32 partial rows.
+                    dst.merge(p * unit_len::<X, HALVES>() + 4 * (q % per_unit), 4, &g, &b);
                 }
                 i += threads;
             }

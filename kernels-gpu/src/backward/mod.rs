@@ -45,8 +45,10 @@
 //!     block, an mbarrier a row; the sums alternate between two buffers). Where every row
 //!     is whole aligned packs, `cluster<C>_held` (`stage1_cluster_held` in crate::cluster::backward): C = 2, 4 or 8, the fewest blocks whose
 //!     slices fit 4 packs a rank (fewer blocks wait for each row's sums), each slice as in
-//!     [`stage1_held`]; else `cluster8` (`stage1_cluster`): each slice as in the general
-//!     owned kernel, its partials in shared memory.
+//!     [`stage1_held`]; rows of 16-bit x, dy and weights of one type all 8-byte aligned,
+//!     `cluster<C>_held_halves`, the same in half packs; else `cluster8`
+//!     (`stage1_cluster`): each slice as in the general owned kernel, its partials in
+//!     shared memory.
 //!   - `layer_norm_bwd_held_{warp,block}_<T>` ([`stage1_held`]): every row whole aligned
 //!     packs that fit 4 a rank, with room in shared memory for each rank's partials. x and
 //!     dy held in registers; the row sums' pass keeps xhat and wdy in f32 and adds the
@@ -54,6 +56,10 @@
 //!     rows), so the dx pass is three operations an element; each row's x, dy, mean and
 //!     rstd loaded during the previous row's reduction (two rows in flight per team). Block
 //!     teams stack along y, and all teams of a block add into one partial row.
+//!     `layer_norm_bwd_held_block_halves_<T>` (f16, bf16): the same over rows of x, dy
+//!     and weights of one type all 8-byte aligned, held in half packs (slot c keeps half
+//!     packs rank + 2c * size and rank + (2c + 1) * size), read and written 8 bytes at a
+//!     time.
 //!   - `layer_norm_bwd_owned_{warp,block}_<T>` ([`stage1_owned`]): all other rows. Each
 //!     team sums its rows' partials in its own shared-memory row (padded by a word per 32:
 //!     no bank conflicts), and the block hands their sum, in team order, over; block-team
@@ -363,8 +369,22 @@ macro_rules! backward_kernels {
             backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_warp, Warp, true);
             // sm_90's block kernel holds no row, at 64 registers (`Variant::max_registers`).
             backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_block, Block, { !cfg!(layernorm_sm90) });
-            backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_warp, Warp);
-            backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_block, StackedBlock);
+            backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_warp, Warp, false);
+            backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_block, StackedBlock, false);
+        }
+    };
+    // The held block kernel over rows in half packs: 16-bit x, dy and weights of one type.
+    (@halves $module:ident, $types:literal, $t:ty) => {
+        mod $module {
+            use super::*;
+            mod layer {
+                use super::*;
+                backward_kernels!(@held "layer_norm", true, $types, $t, $t, $t, held_block_halves, StackedBlock, true);
+            }
+            mod rms {
+                use super::*;
+                backward_kernels!(@held "rms_norm", false, $types, $t, $t, $t, held_block_halves, StackedBlock, true);
+            }
         }
     };
     (@owned $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty, $hold:expr) => {
@@ -383,7 +403,8 @@ macro_rules! backward_kernels {
             unsafe { stage1_owned::<$x, $t, $w, $team, $hold>(r, out, local != 0) }
         }
     };
-    (@held $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty) => {
+    (@held $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty,
+     $halves:literal) => {
         /// Stage 1, rows all whole aligned packs held in registers: the block's teams
         /// (warps, or block teams stacked along y) all add into its shared memory, and block
         /// b hands the sums over to `out` (its partial row, or its group under the lock).
@@ -396,7 +417,7 @@ macro_rules! backward_kernels {
             let out = Destination::of(out, p.n, 0, device::block_idx(), 1, 0);
             let r = Rows::of(p, $centered);
             // SAFETY: the host launches this kernel only as `stage1_held` requires.
-            unsafe { stage1_held::<$x, $t, $w, $team, false>(r, out, SCRATCH_BYTES) }
+            unsafe { stage1_held::<$x, $t, $w, $team, false, $halves>(r, out, SCRATCH_BYTES) }
         }
     };
 }
@@ -468,6 +489,8 @@ backward_kernels!(
 );
 backward_kernels!(f16_f32w_f32s, "f16_f32w_f32s", crate::element::F16, f32, f32);
 backward_kernels!(bf16_f32w_f32s, "bf16_f32w_f32s", crate::element::Bf16, f32, f32);
+backward_kernels!(@halves f16_halves, "f16", crate::element::F16);
+backward_kernels!(@halves bf16_halves, "bf16", crate::element::Bf16);
 reduce_kernel!(f32, layer_norm_bwd_reduce_f32);
 reduce_kernel!(crate::element::F16, layer_norm_bwd_reduce_f16);
 reduce_kernel!(crate::element::Bf16, layer_norm_bwd_reduce_bf16);

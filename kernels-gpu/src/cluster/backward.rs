@@ -44,15 +44,18 @@ unsafe fn stage1_cluster<X: Element, T: Element, W: Element, const C: u32>(r: Ro
 /// packs: as [`stage1_cluster`] (block q takes the q-th slice of each row, the row sums come
 /// from all C slices), with each slice held in registers, two rows in flight and the
 /// partials kept by rank, as [`stage1_held`]. dx includes dsum where the launch has one
-/// and the kernel takes it ([`Rows::for_kernel`]).
+/// and the kernel takes it ([`Rows::for_kernel`]). `HALVES`: rows of 16-bit values 8-byte
+/// aligned, held in half packs ([`stage1_held`]); the slices keep their whole packs' widths,
+/// so each starts 8-byte aligned too.
 ///
 /// # Safety
 /// `r`'s buffers sized as documented (`r.cols` = `r.n`), every row 16-byte aligned and `n`
-/// a whole number of packs; a slice's packs [`fits`] `BWD_HELD` per rank; `out` as
+/// a whole number of packs (with `HALVES`, as [`stage1_held`] requires of half packs); a
+/// slice's packs [`fits`] `BWD_HELD` per rank; `out` as
 /// [`Destination`] says, with units of C slices; the launch gave each block `CLUSTER_SCRATCH_BYTES + 8 * BWD_HELD *
 /// PACK * blockDim` bytes of shared memory, in clusters of `C` blocks.
 #[inline(always)]
-unsafe fn stage1_cluster_held<X: Element, T: Element, W: Element, const C: u32>(
+unsafe fn stage1_cluster_held<X: Element, T: Element, W: Element, const C: u32, const HALVES: bool>(
     r: Rows<X, T, W>,
     out: Partials,
 ) {
@@ -61,20 +64,25 @@ unsafe fn stage1_cluster_held<X: Element, T: Element, W: Element, const C: u32>(
     // The slice's first column. A cluster's last slices may be empty (start == n); their
     // pointers are then never read.
     let slice = r
-        .for_kernel(held_variant::<C>())
+        .for_kernel(held_variant::<C, HALVES>())
         .slice(start, width.min(r.n - start));
     let (rank, id) = (Cluster::<C>::block_rank(), Cluster::<C>::id());
     let out = Destination::of(out, r.n, start, id, C, rank);
     Cluster::<C>::begin();
     // SAFETY: the cluster's unit exists (cluster id < clusters), only this block hands over
     // its slice's columns of it, and the launch sized shared memory for its ranks.
-    unsafe { stage1_held::<X, T, W, Cluster<C>, true>(slice, out, CLUSTER_SCRATCH_BYTES) };
+    unsafe { stage1_held::<X, T, W, Cluster<C>, true, HALVES>(slice, out, CLUSTER_SCRATCH_BYTES) };
     Cluster::<C>::end();
 }
 
-/// The registry's held cluster kernel over `C` blocks.
-const fn held_variant<const C: u32>() -> Variant {
-    match Variant::cluster_held(C) {
+/// The registry's held cluster kernel over `C` blocks (in half packs where `HALVES`).
+const fn held_variant<const C: u32, const HALVES: bool>() -> Variant {
+    let variant = if HALVES {
+        Variant::cluster_held_halves(C)
+    } else {
+        Variant::cluster_held(C)
+    };
+    match variant {
         Some(v) => v,
         None => panic!("a held cluster kernel over C blocks exists"),
     }
@@ -102,18 +110,38 @@ macro_rules! cluster_kernels {
     (@norm $norm:ident, $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty) => {
         mod $norm {
             use super::*;
-            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster2_held, stage1_cluster_held, 2,
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster2_held, stage1_cluster_held, [2, false],
                 "Stage 1 over a cluster of 2 blocks, slices held (rows of aligned packs).");
-            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster4_held, stage1_cluster_held, 4,
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster4_held, stage1_cluster_held, [4, false],
                 "Stage 1 over a cluster of 4 blocks, slices held (rows of aligned packs).");
-            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster8_held, stage1_cluster_held, 8,
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster8_held, stage1_cluster_held, [8, false],
                 "Stage 1 over a cluster of 8 blocks, slices held (rows of aligned packs).");
-            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster8, stage1_cluster, CLUSTER_SIZE,
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $w, $x, cluster8, stage1_cluster, [{ CLUSTER_SIZE }],
                 "Stage 1 over a cluster of 8 blocks.");
         }
     };
+    // The held cluster kernels over 16-bit rows 8-byte aligned, in half packs: x, dy and
+    // weights of one type.
+    (@halves $module:ident, $types:literal, $t:ty) => {
+        mod $module {
+            use super::*;
+            cluster_kernels!(@halves_norm layer, "layer_norm", true, $types, $t);
+            cluster_kernels!(@halves_norm rms, "rms_norm", false, $types, $t);
+        }
+    };
+    (@halves_norm $norm:ident, $prefix:literal, $centered:literal, $types:literal, $t:ty) => {
+        mod $norm {
+            use super::*;
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $t, $t, cluster2_held_halves, stage1_cluster_held,
+                [2, true], "Stage 1 over a cluster of 2 blocks, slices held in half packs.");
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $t, $t, cluster4_held_halves, stage1_cluster_held,
+                [4, true], "Stage 1 over a cluster of 4 blocks, slices held in half packs.");
+            cluster_kernels!(@one $prefix, $centered, $types, $t, $t, $t, cluster8_held_halves, stage1_cluster_held,
+                [8, true], "Stage 1 over a cluster of 8 blocks, slices held in half packs.");
+        }
+    };
     (@one $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $stage:ident,
-     $c:expr, $doc:literal) => {
+     [$($generics:tt)*], $doc:literal) => {
         #[doc = $doc]
         /// Each cluster is one unit of the partial buffers (a row, or a share of a group).
         ///
@@ -124,7 +152,7 @@ macro_rules! cluster_kernels {
         pub unsafe extern "ptx-kernel" fn $kind(p: BackwardRows<$t, $w, $x>, out: Partials) {
             crate::device::allow_dependent_launch();
             // SAFETY: the host launches this kernel only as `$stage` requires.
-            unsafe { $stage::<$x, $t, $w, { $c }>(Rows::of(p, $centered), out) }
+            unsafe { $stage::<$x, $t, $w, $($generics)*>(Rows::of(p, $centered), out) }
         }
     };
 }
@@ -138,3 +166,5 @@ cluster_kernels!(f16_f32s, "f16_f32s", F16, F16, f32);
 cluster_kernels!(bf16_f32s, "bf16_f32s", Bf16, Bf16, f32);
 cluster_kernels!(f16_f32w_f32s, "f16_f32w_f32s", F16, f32, f32);
 cluster_kernels!(bf16_f32w_f32s, "bf16_f32w_f32s", Bf16, f32, f32);
+cluster_kernels!(@halves f16_halves, "f16", F16);
+cluster_kernels!(@halves bf16_halves, "bf16", Bf16);
