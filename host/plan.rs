@@ -883,9 +883,8 @@ impl<T: Element> Planner<T> {
         }
         // 16-bit rows 8-byte aligned are held in half packs, as the held block kernel holds
         // them ([`Self::held`]).
-        let halves = !self.aligned && self.half_packs;
         let held = HELD_CLUSTER_SIZES.iter().find_map(|&size| {
-            let variant = if halves {
+            let variant = if self.half_packs {
                 Variant::cluster_held_halves(size).filter(|v| v.has_pair(self.pair))
             } else {
                 Variant::cluster_held(size)
@@ -894,7 +893,7 @@ impl<T: Element> Planner<T> {
             let slice = crate::layout::slice_width(n, pack_len::<T>(), size);
             let threads = self.block_threads(variant, slice, 4);
             let smem = crate::layout::cluster_held_smem(pack_len::<T>(), threads);
-            ((self.aligned || halves) && self.fits(slice, threads, BWD_HELD) && self.smem_fits(smem))
+            ((self.aligned || self.half_packs) && self.fits(slice, threads, BWD_HELD) && self.smem_fits(smem))
                 .then_some(Plan {
                     variant,
                     threads,

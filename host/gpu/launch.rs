@@ -433,15 +433,17 @@ pub(crate) fn backward_held<T: Element, W: Weight<T>, R: Element>(
     } else {
         Team::Block
     };
-    let rows_held = if variant == Variant::BwdHeldBlockHalves {
-        a.half_packed
-            && Variant::BwdHeldBlockHalves.has_pair(TYPE_PAIRS[pair_of::<T, W, R>()])
-            && a.n.is_multiple_of(4)
-            && a.n / 4 <= 2 * BWD_HELD * launch.threads
+    // Half packs: as many a rank as 8-byte halves of the packs that fit (a 16-bit row fits
+    // in half packs where it fits in packs).
+    let rows = if variant.halves() {
+        a.half_packed && variant.has_pair(TYPE_PAIRS[pair_of::<T, W, R>()]) && a.n.is_multiple_of(4)
     } else {
-        a.packed && fits_held::<R>(team, launch.threads, a.n, BWD_HELD)
+        a.packed
     };
-    require(rows_held, "held rows");
+    require(
+        rows && fits_held::<R>(team, launch.threads, a.n, BWD_HELD),
+        "held rows",
+    );
     sums.check(launch.blocks, 1, a.n, false);
     require(
         launch.smem as usize >= held_smem::<R>(launch.threads * launch.stacked),
