@@ -1065,6 +1065,11 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
             let packed = packed_rows::<T, R>(n, &xs, &rows_of_r, &weights);
             let half_packed =
                 !packed && half_packed_rows::<T, W, R>(n, xs.iter().chain(&rows_of_r).chain(&weights));
+            let shifted = !packed
+                && !half_packed
+                && dsum.is_none()
+                && dres.is_none()
+                && shifted_rows::<T, R>(rows_of_r[0], &xs);
             let a = Backward {
                 x,
                 dy,
@@ -1079,6 +1084,7 @@ pub(crate) fn backward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
                 n: n as u32,
                 packed,
                 half_packed,
+                shifted,
                 norm,
             };
             let reduction = match mode {
@@ -1262,6 +1268,14 @@ fn half_packed_rows<'a, T: Element, W: Element, R: Element>(
         && size_of::<W>() == 2
         && n.is_multiple_of(4)
         && addresses.into_iter().all(|a| a.is_multiple_of(8))
+}
+
+/// Whether the backward may hold every row from x's first 16-byte boundary on: x, dy and dx
+/// of one type (`T` = `R`, no wider stream), and each of `others` (dy's and dx's addresses)
+/// as many bytes past a 16-byte boundary as `x`'s, so that each row of them is too (rows
+/// of one length apart). The weights may sit anywhere: the kernel stages them.
+fn shifted_rows<T: Element, R: Element>(x: u64, others: &[u64]) -> bool {
+    size_of::<T>() == size_of::<R>() && others.iter().all(|a| a.abs_diff(x).is_multiple_of(16))
 }
 
 /// A device buffer's address. Where the context tracks events, `device_ptr` records a read

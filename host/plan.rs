@@ -50,7 +50,11 @@
 //!   the thread limit and shared memory allow); the rest the owned kernel, summing in shared
 //!   memory where it fits. Block-team rows of 16-bit x, dy and weights of one type that are
 //!   all 8-byte aligned ([`Alignment::HalfPacks`]) are held in half packs, by the held
-//!   block and held cluster kernels' `_halves` copies, as aligned rows are in packs.
+//!   block and held cluster kernels' `_halves` copies, as aligned rows are in packs; other
+//!   block-team rows longer than a warp's whose x, dy and dx (of one size, weights of it
+//!   too) sit alike past 16-byte boundaries ([`Alignment::Shifted`]), without a dsum, by
+//!   the held block kernel's `_shifted` copy, in packs from x's first boundary, on a grid
+//!   whose blocks each take rows of one shift.
 //! - Backward with a residual's dsum: as above, but for 16-bit rows with 16-bit weights the
 //!   general cluster kernel only (their held cluster kernels take no dsum).
 //! - A residual stream kept in f32 beside f16/bf16 x ([`plan_f32_stream`]): the residual
@@ -119,6 +123,10 @@ pub enum Alignment {
     /// Not `Packs`, but every row (and the weights) starts 8-byte aligned and `n` is a
     /// multiple of 4: 16-bit x, dy and weights of one type then take half packs (8 bytes).
     HalfPacks,
+    /// Neither, but x, dy and dx are of one size and every row of each sits as many bytes
+    /// past a 16-byte boundary as x's (f16 rows of odd `n` do, from aligned tensors): the
+    /// backward holds them in packs from that boundary, without a residual's dsum.
+    Shifted,
     /// Anything else.
     Other,
 }
@@ -291,6 +299,7 @@ pub(crate) fn plan_rows<R: Element>(
         n,
         aligned: alignment == Alignment::Packs,
         half_packs: alignment == Alignment::HalfPacks,
+        shifted: alignment == Alignment::Shifted,
         limits,
         pair,
         ty: std::marker::PhantomData,
@@ -312,6 +321,8 @@ struct Planner<T> {
     aligned: bool,
     /// The rows are in half packs ([`Alignment::HalfPacks`]).
     half_packs: bool,
+    /// The rows are shifted alike ([`Alignment::Shifted`]).
+    shifted: bool,
     limits: DeviceLimits,
     /// The kernels' types: x's, the weights' and the rows' (`T`: x's, or f32 for a residual
     /// stream kept in f32).
@@ -816,7 +827,7 @@ impl<T: Element> Planner<T> {
         if let Some(plan) = self.cluster(dsum) {
             return Ok(plan);
         }
-        if let Some(plan) = self.held() {
+        if let Some(plan) = self.held(dsum) {
             return Ok(plan);
         }
         // Each team sums its rows' partials in its own shared memory (about 8n bytes) when
@@ -922,8 +933,10 @@ impl<T: Element> Planner<T> {
     /// stacked along y): the same teams per multiprocessor as one-team blocks, since the
     /// limit is the registers', but each block's teams add into one partial row, so there are
     /// fewer partial rows to write and for stage 2 to read (f16 N = 4096: 128 rows of 16 KB,
-    /// not 512).
-    fn held(&self) -> Option<Plan> {
+    /// not 512). Block-team rows shifted alike ([`Alignment::Shifted`]) without a `dsum`
+    /// take the held kernel's shifted copy, which holds them in packs from x's first 16-byte
+    /// boundary and stages their weights in shared memory.
+    fn held(&self, dsum: bool) -> Option<Plan> {
         // Rows of warp length with more packs than a warp holds at `BWD_HELD` a lane (f32 N =
         // 513-1024) go a block team, held, rather than a warp, streamed (the owned kernel):
         // H200, docs/PERF.md v37, 19-44% faster at f32 N = 544-1024 and with a stream in f32.
@@ -931,19 +944,32 @@ impl<T: Element> Planner<T> {
         // Block teams hold 16-bit rows 8-byte aligned in half packs: as many columns a rank
         // as whole packs, read 8 bytes at a time.
         let halves = !warp && self.half_packs && Variant::BwdHeldBlockHalves.has_pair(self.pair);
+        // Shifted rows past warp length (rows of warp length stay on the owned warp kernel,
+        // where they were measured).
+        let shifted =
+            !warp_rows(self.n) && !dsum && self.shifted && Variant::BwdHeldBlockShifted.has_pair(self.pair);
         let variant = if warp {
             Variant::BwdHeldWarp
         } else if halves {
             Variant::BwdHeldBlockHalves
+        } else if shifted {
+            Variant::BwdHeldBlockShifted
         } else {
             Variant::BwdHeldBlock
         };
         // A team's ranks, and the most teams the kernel's thread limit allows a block (one
         // where there are few rows: stacked teams would idle).
+        // A shifted row's packs are its whole packs past its head: at most n's whole packs
+        // (f16 N = 4097: 512 on 128 ranks), the edges a column a rank besides.
+        let cols = if shifted {
+            self.n / pack_len::<T>() * pack_len::<T>()
+        } else {
+            self.n
+        };
         let ranks = if warp {
             32
         } else {
-            self.block_threads(variant, self.n, self.packs_per_rank())
+            self.block_threads(variant, cols, self.packs_per_rank())
         };
         let most = if warp {
             self.max_threads(variant) / 32
@@ -952,10 +978,18 @@ impl<T: Element> Planner<T> {
         } else {
             (self.max_threads(variant) / ranks).min(MAX_STACKED)
         };
-        // The most of those whose partials fit shared memory (each rank holds its own).
-        let held_smem = |threads| crate::layout::held_smem(pack_len::<T>(), threads);
+        // The most of those whose partials fit shared memory (each rank holds its own; a
+        // shifted block its staged weights too).
+        let weight_bytes = DTYPE_BYTES[self.pair.weights] as u32;
+        let held_smem = |threads| {
+            if shifted {
+                crate::layout::held_shifted_smem(pack_len::<T>(), threads, self.n, weight_bytes)
+            } else {
+                crate::layout::held_smem(pack_len::<T>(), threads)
+            }
+        };
         let teams = (1..=most).rev().find(|&t| self.smem_fits(held_smem(ranks * t)))?;
-        if !((self.aligned || halves) && self.fits(self.n, ranks, BWD_HELD)) {
+        if !((self.aligned || halves || shifted) && self.fits(cols, ranks, BWD_HELD)) {
             return None;
         }
         let (threads, stacked) = if warp { (32 * teams, 1) } else { (ranks, teams) };

@@ -219,16 +219,21 @@ fn gpu_backward_rows_8_byte_aligned() {
 }
 
 /// Rows whose pointers all sit the same bytes past a 16-byte boundary, a different number
-/// from row to row: block teams take each in packs from its first boundary, its head and
-/// tail element by element, and gamma's columns off its own boundaries (f16 N = 4097: every
-/// head from 0 to 7 elements, odd ones starting gamma's columns mid-word; bf16 N = 1030:
-/// heads of 0, 2, 4 and 6; f32 N = 4097: 0 to 3), both modes.
+/// from row to row: the held block kernel's shifted copy holds each in packs from its first
+/// boundary, its head and tail a column a rank, on a grid whose blocks each take rows of
+/// one head, and stages gamma's columns off its own boundaries (f16 N = 4097: every head
+/// from 0 to 7 elements, odd ones starting gamma's columns mid-word; bf16 N = 1030: heads
+/// of 0, 2, 4 and 6; f32 N = 4097: 0 to 3), both modes. Fewer rows than the grid's period
+/// (blocks without rows hand over zeros), a row count no multiple of it, and N = 3 mod 8.
 #[test]
 fn gpu_backward_rows_shifted_off_their_boundaries() {
     let Some(gpu) = gpu_or_skip() else { return };
     Problem::<f16>::random(1000, 4097, 1820).check_both_modes(&gpu, "shifted rows");
     Problem::<bf16>::random(3000, 1030, 1821).check_both_modes(&gpu, "shifted rows");
     Problem::<f32>::random(1000, 4097, 1822).check_both_modes(&gpu, "shifted rows");
+    Problem::<f16>::random(5, 4097, 1823).check_both_modes(&gpu, "shifted rows, few");
+    Problem::<bf16>::random(999, 2051, 1824).check_both_modes(&gpu, "shifted rows");
+    Problem::<f16>::random(300, 16383, 1825).check_both_modes(&gpu, "shifted rows, long");
 }
 
 /// Rows too long for one block to hold in registers or to sum in shared memory (8n

@@ -114,13 +114,14 @@ fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
 fn plan_of<T: Element, W: Weight<T>>(rows: u32, n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
     let pack = (16 / size_of::<T>()) as u32;
     // A whole tensor's rows of 16-bit values and weights, n a multiple of 4, start 8-byte
-    // aligned, as the library finds them.
+    // aligned, as the library finds them; other rows of whole tensors of x, dy and dx each
+    // sit as far past a boundary as x's.
     let alignment = if n.is_multiple_of(pack) {
         Alignment::Packs
     } else if size_of::<T>() == 2 && size_of::<W>() == 2 && n.is_multiple_of(4) {
         Alignment::HalfPacks
     } else {
-        Alignment::Other
+        Alignment::Shifted
     };
     plan::<T, W>(Norm::Layer, rows, n, pass, alignment, limits).unwrap()
 }
@@ -260,6 +261,46 @@ fn element_rows_of_the_owned_block_take_two_batches_a_rank() {
             assert_eq!(owned(4097, p), 512);
             let p = plan::<f16, f16>(norm, 3, 1030, Pass::Backward, false, limits).unwrap();
             assert_eq!(owned(1030, p), 160);
+        }
+    }
+}
+
+/// Block-team rows shifted alike (x, dy and dx each as far past a 16-byte boundary as x's,
+/// as whole tensors' rows of odd N are) with weights of x's type are held from x's first
+/// boundary: f16 N = 4097 on 128 ranks (at most 512 whole packs past a row's head, 4 a
+/// rank; the head and tail a column a rank), teams stacked as the thread limit and shared
+/// memory allow (the staged weights beside the partials), f32 N = 1030 and 4097 likewise. Not with a residual's dsum, f32 weights beside 16-bit rows, warp
+/// rows, or other misaligned rows.
+#[test]
+fn shifted_rows_take_the_held_block_kernel() {
+    for limits in [DeviceLimits::H100, DeviceLimits::A100] {
+        for norm in [Norm::Layer, Norm::Rms] {
+            let shifted =
+                |pass| plan::<f16, f16>(norm, MANY, 4097, pass, Alignment::Shifted, limits).unwrap();
+            let p = shifted(Pass::Backward);
+            assert_eq!(
+                (p.variant, p.threads),
+                (Variant::BwdHeldBlockShifted, 128),
+                "{norm:?}"
+            );
+            assert!(p.stacked >= 2, "{norm:?}: {p:?}");
+            assert_eq!(
+                shifted(Pass::BackwardResidual).variant,
+                Variant::BwdOwnedBlock,
+                "{norm:?} dsum"
+            );
+            for n in [1030, 4097] {
+                let p = plan::<f32, f32>(norm, MANY, n, Pass::Backward, Alignment::Shifted, limits).unwrap();
+                assert_eq!(p.variant, Variant::BwdHeldBlockShifted, "{norm:?} f32 {n}");
+            }
+            let p = plan::<f16, f32>(norm, MANY, 4097, Pass::Backward, Alignment::Shifted, limits).unwrap();
+            assert_eq!(p.variant, Variant::BwdOwnedBlock, "{norm:?} f32 weights");
+            let p = plan::<f16, f16>(norm, MANY, 1001, Pass::Backward, Alignment::Shifted, limits).unwrap();
+            assert_eq!(p.variant, Variant::BwdOwnedWarp, "{norm:?} warp rows");
+            let p = plan::<f32, f32>(norm, MANY, 1023, Pass::Backward, Alignment::Shifted, limits).unwrap();
+            assert_eq!(p.variant, Variant::BwdOwnedWarp, "{norm:?} f32 warp rows");
+            let p = plan::<f16, f16>(norm, MANY, 4097, Pass::Backward, Alignment::Other, limits).unwrap();
+            assert_eq!(p.variant, Variant::BwdOwnedBlock, "{norm:?} other rows");
         }
     }
 }
@@ -1122,6 +1163,7 @@ fn stage2_waits_for_stage1_in_the_sm90_module() {
                         | V::BwdHeldWarp
                         | V::BwdHeldBlock
                         | V::BwdHeldBlockHalves
+                        | V::BwdHeldBlockShifted
                 );
             match (arch, v) {
                 (Arch::Sm90, V::BwdReduce) => {

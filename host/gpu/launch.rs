@@ -218,6 +218,9 @@ pub(crate) struct Backward<'a, T, W, R = T> {
     /// Not `packed`, but x, dy and gamma are of one 16-bit type, every row of x, dy, dx
     /// and dsum, and gamma, starts 8-byte aligned, and n is a multiple of 4 (half packs).
     pub(crate) half_packed: bool,
+    /// Neither, but x, dy and dx are of one size (`T` = `R`), there is no dsum or dres, and
+    /// every row of dy and dx sits as many bytes past a 16-byte boundary as x's.
+    pub(crate) shifted: bool,
     /// LayerNorm's kernels or RMSNorm's.
     pub(crate) norm: Norm,
 }
@@ -229,6 +232,8 @@ impl<T: Element, W: Weight<T>, R: Element> Backward<'_, T, W, R> {
             Alignment::Packs
         } else if self.half_packed {
             Alignment::HalfPacks
+        } else if self.shifted {
+            Alignment::Shifted
         } else {
             Alignment::Other
         }
@@ -418,8 +423,10 @@ pub(crate) fn backward_owned<T: Element, W: Weight<T>, R: Element>(
 
 /// Stage 1, rows all held (`a.packed`, and the rows fit `BWD_HELD` packs a rank; or for
 /// [`Variant::BwdHeldBlockHalves`], `a.half_packed` and as many half packs a rank as 8-byte
-/// halves of `BWD_HELD` packs): one unit per block, each rank summing its columns'
-/// partials in its own shared memory ([`held_smem`]). `variant` is one of the held kernels.
+/// halves of `BWD_HELD` packs; or for [`Variant::BwdHeldBlockShifted`], `a.shifted`, the
+/// rows fit, and a grid whose rows of one block sit alike): one unit per block, each rank
+/// summing its columns' partials in its own shared memory ([`held_smem`], or
+/// `layout::held_shifted_smem`). `variant` is one of the held kernels.
 pub(crate) fn backward_held<T: Element, W: Weight<T>, R: Element>(
     gpu: &Gpu,
     variant: Variant,
@@ -433,26 +440,41 @@ pub(crate) fn backward_held<T: Element, W: Weight<T>, R: Element>(
     } else {
         Team::Block
     };
+    let (pair, pack) = (TYPE_PAIRS[pair_of::<T, W, R>()], pack_len::<R>());
+    let threads = launch.threads * launch.stacked;
     // Half packs: as many a rank as 8-byte halves of the packs that fit (a 16-bit row fits
-    // in half packs where it fits in packs).
-    let rows = if variant.halves() {
-        a.half_packed && variant.has_pair(TYPE_PAIRS[pair_of::<T, W, R>()]) && a.n.is_multiple_of(4)
-    } else {
-        a.packed
+    // in half packs where it fits in packs). Shifted rows: their whole packs past the head,
+    // at most n's, on a grid whose blocks each take rows of one shift.
+    let (rows, cols, smem) = match variant {
+        Variant::BwdHeldBlockHalves => (
+            a.half_packed && variant.has_pair(pair) && a.n.is_multiple_of(4),
+            a.n,
+            held_smem::<R>(threads),
+        ),
+        Variant::BwdHeldBlockShifted => (
+            a.shifted
+                && a.dsum.is_none()
+                && a.dres.is_none()
+                && variant.has_pair(pair)
+                && launch
+                    .blocks
+                    .is_multiple_of(crate::layout::shifted_grid_multiple(a.n, pack)),
+            a.n / pack * pack,
+            crate::layout::held_shifted_smem(pack, threads, a.n, size_of::<W>() as u32),
+        ),
+        _ => (a.packed, a.n, held_smem::<R>(threads)),
     };
     require(
-        rows && fits_held::<R>(team, launch.threads, a.n, BWD_HELD),
+        rows && fits_held::<R>(team, launch.threads, cols, BWD_HELD),
         "held rows",
     );
     sums.check(launch.blocks, 1, a.n, false);
-    require(
-        launch.smem as usize >= held_smem::<R>(launch.threads * launch.stacked),
-        "held smem",
-    );
+    require(launch.smem as usize >= smem, "held smem");
     let f = a.kernels(gpu)?.any(variant);
     // SAFETY: `backward_kernels!(@held ..)` in kernels-gpu/src/backward/mod.rs takes these
     // arguments; every buffer (shared memory included) holds what the kernel indexes, and
-    // every row is whole aligned packs (or half packs) that fit (checked above).
+    // every row is whole aligned packs (or half packs, or shifted packs on a grid that
+    // keeps each block's rows alike) that fit (checked above).
     unsafe { a.launch_with_partials(gpu, f, launch, sums, "backward stage 1 (held rows)") }
 }
 

@@ -15,7 +15,7 @@ use super::launch::{self, Backward, Forward, Launch, Sums, Team};
 use super::module::Kernel;
 use crate::element::{Element, Weight, pair_of};
 use crate::error::Result;
-use crate::plan::{Grid, Pass, Plan, TYPE_PAIRS, Variant, plan_rows};
+use crate::plan::{Grid, Pass, Plan, TYPE_PAIRS, Variant, pack_len, plan_rows};
 
 /// The team of a planned kernel.
 fn team_of(plan: &Plan) -> Team {
@@ -184,6 +184,13 @@ pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
     ) {
         let launch = balanced(grid(gpu, kernel, rows, &plan)?, rows, team);
         (launch, launch.blocks, false)
+    } else if plan.variant == Variant::BwdHeldBlockShifted {
+        // Blocks in whole multiples of the rows' period, so that each block's rows sit alike:
+        // fewer where the device runs that many, else one period (a launch of few rows).
+        let period = crate::layout::shifted_grid_multiple(n, pack_len::<R>());
+        let launch = balanced(grid(gpu, kernel, rows, &plan)?, rows, team);
+        let blocks = (launch.blocks / period).max(1) * period;
+        (Launch { blocks, ..launch }, blocks, false)
     } else {
         let launch = grid(gpu, kernel, rows, &plan)?;
         (launch, launch.blocks, !plan.local)
@@ -221,9 +228,10 @@ pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
     };
     match plan.variant {
         v if v.cluster() > 1 => launch::backward_cluster(gpu, v, launch, stage1, sums)?,
-        Variant::BwdHeldWarp | Variant::BwdHeldBlock | Variant::BwdHeldBlockHalves => {
-            launch::backward_held(gpu, plan.variant, launch, stage1, sums)?
-        }
+        Variant::BwdHeldWarp
+        | Variant::BwdHeldBlock
+        | Variant::BwdHeldBlockHalves
+        | Variant::BwdHeldBlockShifted => launch::backward_held(gpu, plan.variant, launch, stage1, sums)?,
         _ => launch::backward_owned(gpu, team, launch, stage1, sums, plan.local)?,
     }
     launch::backward_reduce(

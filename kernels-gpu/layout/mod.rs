@@ -202,6 +202,36 @@ pub const fn held_smem(pack: u32, threads: u32) -> usize {
     SCRATCH_BYTES as usize + held_team_bytes(pack, threads) as usize
 }
 
+/// Byte offset, past a held block's partials ([`held_smem`]), of the rank's edge partials in
+/// the held block kernel over shifted rows (`Variant::BwdHeldBlockShifted`): the block's
+/// weights staged first, `cols` of `weight_bytes` rounded up to 16 bytes (its rows all sit
+/// as far past a 16-byte boundary, so their packs' columns, and those weights, are the
+/// same for every row it takes).
+#[inline(always)]
+pub const fn held_shifted_edges_at(pack: u32, threads: u32, cols: u32, weight_bytes: u32) -> usize {
+    held_smem(pack, threads) + (cols as usize * weight_bytes as usize).next_multiple_of(16)
+}
+
+/// Shared memory of the held block kernel over shifted rows: [`held_shifted_edges_at`],
+/// then each rank's dgamma and dbeta of its edge column (a 16-byte slot: one access each,
+/// in both modules).
+#[inline(always)]
+pub const fn held_shifted_smem(pack: u32, threads: u32, cols: u32, weight_bytes: u32) -> usize {
+    held_shifted_edges_at(pack, threads, cols, weight_bytes) + 16 * threads as usize
+}
+
+/// Blocks of the held block kernel over shifted rows of `n` elements of `pack` a pack come
+/// in multiples of this: rows `b`, `b + B`, ... (a grid of B blocks) then sit equally far
+/// past a 16-byte boundary, as B * n is a whole number of packs.
+#[inline(always)]
+pub const fn shifted_grid_multiple(n: u32, pack: u32) -> u32 {
+    let mut k = 1;
+    while !(k as u64 * n as u64).is_multiple_of(pack as u64) {
+        k *= 2;
+    }
+    k
+}
+
 /// Shared memory of a general cluster block for rows of `n` (`pack` elements per pack): the
 /// cluster scratch, then a padded dgamma and dbeta row of its slice.
 #[inline(always)]

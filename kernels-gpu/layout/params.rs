@@ -179,6 +179,7 @@ pub const fn param_bytes(variant: Variant) -> &'static [usize] {
         Variant::BwdHeldWarp
         | Variant::BwdHeldBlock
         | Variant::BwdHeldBlockHalves
+        | Variant::BwdHeldBlockShifted
         | Variant::BwdCluster8
         | Variant::BwdCluster2Held
         | Variant::BwdCluster4Held

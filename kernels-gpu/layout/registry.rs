@@ -338,6 +338,9 @@ pub enum Variant {
     BwdHeldBlock,
     /// The held block kernel over 16-bit rows 8-byte aligned, in half packs.
     BwdHeldBlockHalves,
+    /// The held block kernel over shifted rows: every row of x, dy and dx as far past a
+    /// 16-byte boundary as x's, held in packs from there.
+    BwdHeldBlockShifted,
     /// Stage 2: the partial rows' column sums.
     BwdReduce,
     /// Stage 1, owned mode, rows split over clusters of 8 blocks (sm_90).
@@ -354,7 +357,7 @@ pub enum Variant {
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 26] = [
+    pub const ALL: [Variant; 27] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
@@ -373,6 +376,7 @@ impl Variant {
         Variant::BwdHeldWarp,
         Variant::BwdHeldBlock,
         Variant::BwdHeldBlockHalves,
+        Variant::BwdHeldBlockShifted,
         Variant::BwdReduce,
         Variant::BwdCluster8,
         Variant::BwdCluster2Held,
@@ -404,6 +408,7 @@ impl Variant {
             Variant::BwdHeldWarp => "bwd_held_warp",
             Variant::BwdHeldBlock => "bwd_held_block",
             Variant::BwdHeldBlockHalves => "bwd_held_block_halves",
+            Variant::BwdHeldBlockShifted => "bwd_held_block_shifted",
             Variant::BwdReduce => "bwd_reduce",
             Variant::BwdCluster8 => "bwd_cluster8",
             Variant::BwdCluster2Held => "bwd_cluster2_held",
@@ -489,13 +494,27 @@ impl Variant {
             ) => 512,
             (Variant::BwdOwnedWarp, _) => 512,
             (Variant::BwdOwnedBlock, _) => 512,
-            (Variant::BwdHeldWarp | Variant::BwdHeldBlock | Variant::BwdHeldBlockHalves, Arch::Sm80)
-                if pair.wide_stream() =>
-            {
-                256
-            }
-            (Variant::BwdHeldWarp | Variant::BwdHeldBlock | Variant::BwdHeldBlockHalves, Arch::Sm80) => 384,
-            (Variant::BwdHeldWarp | Variant::BwdHeldBlock | Variant::BwdHeldBlockHalves, Arch::Sm90) => 512,
+            (
+                Variant::BwdHeldWarp
+                | Variant::BwdHeldBlock
+                | Variant::BwdHeldBlockHalves
+                | Variant::BwdHeldBlockShifted,
+                Arch::Sm80,
+            ) if pair.wide_stream() => 256,
+            (
+                Variant::BwdHeldWarp
+                | Variant::BwdHeldBlock
+                | Variant::BwdHeldBlockHalves
+                | Variant::BwdHeldBlockShifted,
+                Arch::Sm80,
+            ) => 384,
+            (
+                Variant::BwdHeldWarp
+                | Variant::BwdHeldBlock
+                | Variant::BwdHeldBlockHalves
+                | Variant::BwdHeldBlockShifted,
+                Arch::Sm90,
+            ) => 512,
             (Variant::BwdCluster8, _) if f32_rows => 384,
             (Variant::BwdCluster8, _) => 640,
             (
@@ -563,7 +582,8 @@ impl Variant {
     /// writes the weights' gradients, only in pairs of one type; the held residual forward
     /// only over f16 and bf16 rows with weights and stream of their type, the widened warp
     /// forward only over f16 and bf16 x (with weights of its type or f32), the held block
-    /// kernel in half packs over f16 and bf16 x, dy and weights of one type, the row block
+    /// kernel in half packs over f16 and bf16 x, dy and weights of one type, the held block
+    /// kernel over shifted rows over x, dy and weights of one type, the row block
     /// only with weights of x's type; with a residual stream in f32, only the kernels that
     /// read or write it: the residual forward and stage 1.
     pub const fn has_pair(self, pair: TypePair) -> bool {
@@ -577,6 +597,10 @@ impl Variant {
         if self.halves() {
             // Half packs of 16-bit rows: 8 bytes of x, dy and the weights alike.
             return DTYPE_BYTES[pair.x] == 2 && pair.weights == pair.x && pair.stream == pair.x;
+        }
+        if matches!(self, Variant::BwdHeldBlockShifted) {
+            // Its staged weights are packs of x's columns.
+            return pair.weights == pair.x && pair.stream == pair.x;
         }
         if matches!(self, Variant::FwdResidualHeld) {
             // Where it was measured faster (H200, docs/PERF.md v40: f32 rows, a stream in
@@ -608,6 +632,7 @@ impl Variant {
                 | Variant::FwdWidenedWarp
                 | Variant::FwdRowBlock
                 | Variant::BwdHeldBlockHalves
+                | Variant::BwdHeldBlockShifted
                 | Variant::BwdCluster2HeldHalves
                 | Variant::BwdCluster4HeldHalves
                 | Variant::BwdCluster8HeldHalves

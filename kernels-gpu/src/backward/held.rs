@@ -1,13 +1,14 @@
 //! Stage 1 for launches whose rows are all whole aligned packs held in registers (or, for
-//! 16-bit rows 8-byte aligned, half packs): partials kept per rank in shared memory, no
-//! barrier between rows, two rows in flight per team.
+//! 16-bit rows 8-byte aligned, half packs; or rows shifted off their 16-byte boundaries,
+//! their packs from the first): partials kept per rank in shared memory, no barrier
+//! between rows, two rows in flight per team.
 
 use super::partials::Destination;
 use super::{Centering, DxCoefficients, Rows, add_row_sums};
 use crate::device::{self, fma};
-use crate::element::{Element, MAX_PACK, Pack, read, write};
-use crate::row::{BWD_HELD, Held, PACKS, each_slot, for_each_chunk, prefetch};
-use crate::team::Team;
+use crate::element::{Element, MAX_PACK, Pack, read, read_cached, write};
+use crate::row::{BWD_HELD, Held, PACKS, each_slot, for_each_chunk, head_elements, prefetch};
+use crate::team::{SCRATCH_BYTES, Team};
 
 /// One rank's partial dgamma and dbeta over the rows its team handled, for the columns of
 /// its held packs, in shared memory laid out by rank: the rank's `chunks` 16-byte chunks
@@ -128,6 +129,99 @@ const fn unit_len<T: Element, const HALVES: bool>() -> u32 {
     if HALVES { 4 } else { T::PACK as u32 }
 }
 
+/// Where a row's held packs lie. A shifted row (x, dy and dx of one size, every row pointer
+/// as far past a 16-byte boundary as x's: f16 rows of odd N, f32 rows of N not a multiple
+/// of 4) has `head` columns before x's first boundary, then `packs` whole packs, held as a
+/// packed row's are from column `head`, then a tail of fewer than a pack. The head's and
+/// the tail's columns, the row's edges, go one a rank: rank k < head takes column k, the
+/// next ranks the tail's in order (a team has 64 ranks or more, the edges 14 at most).
+#[derive(Clone, Copy)]
+struct Shift {
+    head: u32,
+    packs: u32,
+}
+
+impl Shift {
+    /// The packs of a row at `row` of `cols` columns: from its first 16-byte boundary where
+    /// `SHIFTED`, else (a packed row) from its start.
+    #[inline(always)]
+    fn of<X: Element, const SHIFTED: bool>(row: *const X, cols: u32) -> Self {
+        let head = if SHIFTED { head_elements(row, cols) } else { 0 };
+        Shift {
+            head,
+            packs: (cols - head) / X::PACK as u32,
+        }
+    }
+
+    /// Columns before the packs and after them: the ranks below this hold an edge each.
+    #[inline(always)]
+    fn edges<X: Element>(self, cols: u32) -> u32 {
+        cols - self.packs * X::PACK as u32
+    }
+
+    /// The edge column of rank `rank`, if it holds one.
+    #[inline(always)]
+    fn edge<X: Element>(self, rank: u32, cols: u32) -> Option<u32> {
+        let column = if rank < self.head {
+            rank
+        } else {
+            self.packs * X::PACK as u32 + rank
+        };
+        (rank < self.edges::<X>(cols)).then_some(column)
+    }
+}
+
+/// Shared memory of the held block kernel over shifted rows, past the ranks' partials
+/// (`layout::held_shifted_smem`): the weights of the block's packed columns, staged (pack q
+/// of them is column head + q * PACK's: every row of the block has the same head), then a
+/// 16-byte slot a rank for its edge column: dgamma, dbeta, and the row's xhat and wdy kept
+/// for its dx pass. Addresses made where used, from the block's shape (kept across the
+/// row loop, they cost registers the rows need).
+struct ShiftedShared;
+
+impl ShiftedShared {
+    /// The staged weights' first pack.
+    #[inline(always)]
+    fn weights<X: Element, S: Team>() -> u32 {
+        device::shared_addr(SCRATCH_BYTES + S::per_block() * RankPartials::team_bytes::<X>(S::size()))
+    }
+
+    /// The edge slot of rank `rank` of the block's team `team`, over rows of `cols`.
+    #[inline(always)]
+    fn edge<X: Element, W, S: Team>(cols: u32, team: u32, rank: u32) -> u32 {
+        let threads = S::per_block() * S::size();
+        let at = crate::layout::held_shifted_edges_at(X::PACK as u32, threads, cols, size_of::<W>() as u32);
+        device::shared_addr(at as u32 + 16 * (team * S::size() + rank))
+    }
+
+    /// dgamma += xhat * dy and dbeta += dy for the edge column of the slot at `at`, and
+    /// its xhat and wdy kept beside them for the row's dx pass.
+    ///
+    /// # Safety
+    /// `at` is this rank's slot, its sums set to zero before its first row.
+    #[inline(always)]
+    unsafe fn add_edge(at: u32, xhat: f32, dy: f32, wdy: f32) {
+        // SAFETY: the caller's guarantee; the slot is this rank's alone.
+        unsafe {
+            let [g, b, _, _] = device::load_shared_16(at);
+            let g = fma(xhat, dy, f32::from_bits(g)).to_bits();
+            let b = (f32::from_bits(b) + dy).to_bits();
+            device::store_shared_16(at, [g, b, xhat.to_bits(), wdy.to_bits()]);
+        }
+    }
+
+    /// The edge column's xhat and wdy that [`ShiftedShared::add_edge`] kept at `at`.
+    ///
+    /// # Safety
+    /// As for [`ShiftedShared::add_edge`], after it, in this row.
+    #[inline(always)]
+    unsafe fn edge_terms(at: u32) -> (f32, f32) {
+        // SAFETY: the caller's guarantee.
+        let [_, _, xhat, wdy] = unsafe { device::load_shared_16(at) };
+        (f32::from_bits(xhat), f32::from_bits(wdy))
+    }
+}
+
 /// Calls `f(j, c, first, len)` for each unit of a held row this rank holds: its first
 /// column j, its slot c, and its values `first..first + len` in the slot. Packs: one a
 /// slot, the slot's all (rows of whole packs have no element-wise tail, so every chunk
@@ -179,18 +273,29 @@ pub(crate) struct HeldRow {
 /// Every row pointer 16-byte aligned, `r.n` and `r.cols` whole numbers of packs, `r.cols`
 /// packs that [`fits`]; with `HALVES`, x and dy of one 16-bit type, every row pointer
 /// 8-byte aligned, `r.n` and `r.cols` multiples of 4, and `r.cols / 4` half packs that
-/// fit `2 * BWD_HELD` a rank.
+/// fit `2 * BWD_HELD` a rank; with `SHIFTED` ([`Shift`]), x and dy of one size, every row
+/// of dy as far past a 16-byte boundary as x's, no dsum, and the packs fit.
 #[inline(always)]
-pub(crate) unsafe fn load_held_row<X: Element, T: Element, W, S: Team, const HALVES: bool>(
+pub(crate) unsafe fn load_held_row<
+    X: Element,
+    T: Element,
+    W,
+    S: Team,
+    const HALVES: bool,
+    const SHIFTED: bool,
+>(
     r: &Rows<X, T, W>,
     row: u32,
 ) -> HeldRow {
     let offset = row as usize * r.n as usize;
     let inside = row < r.rows;
-    let units = if inside {
-        r.cols / unit_len::<X, HALVES>()
-    } else {
+    let shift = || Shift::of::<X, SHIFTED>(r.x.wrapping_add(offset), r.cols);
+    let units = if !inside {
         0
+    } else if SHIFTED {
+        shift().packs
+    } else {
+        r.cols / unit_len::<X, HALVES>()
     };
     // SAFETY: with row < rows the row lies inside x and dy, aligned whole packs that fit
     // (the caller's guarantee), and inside mean and rstd; past the last row nothing is read.
@@ -200,7 +305,22 @@ pub(crate) unsafe fn load_held_row<X: Element, T: Element, W, S: Team, const HAL
         {
             prefetch::<X, S>(dsum, r.cols);
         }
-        let (x, dy) = (r.x.wrapping_add(offset), r.dy.wrapping_add(offset));
+        let (x, dy) = if SHIFTED {
+            let shift = shift();
+            let (x, dy) = (r.x.wrapping_add(offset), r.dy.wrapping_add(offset));
+            // The row's edge column goes to L2 now and is read in the row's first pass:
+            // held in registers across the previous row, its two values spilled the kernel.
+            if inside && let Some(e) = shift.edge::<X>(S::rank(), r.cols) {
+                device::prefetch_l2(x.add(e as usize) as *const u8);
+                device::prefetch_l2(dy.add(e as usize) as *const u8);
+            }
+            (
+                x.wrapping_add(shift.head as usize),
+                dy.wrapping_add(shift.head as usize),
+            )
+        } else {
+            (r.x.wrapping_add(offset), r.dy.wrapping_add(offset))
+        };
         HeldRow {
             xs: if HALVES {
                 Held::load_halves::<X, S>(x, units)
@@ -233,19 +353,23 @@ pub(crate) unsafe fn load_held_row<X: Element, T: Element, W, S: Team, const HAL
 /// types, where a byte holds twice the elements, the instructions an element rather than
 /// the bytes set this kernel's pace (docs/PERF.md, v45). The kept terms take the registers
 /// the held x and dy free (16-bit: 64 f32 where they took 32 words). `TIGHT` kernels (the
-/// cluster's, whose row exchange holds registers of its own) keep xhat only in 16-bit
-/// types, and form wdy again from dy's held words and the weights: the kept wdy spilled
-/// them. Between the passes, before the row's reduction, the loads of the team's next row
+/// cluster's, whose row exchange holds registers of its own, and the shifted rows', whose
+/// geometry does) keep xhat only in 16-bit types, and form wdy again from dy's held words
+/// and the weights: the kept wdy spilled them. Between the passes, before the row's reduction, the loads of the team's next row
 /// go out (`next`): they arrive while this row is reduced and written, so each block keeps
 /// two rows in flight and DRAM does not idle while the block works on registers. Returns
 /// the next row's registers. `HALVES`: the rows in half packs ([`Held::load_halves`]), each
-/// read, weighted and written 8 bytes at a time.
+/// read, weighted and written 8 bytes at a time. `SHIFTED`: the row's packs from x's first
+/// 16-byte boundary ([`Shift`]), their weights staged, and the rank's edge column with
+/// them, its partials beside them ([`ShiftedShared`]).
 ///
 /// # Safety
 /// `row` < `r.rows`; every row pointer (dsum's too, where given) and gamma 16-byte aligned,
 /// `r.n` and `r.cols` whole numbers of packs, `r.cols` packs that [`fits`] `BWD_HELD` per
-/// rank, or with `HALVES` as [`load_held_row`] requires and gamma 8-byte aligned; the
-/// [`HeldRow`] is row `row`'s; `acc` as [`RankPartials::zero`] requires.
+/// rank, or with `HALVES` as [`load_held_row`] requires and gamma 8-byte aligned, or with
+/// `SHIFTED` as [`load_held_row`] requires, dx as far past a boundary as x, and shared memory
+/// staged as [`stage1_held`] stages it; the [`HeldRow`] is row `row`'s; `acc` as
+/// [`RankPartials::zero`] requires.
 #[inline(always)]
 pub(crate) unsafe fn backward_row_held<
     X: Element,
@@ -254,6 +378,7 @@ pub(crate) unsafe fn backward_row_held<
     S: Team,
     const TIGHT: bool,
     const HALVES: bool,
+    const SHIFTED: bool,
 >(
     r: &Rows<X, T, W>,
     row: u32,
@@ -264,6 +389,32 @@ pub(crate) unsafe fn backward_row_held<
     let offset = row as usize * r.n as usize;
     // SAFETY: row < rows, so this row lies inside dx.
     let dx = unsafe { r.dx.add(offset) };
+    // The held units' columns count from the packs' first: a shifted row's head. Its head,
+    // its packs' columns and the rank's edge are made in each pass from the row (`opaque`:
+    // kept across the row's reduction, they spilled the 16-bit kernels).
+    let geometry = |row: u32| {
+        let shift = Shift::of::<X, SHIFTED>(r.x.wrapping_add(row as usize * r.n as usize), r.cols);
+        if SHIFTED {
+            (
+                shift.head,
+                shift.packs * X::PACK as u32,
+                shift.edge::<X>(S::rank(), r.cols),
+            )
+        } else {
+            (0, r.cols, None)
+        }
+    };
+    let (head, cols, edge) = geometry(row);
+    // The weights of a held unit: gamma's own, or a shifted row's staged.
+    let weights = |j: u32, len: usize| -> Pack {
+        if SHIFTED {
+            // SAFETY: j is a pack of the row's packs, whose weights the block staged.
+            unsafe { r.gamma_staged(ShiftedShared::weights::<X, S>(), j) }
+        } else {
+            // SAFETY: j is a unit of the row, aligned to its bytes (the caller's guarantee).
+            unsafe { r.gamma(j, len) }
+        }
+    };
     let centering = Centering::new(mean, rstd);
     // f32 rows hold 16 values a rank: their kept terms take the registers x and dy took.
     let keep_wdy = !TIGHT || X::PACK * BWD_HELD <= 16;
@@ -271,8 +422,7 @@ pub(crate) unsafe fn backward_row_held<
     // held words and the weights, at the unit's places in the slot.
     let wdy = |j: u32, c: usize, first: usize, len: usize| -> Pack {
         let dyv = dys.pack::<T>(c);
-        // SAFETY: j is a unit of the row, aligned to its bytes (the caller's guarantee).
-        let g = unsafe { r.gamma(j, len) };
+        let g = weights(j, len);
         core::array::from_fn(|k| {
             if (first..first + len).contains(&k) {
                 g[k - first] * dyv[k]
@@ -282,13 +432,28 @@ pub(crate) unsafe fn backward_row_held<
         })
     };
 
-    // Pass 1.
-    let (mut xhats, mut wdys) = ([[0.0f32; MAX_PACK]; BWD_HELD], [[0.0f32; MAX_PACK]; BWD_HELD]);
+    // Pass 1. A shifted row's edge column first: its loads (from L2, where the row's load
+    // sent it) then wait while the packs' terms are made.
+    let edge_slot = || ShiftedShared::edge::<X, W, S>(r.cols, S::index_in_block(), S::rank());
     let (mut s1, mut s2) = (0.0f32, 0.0f32);
-    for_each_held_unit::<X, S, HALVES>(r.cols, |j, c, first, len| {
+    if let Some(e) = edge {
+        // SAFETY: column e is inside the row (and gamma).
+        let (xe, dye, g) = unsafe {
+            (
+                read(r.x.add(offset), e, 1)[0],
+                read(r.dy.add(offset), e, 1)[0],
+                r.gamma(e, 1)[0],
+            )
+        };
+        let (xhat, wdy) = (centering.xhat(xe), g * dye);
+        (s1, s2) = add_row_sums(s1, s2, xhat, wdy);
+        // SAFETY: the rank's edge slot, zeroed by `stage1_held`.
+        unsafe { ShiftedShared::add_edge(edge_slot(), xhat, dye, wdy) };
+    }
+    let (mut xhats, mut wdys) = ([[0.0f32; MAX_PACK]; BWD_HELD], [[0.0f32; MAX_PACK]; BWD_HELD]);
+    for_each_held_unit::<X, S, HALVES>(cols, |j, c, first, len| {
         let (xv, dyv) = (xs.pack::<X>(c), dys.pack::<T>(c));
-        // SAFETY: j is a unit of the row, aligned to its bytes (the caller's guarantee).
-        let g = unsafe { r.gamma(j, len) };
+        let g = weights(j, len);
         for (k, &g) in g[..len].iter().enumerate() {
             let i = first + k;
             let (xhat, wdy) = (centering.xhat(xv[i]), g * dyv[i]);
@@ -302,13 +467,23 @@ pub(crate) unsafe fn backward_row_held<
         unsafe { acc.add::<X>(c, first, len, &xhats[c], &dyv) };
     });
     // SAFETY: as this function requires of every row.
-    let upcoming = unsafe { load_held_row::<X, T, W, S, HALVES>(r, next) };
+    let upcoming = unsafe { load_held_row::<X, T, W, S, HALVES, SHIFTED>(r, next) };
     let (s1, s2) = S::sum2(s1, s2);
     let coefficients = DxCoefficients::new(s1, r.s2(s2), r.n);
 
     // Pass 2.
-    let (dsum, dres) = (r.dsum_row(offset), r.dres_row(offset));
-    for_each_held_unit::<X, S, HALVES>(r.cols, |j, c, first, len| {
+    let (head, cols, edge) = if SHIFTED {
+        geometry(device::opaque(row))
+    } else {
+        (head, cols, edge)
+    };
+    // Shifted rows are planned without either (the host's guarantee).
+    let (dsum, dres) = if SHIFTED {
+        (None, None)
+    } else {
+        (r.dsum_row(offset), r.dres_row(offset))
+    };
+    for_each_held_unit::<X, S, HALVES>(cols, |j, c, first, len| {
         let wdyv = if keep_wdy { wdys[c] } else { wdy(j, c, first, len) };
         let mut out = [0.0; MAX_PACK];
         for k in 0..len {
@@ -324,12 +499,19 @@ pub(crate) unsafe fn backward_row_held<
         }
         // SAFETY: as above.
         unsafe {
-            write(dx, j, len, &out);
+            write(dx, head + j, len, &out);
             if let Some(dres) = dres {
                 write(dres, j, len, &out);
             }
         }
     });
+    if let Some(e) = edge {
+        // SAFETY: the rank's edge slot, written in pass 1.
+        let (xhat, wdy) = unsafe { ShiftedShared::edge_terms(edge_slot()) };
+        let out = [centering.dx(wdy, xhat, coefficients); MAX_PACK];
+        // SAFETY: column e is inside the row.
+        unsafe { write(dx, e, 1, &out) };
+    }
     upcoming
 }
 
@@ -339,11 +521,21 @@ pub(crate) unsafe fn backward_row_held<
 /// hands them over to `out` for its `r.cols` columns. No barrier between rows: a rank's
 /// partials are its own. `TIGHT` and `HALVES` as [`backward_row_held`] takes them.
 ///
+/// `SHIFTED` ([`Shift`]): block b's teams take rows b, b + B, ... (B blocks), the k-th team
+/// of the block from row b + k * B on, so that every row a block takes sits as far past a
+/// 16-byte boundary as row b (B * n is a whole number of packs) and its packs cover the
+/// same columns: the ranks' partials stay by rank as packed rows' do, from column `head`
+/// on. The block stages the weights of those columns in shared memory once (each then a
+/// 16-byte load, not five from L1: [`Rows::gamma_shifted`]) and keeps each rank's edge
+/// partials beside them.
+///
 /// # Safety
 /// As [`backward_row_held`] requires of every row; `out` as [`Destination::hand_over`]
 /// requires, for `r.cols` columns; the launch gave each block `scratch + teams_per_block *
 /// 8 * BWD_HELD * PACK * size` bytes of shared memory (`size` ranks per team), the first
-/// `scratch` for the team's reductions.
+/// `scratch` for the team's reductions; with `SHIFTED`, `scratch` = `SCRATCH_BYTES`, x, dy
+/// and the weights of one size, a grid whose B * n is a whole number of packs, and shared
+/// memory of `layout::held_shifted_smem` for `r.cols` columns.
 #[inline(always)]
 pub(crate) unsafe fn stage1_held<
     X: Element,
@@ -352,6 +544,7 @@ pub(crate) unsafe fn stage1_held<
     S: Team,
     const TIGHT: bool,
     const HALVES: bool,
+    const SHIFTED: bool,
 >(
     r: Rows<X, T, W>,
     out: Destination,
@@ -360,17 +553,69 @@ pub(crate) unsafe fn stage1_held<
     let team_bytes = RankPartials::team_bytes::<X>(S::size());
     let team = |t: u32, rank: u32| RankPartials::of::<X>(scratch + t * team_bytes, S::size(), rank);
     let mine = team(S::index_in_block(), S::rank());
-    let units = r.cols / unit_len::<X, HALVES>();
+    // A shifted block's rows all sit as its first does (`opaque`: made again after the
+    // rows, not kept across them, where registers are short).
+    let block_shift =
+        |block: u32| Shift::of::<X, true>(r.x.wrapping_add(block as usize * r.n as usize), r.cols);
+    let units = if SHIFTED {
+        block_shift(device::block_idx()).packs
+    } else {
+        r.cols / unit_len::<X, HALVES>()
+    };
     // SAFETY: the launch sized shared memory for every team of the block.
     unsafe { mine.zero::<X, HALVES>(S::rank(), S::size(), units) };
-    let mut row = S::id();
+    // Every thread of the block stages weights and takes chunks, whichever team it belongs
+    // to (block teams stack along y); made where used, not kept across the row loop.
+    let threads = || device::block_dim() * device::block_dim_y();
+    let first = || device::thread_idx_y() * device::block_dim() + device::thread_idx();
+    // A team's first row, and from each row its next.
+    let mut row = if SHIFTED {
+        S::index_in_block() * device::grid_dim() + device::block_idx()
+    } else {
+        S::id()
+    };
+    let step = || {
+        if SHIFTED {
+            S::per_block() * device::grid_dim()
+        } else {
+            S::count()
+        }
+    };
+    if SHIFTED {
+        // The weights of the packs' columns, pack q from column head + q * PACK, copied a
+        // column at a time (their columns sit off gamma's 16-byte boundaries), a pack a
+        // thread; gamma's offset is added where they are read.
+        let shift = block_shift(device::block_idx());
+        let weights = ShiftedShared::weights::<X, S>();
+        let mut q = first();
+        while q < shift.packs {
+            let values = core::array::from_fn(|k| {
+                let column = shift.head + q * X::PACK as u32 + k as u32;
+                if k < W::PACK {
+                    // SAFETY: column < head + packs * PACK <= cols, inside gamma, which no
+                    // launch writes.
+                    unsafe { read_cached::<W, true>(r.gamma, column, 1)[0] }
+                } else {
+                    0.0
+                }
+            });
+            // SAFETY: pack q < packs of the staged weights, inside the launch's shared memory.
+            unsafe { device::store_shared_16(weights + 16 * q, W::pack(&values)) };
+            q += threads();
+        }
+        let slot = ShiftedShared::edge::<X, W, S>(r.cols, S::index_in_block(), S::rank());
+        // SAFETY: the rank's edge slot, inside the launch's shared memory.
+        unsafe { device::store_shared_16(slot, [0; 4]) };
+        // Every thread reads weights others staged.
+        device::sync_block();
+    }
     // SAFETY: the launch's rows are held packs (the caller's guarantee); past the last row
     // nothing is loaded.
-    let mut held = unsafe { load_held_row::<X, T, W, S, HALVES>(&r, row) };
+    let mut held = unsafe { load_held_row::<X, T, W, S, HALVES, SHIFTED>(&r, row) };
     while row < r.rows {
-        let next = row + S::count();
+        let next = row + step();
         // SAFETY: as above, and row < rows.
-        held = unsafe { backward_row_held::<X, T, W, S, TIGHT, HALVES>(&r, row, held, next, mine) };
+        held = unsafe { backward_row_held::<X, T, W, S, TIGHT, HALVES, SHIFTED>(&r, row, held, next, mine) };
         row = next;
     }
     // Each stacked team passes its own barrier before the block's. The block barrier alone
@@ -388,10 +633,12 @@ pub(crate) unsafe fn stage1_held<
     // fills one slot of `BWD_HELD`.
     let per_unit = unit_len::<X, HALVES>() / 4;
     let size = S::size();
-    // Every thread of the block takes chunks, whichever team it belongs to (block teams
-    // stack along y).
-    let threads = device::block_dim() * device::block_dim_y();
-    let first = device::thread_idx_y() * device::block_dim() + device::thread_idx();
+    let (threads, first) = (threads(), first());
+    let shift = if SHIFTED {
+        block_shift(device::opaque(device::block_idx()))
+    } else {
+        Shift { head: 0, packs: 0 }
+    };
     // SAFETY: the caller's guarantee; each thread merges its own chunks' columns.
     unsafe {
         out.hand_over(|dst| {
@@ -415,10 +662,29 @@ pub(crate) unsafe fn stage1_held<
                     }
                     // Columns inside the block's `cols` (p < units); n and the slice start
                     // are whole numbers of units, so the column is 16-byte aligned in the
-                    // f32 partial rows.
-                    dst.merge(p * unit_len::<X, HALVES>() + 4 * (q % per_unit), 4, &g, &b);
+                    // f32 partial rows (a shifted row's, from `head`, need not be: the rows
+                    // are global, whose chunks then go a column at a time).
+                    dst.merge(
+                        shift.head + p * unit_len::<X, HALVES>() + 4 * (q % per_unit),
+                        4,
+                        &g,
+                        &b,
+                    );
                 }
                 i += threads;
+            }
+            // A shifted row's edge columns: rank k's, summed over the teams in team order.
+            if SHIFTED && let Some(e) = shift.edge::<X>(first, r.cols) {
+                let (mut g, mut b) = ([0.0f32; MAX_PACK], [0.0f32; MAX_PACK]);
+                for t in 0..S::per_block() {
+                    // Team t's slot of rank `first`, written before the barrier.
+                    let [tg, tb, _, _] =
+                        device::load_shared_16(ShiftedShared::edge::<X, W, S>(r.cols, t, first));
+                    g[0] += f32::from_bits(tg);
+                    b[0] += f32::from_bits(tb);
+                }
+                // Column e < cols, one column: in the row whatever its alignment.
+                dst.merge(e, 1, &g, &b);
             }
         })
     }

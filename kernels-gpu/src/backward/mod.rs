@@ -59,7 +59,13 @@
 //!     `layer_norm_bwd_held_block_halves_<T>` (f16, bf16): the same over rows of x, dy
 //!     and weights of one type all 8-byte aligned, held in half packs (slot c keeps half
 //!     packs rank + 2c * size and rank + (2c + 1) * size), read and written 8 bytes at a
-//!     time.
+//!     time. `layer_norm_bwd_held_block_shifted_<T>`: the same over rows of x, dy and
+//!     weights of one type whose pointers (dy's and dx's) all sit as far past a 16-byte
+//!     boundary as x's, held in packs from x's first boundary, the head and tail a column
+//!     a rank; block b's teams take rows b, b + B, ... on a grid of B blocks whose B * n
+//!     is whole packs, so all of a block's rows share their head and its ranks' partials
+//!     their columns, and the block stages the weights of its packs' columns in shared
+//!     memory once.
 //!   - `layer_norm_bwd_owned_{warp,block}_<T>` ([`stage1_owned`]): all other rows. Each
 //!     team sums its rows' partials in its own shared-memory row (padded by a word per 32:
 //!     no bank conflicts), and the block hands their sum, in team order, over; block-team
@@ -160,6 +166,24 @@ impl<X, T, W> Rows<X, T, W> {
         // SAFETY: the caller's guarantee.
         let mut g = unsafe { read_cached::<W, true>(self.gamma, j, len) };
         for g in &mut g[..len] {
+            *g += self.gamma_offset;
+        }
+        g
+    }
+
+    /// As [`Rows::gamma`], for the pack of columns whose weights a shifted block staged at
+    /// `j` past shared address `staged` (`held::stage1_held`).
+    ///
+    /// # Safety
+    /// The block staged them there, 16-byte aligned, W of x's size.
+    #[inline(always)]
+    pub(crate) unsafe fn gamma_staged(&self, staged: u32, j: u32) -> Pack
+    where
+        W: Element,
+    {
+        // SAFETY: the caller's guarantee.
+        let mut g = W::unpack(unsafe { device::load_shared_16(staged + j * size_of::<W>() as u32) });
+        for g in &mut g[..W::PACK] {
             *g += self.gamma_offset;
         }
         g
@@ -369,8 +393,8 @@ macro_rules! backward_kernels {
             backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_warp, Warp, true);
             // sm_90's block kernel holds no row, at 64 registers (`Variant::max_registers`).
             backward_kernels!(@owned $prefix, $centered, $types, $t, $w, $x, owned_block, Block, { !cfg!(layernorm_sm90) });
-            backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_warp, Warp, false);
-            backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_block, StackedBlock, false);
+            backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_warp, Warp, false, false);
+            backward_kernels!(@held $prefix, $centered, $types, $t, $w, $x, held_block, StackedBlock, false, false);
         }
     };
     // The held block kernel over rows in half packs: 16-bit x, dy and weights of one type.
@@ -379,11 +403,26 @@ macro_rules! backward_kernels {
             use super::*;
             mod layer {
                 use super::*;
-                backward_kernels!(@held "layer_norm", true, $types, $t, $t, $t, held_block_halves, StackedBlock, true);
+                backward_kernels!(@held "layer_norm", true, $types, $t, $t, $t, held_block_halves, StackedBlock, true, false);
             }
             mod rms {
                 use super::*;
-                backward_kernels!(@held "rms_norm", false, $types, $t, $t, $t, held_block_halves, StackedBlock, true);
+                backward_kernels!(@held "rms_norm", false, $types, $t, $t, $t, held_block_halves, StackedBlock, true, false);
+            }
+        }
+    };
+    // The held block kernel over shifted rows: x, dy and weights of one type, every row
+    // pointer as far past a 16-byte boundary as x's.
+    (@shifted $module:ident, $types:literal, $t:ty) => {
+        mod $module {
+            use super::*;
+            mod layer {
+                use super::*;
+                backward_kernels!(@held "layer_norm", true, $types, $t, $t, $t, held_block_shifted, StackedBlock, false, true);
+            }
+            mod rms {
+                use super::*;
+                backward_kernels!(@held "rms_norm", false, $types, $t, $t, $t, held_block_shifted, StackedBlock, false, true);
             }
         }
     };
@@ -404,7 +443,7 @@ macro_rules! backward_kernels {
         }
     };
     (@held $prefix:literal, $centered:literal, $types:literal, $t:ty, $w:ty, $x:ty, $kind:ident, $team:ty,
-     $halves:literal) => {
+     $halves:literal, $shifted:literal) => {
         /// Stage 1, rows all whole aligned packs held in registers: the block's teams
         /// (warps, or block teams stacked along y) all add into its shared memory, and block
         /// b hands the sums over to `out` (its partial row, or its group under the lock).
@@ -416,8 +455,10 @@ macro_rules! backward_kernels {
             device::allow_dependent_launch();
             let out = Destination::of(out, p.n, 0, device::block_idx(), 1, 0);
             let r = Rows::of(p, $centered);
-            // SAFETY: the host launches this kernel only as `stage1_held` requires.
-            unsafe { stage1_held::<$x, $t, $w, $team, false, $halves>(r, out, SCRATCH_BYTES) }
+            // SAFETY: the host launches this kernel only as `stage1_held` requires. Shifted
+            // rows' kernels are `TIGHT`: their row geometry takes registers that keeping
+            // wdy would spill (16-bit), and wdy is formed again from weights in shared memory.
+            unsafe { stage1_held::<$x, $t, $w, $team, $shifted, $halves, $shifted>(r, out, SCRATCH_BYTES) }
         }
     };
 }
@@ -491,6 +532,9 @@ backward_kernels!(f16_f32w_f32s, "f16_f32w_f32s", crate::element::F16, f32, f32)
 backward_kernels!(bf16_f32w_f32s, "bf16_f32w_f32s", crate::element::Bf16, f32, f32);
 backward_kernels!(@halves f16_halves, "f16", crate::element::F16);
 backward_kernels!(@halves bf16_halves, "bf16", crate::element::Bf16);
+backward_kernels!(@shifted f32_shifted, "f32", f32);
+backward_kernels!(@shifted f16_shifted, "f16", crate::element::F16);
+backward_kernels!(@shifted bf16_shifted, "bf16", crate::element::Bf16);
 reduce_kernel!(f32, layer_norm_bwd_reduce_f32);
 reduce_kernel!(crate::element::F16, layer_norm_bwd_reduce_f16);
 reduce_kernel!(crate::element::Bf16, layer_norm_bwd_reduce_bf16);

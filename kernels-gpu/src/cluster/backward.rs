@@ -71,7 +71,7 @@ unsafe fn stage1_cluster_held<X: Element, T: Element, W: Element, const C: u32, 
     Cluster::<C>::begin();
     // SAFETY: the cluster's unit exists (cluster id < clusters), only this block hands over
     // its slice's columns of it, and the launch sized shared memory for its ranks.
-    unsafe { stage1_held::<X, T, W, Cluster<C>, true, HALVES>(slice, out, CLUSTER_SCRATCH_BYTES) };
+    unsafe { stage1_held::<X, T, W, Cluster<C>, true, HALVES, false>(slice, out, CLUSTER_SCRATCH_BYTES) };
     Cluster::<C>::end();
 }
 
