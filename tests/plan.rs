@@ -269,8 +269,9 @@ fn element_rows_of_the_owned_block_take_two_batches_a_rank() {
 /// as whole tensors' rows of odd N are) with weights of x's type are held from x's first
 /// boundary: f16 N = 4097 on 128 ranks (at most 512 whole packs past a row's head, 4 a
 /// rank; the head and tail a column a rank), teams stacked as the thread limit and shared
-/// memory allow (the staged weights beside the partials), f32 N = 1030 and 4097 likewise. Not with a residual's dsum, f32 weights beside 16-bit rows, warp
-/// rows, or other misaligned rows.
+/// memory allow (the staged weights beside the partials), f32 N = 1030 and 4097 likewise.
+/// Not with a residual's dsum, f32 weights beside 16-bit rows, warp rows, or other
+/// misaligned rows.
 #[test]
 fn shifted_rows_take_the_held_block_kernel() {
     for limits in [DeviceLimits::H100, DeviceLimits::A100] {

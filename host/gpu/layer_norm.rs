@@ -228,10 +228,7 @@ pub(crate) fn backward<T: Element, W: Weight<T>, R: Element>(
     };
     match plan.variant {
         v if v.cluster() > 1 => launch::backward_cluster(gpu, v, launch, stage1, sums)?,
-        Variant::BwdHeldWarp
-        | Variant::BwdHeldBlock
-        | Variant::BwdHeldBlockHalves
-        | Variant::BwdHeldBlockShifted => launch::backward_held(gpu, plan.variant, launch, stage1, sums)?,
+        v if v.held_unclustered() => launch::backward_held(gpu, v, launch, stage1, sums)?,
         _ => launch::backward_owned(gpu, team, launch, stage1, sums, plan.local)?,
     }
     launch::backward_reduce(

@@ -499,22 +499,12 @@ impl Variant {
                 | Variant::BwdHeldBlock
                 | Variant::BwdHeldBlockHalves
                 | Variant::BwdHeldBlockShifted,
-                Arch::Sm80,
-            ) if pair.wide_stream() => 256,
-            (
-                Variant::BwdHeldWarp
-                | Variant::BwdHeldBlock
-                | Variant::BwdHeldBlockHalves
-                | Variant::BwdHeldBlockShifted,
-                Arch::Sm80,
-            ) => 384,
-            (
-                Variant::BwdHeldWarp
-                | Variant::BwdHeldBlock
-                | Variant::BwdHeldBlockHalves
-                | Variant::BwdHeldBlockShifted,
-                Arch::Sm90,
-            ) => 512,
+                _,
+            ) => match arch {
+                Arch::Sm80 if pair.wide_stream() => 256,
+                Arch::Sm80 => 384,
+                Arch::Sm90 => 512,
+            },
             (Variant::BwdCluster8, _) if f32_rows => 384,
             (Variant::BwdCluster8, _) => 640,
             (
@@ -636,6 +626,18 @@ impl Variant {
                 | Variant::BwdCluster2HeldHalves
                 | Variant::BwdCluster4HeldHalves
                 | Variant::BwdCluster8HeldHalves
+        )
+    }
+
+    /// Whether the kernel is a held stage-1 kernel without clusters: warp or block teams, in
+    /// packs, half packs or shifted packs.
+    pub const fn held_unclustered(self) -> bool {
+        matches!(
+            self,
+            Variant::BwdHeldWarp
+                | Variant::BwdHeldBlock
+                | Variant::BwdHeldBlockHalves
+                | Variant::BwdHeldBlockShifted
         )
     }
 
