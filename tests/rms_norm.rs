@@ -135,6 +135,13 @@ fn gpu_rms_norm_matches_reference() {
     check::<f16>(&gpu, BackwardMode::Deterministic, 301, 4100, 4413);
     check::<bf16>(&gpu, BackwardMode::Deterministic, 5, 16388, 4414);
     check::<f32>(&gpu, BackwardMode::Deterministic, 400, 1030, 4415);
+    // Rows shifted off their 16-byte boundaries, x and y alike (f16/bf16 N odd or 2 mod 4,
+    // f32 N odd): the forward's block teams read and write them in packs from there, the
+    // head and tail a column a rank; over many rows and few.
+    check::<f16>(&gpu, BackwardMode::Deterministic, 300, 4097, 4416);
+    check::<bf16>(&gpu, BackwardMode::Deterministic, 200, 1030, 4417);
+    check::<f32>(&gpu, BackwardMode::Deterministic, 300, 4097, 4418);
+    check::<f16>(&gpu, BackwardMode::Deterministic, 7, 2051, 4419);
 }
 
 /// The forward's row block (`plan::Variant::FwdRowBlock`), which sm_90 takes where its last

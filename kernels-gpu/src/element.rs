@@ -243,34 +243,109 @@ pub unsafe fn read_cached<W: Element, const READ_ONLY: bool>(v: *const W, start:
     out
 }
 
+/// As [`read_cached`], for `len` columns from `v[start..]` whose first is off the weights'
+/// vector boundaries (the packs of a row shifted off its 16-byte boundaries, whose weights'
+/// columns are not): eight 16-bit weights as four 4-byte words where column `start` begins
+/// one, else column `start` alone, three words from `start + 1` and column `start + 7`
+/// alone, each word then the halves of two (five loads and registers, where an element at
+/// a time took eight of each); others an element at a time. They come from L1, where every
+/// row keeps them.
+///
+/// # Safety
+/// The elements must be in bounds, and with `READ_ONLY` nothing may write them while the
+/// kernel runs.
+#[inline(always)]
+pub unsafe fn read_cached_shifted<W: Element, const READ_ONLY: bool>(
+    v: *const W,
+    start: u32,
+    len: usize,
+) -> Pack {
+    let at = v.wrapping_add(start as usize);
+    if size_of::<W>() == 2 && len == 8 {
+        let words = if (at as usize).is_multiple_of(4) {
+            let p = at as *const u32;
+            // SAFETY: columns start..start + 8 are inside v (the caller's guarantee), four
+            // words from a word's boundary.
+            unsafe { [p.read(), p.add(1).read(), p.add(2).read(), p.add(3).read()] }
+        } else {
+            // SAFETY: as above: column start, three words from start + 1 (a word's
+            // boundary, start being one past it), and column start + 7.
+            let (first, w, last) = unsafe {
+                let first = (at as *const u16).read() as u32;
+                let p = at.add(1) as *const u32;
+                let w = [p.read(), p.add(1).read(), p.add(2).read()];
+                (first, w, (at.add(7) as *const u16).read() as u32)
+            };
+            let halves = |lo: u32, hi: u32| (lo >> 16) | (hi << 16);
+            [
+                first | (w[0] << 16),
+                halves(w[0], w[1]),
+                halves(w[1], w[2]),
+                halves(w[2], last),
+            ]
+        };
+        W::unpack(words)
+    } else {
+        // Constant indices (no `take(len)`), so that the values stay registers.
+        let mut out = [0.0; MAX_PACK];
+        for (k, o) in out.iter_mut().enumerate() {
+            if k < len {
+                // SAFETY: column start + k is inside v (the caller's guarantee).
+                *o = unsafe { read_cached::<W, READ_ONLY>(v, start + k as u32, 1)[0] };
+            }
+        }
+        out
+    }
+}
+
+/// [`read_cached`], or where `SHIFTED` and `len` > 1 [`read_cached_shifted`].
+///
+/// # Safety
+/// As for the one called.
+#[inline(always)]
+pub unsafe fn read_weights<W: Element, const READ_ONLY: bool, const SHIFTED: bool>(
+    v: *const W,
+    start: u32,
+    len: usize,
+) -> Pack {
+    // SAFETY: the caller's guarantee.
+    unsafe {
+        if SHIFTED && len > 1 {
+            read_cached_shifted::<W, READ_ONLY>(v, start, len)
+        } else {
+            read_cached::<W, READ_ONLY>(v, start, len)
+        }
+    }
+}
+
 /// Calls `f(at, step, weights)` for each pack of weights over the `len` columns `start..`
 /// (one column, or a row's vector of them): `weights` holds columns `start + at .. start +
 /// at + step`, read as [`read_cached`] reads them. For f32 weights beside 8-column packs of
 /// f16 or bf16 that is two calls of four, so that each half's weights are dead before the
 /// next half's are loaded: the kernels that hold rows in registers have no room for all
-/// eight at once.
+/// eight at once. `SHIFTED`: the columns' first may be off the weights' vector boundaries
+/// ([`read_cached_shifted`]).
 ///
 /// # Safety
-/// As for [`read_cached`].
+/// As for [`read_cached`], without the alignment where `SHIFTED`.
 #[inline(always)]
-pub unsafe fn for_each_weight_pack<W: Element, const READ_ONLY: bool>(
+pub unsafe fn for_each_weight_pack<W: Element, const READ_ONLY: bool, const SHIFTED: bool>(
     v: *const W,
     start: u32,
     len: usize,
     mut f: impl FnMut(usize, usize, &Pack),
 ) {
+    // SAFETY: the caller's guarantee, for `len` columns from `start`.
+    let read = |start: u32, len: usize| unsafe { read_weights::<W, READ_ONLY, SHIFTED>(v, start, len) };
     if len <= W::PACK {
-        // SAFETY: the caller's guarantee.
-        return f(0, len, &unsafe { read_cached::<W, READ_ONLY>(v, start, len) });
+        return f(0, len, &read(start, len));
     }
     let step = W::PACK;
     for q in 0..MAX_PACK / W::PACK {
         let at = q * step;
         if at < len {
-            // SAFETY: the caller's guarantee; `at` is a whole pack of weights into the chunk.
-            f(at, step, &unsafe {
-                read_cached::<W, READ_ONLY>(v, start + at as u32, step)
-            });
+            // `at` is a whole pack of weights into the chunk.
+            f(at, step, &read(start + at as u32, step));
         }
     }
 }

@@ -87,13 +87,14 @@
 use crate::device::{cp_async_wait_all, fma, opaque_ptr, sqrt_rn};
 use crate::element::{
     Element, MAX_PACK, Pack, for_each_weight_pack, is_pack_aligned, is_pack_aligned_as, load_pack, read,
-    read_cached, read_half_pack, write, write_with,
+    read_cached, read_half_pack, read_weights, write, write_with,
 };
 use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
 use crate::row::{
-    ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, Staged, Widened, chunk_of, each_held_slot, each_slot, fits,
-    for_each_batched, for_each_chunk, for_each_read, for_each_read_values, values,
+    ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, SHIFTED_PACKS, Staged, Widened, chunk_of, each_held_slot,
+    each_slot, fits, for_each_batched, for_each_chunk, for_each_read, for_each_read_values,
+    for_each_shifted_pack, head_elements, values,
 };
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
@@ -286,6 +287,14 @@ impl<W: Copy> Affine<W> {
     }
 }
 
+/// True where rows `x` and `y` (of one type) sit equally far past a 16-byte boundary, at a
+/// whole element's offset: their packs from there line up ([`SHIFTED_PACKS`]).
+#[inline(always)]
+fn shifted_alike<T>(x: *const T, y: *mut T) -> bool {
+    let (x, y) = (x as usize, y as usize);
+    x % 16 == y % 16 && x.is_multiple_of(size_of::<T>())
+}
+
 /// Normalizes rows `S::id(), S::id() + S::count(), ...`, one team per row.
 ///
 /// # Safety
@@ -328,6 +337,12 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
                 // Block teams only: the warp kernels, whose rows the host keeps short, lost
                 // nothing by their elements and kept their code smaller (docs/PERF.md v60).
                 forward_row::<T, T, W, S, CENTERED, HALF_PACKS, 0>(x_row, affine, y_row, n, eps, first)
+            } else if !CENTERED && S::HOLDS_PART_OF_LONG_ROWS && shifted_alike(x_row, y_row) {
+                // RMSNorm's block teams, as half packs: x and y as far past a 16-byte
+                // boundary (rows of one type always are), so read and written in packs from
+                // there, where element by element each 16 bytes of f16 took 8 loads and 8
+                // stores. (LayerNorm's block kernels spilled 8-48 bytes with them.)
+                forward_row::<T, T, W, S, CENTERED, SHIFTED_PACKS, 0>(x_row, affine, y_row, n, eps, first)
             } else {
                 forward_row::<T, T, W, S, CENTERED, ELEMENTS, 0>(x_row, affine, y_row, n, eps, first)
             }
@@ -1062,7 +1077,7 @@ unsafe fn forward_row_huge<T: Element, Y: Element, W: Element, S: StatsTeam, con
     for_each_chunk::<T, S, ELEMENTS, 0>(n, |j, len, _| {
         // SAFETY: as above; the caller's guarantee for y, gamma and beta.
         unsafe {
-            write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(
+            write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true, false>(
                 affine,
                 y,
                 j,
@@ -1148,7 +1163,7 @@ unsafe fn normalize_staged<T: Element, Y: Element, W: Element, S: StatsTeam, con
     unsafe {
         write_y::<T, Y, W, S, CENTERED, PACKS, PART_HELD>(held, x, affine, y, n, norm);
         staged.for_each::<T, S>(n, |j, v| {
-            write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(affine, y, j, T::PACK, v, norm)
+            write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true, false>(affine, y, j, T::PACK, v, norm)
         });
     }
     Some(norm)
@@ -1218,6 +1233,20 @@ unsafe fn write_y<
     n: u32,
     norm: RowNorm<CENTERED>,
 ) {
+    if CHUNK == SHIFTED_PACKS {
+        // A pack at a time, as LayerNorm's aligned packs go: in batches, with each pack's
+        // weights read off their boundaries, RMSNorm's f16 block kernel spilled on sm_90.
+        // (The statistics' pass reads in batches: `for_each_read_values`.)
+        for_each_shifted_pack::<T, S>(n, head_elements(x, n), |j, len, _| {
+            // SAFETY: as for this function; the walk yields in-bounds chunks, whole packs
+            // from the row's first 16-byte boundary, where y's lie too.
+            unsafe {
+                let v = read(x, j, len);
+                write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true, true>(affine, y, j, len, v, norm)
+            }
+        });
+        return;
+    }
     if HELD == 0 && (CHUNK != PACKS || !CENTERED) {
         // Rows read again, RMSNorm's and those read element by element: a batch of loads at
         // once. (LayerNorm's packs go one at a time: 4 at once, with gamma's and beta's, lost
@@ -1225,7 +1254,7 @@ unsafe fn write_y<
         // SAFETY: as for this function: the row is x's, aligned to its chunks.
         unsafe {
             for_each_read::<T, S, CHUNK>(x, n, |j, len, v| {
-                write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(affine, y, j, len, *v, norm)
+                write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true, false>(affine, y, j, len, *v, norm)
             })
         };
         return;
@@ -1233,7 +1262,7 @@ unsafe fn write_y<
     for_each_chunk::<T, S, CHUNK, HELD>(n, |j, len, slot| {
         // SAFETY: for_each_chunk yields in-bounds chunks, whole chunks aligned.
         unsafe {
-            write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true>(
+            write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true, false>(
                 affine,
                 y,
                 j,
@@ -1270,7 +1299,7 @@ unsafe fn write_y_streamed<T: Element, Y: Element, W: Element, S: Team, const CE
         // SAFETY: p is a whole pack of the row, aligned (the caller's guarantee).
         unsafe {
             let sv = T::unpack(load_pack::<T, T, true>(s.add(j as usize)));
-            write_y_chunk::<T, Y, W, CENTERED, CENTERED, true, false>(affine, y, j, T::PACK, sv, norm);
+            write_y_chunk::<T, Y, W, CENTERED, CENTERED, true, false, false>(affine, y, j, T::PACK, sv, norm);
         }
         p += S::size();
     }
@@ -1280,11 +1309,13 @@ unsafe fn write_y_streamed<T: Element, Y: Element, W: Element, S: Team, const CE
 /// gives (x's own, or for the pipelined block's centred d_j [`RowNorm::centred`]'s), y of
 /// type `Y` (T's, or f16/bf16 beside a residual stream in f32), stored evict-first where
 /// `EVICT_FIRST` ([`write_with`]), the weights read through the read-only path where
-/// `WEIGHTS_READ_ONLY` ([`read_cached`]). RMSNorm's read no beta.
+/// `WEIGHTS_READ_ONLY` ([`read_cached`]), and where `WEIGHTS_SHIFTED` from columns off
+/// their vector boundaries (a shifted row's packs: `element::read_cached_shifted`).
+/// RMSNorm's read no beta.
 ///
 /// # Safety
 /// The chunk lies inside the row; a whole pack of `T`'s columns is aligned to its size in
-/// y, gamma and beta (LayerNorm's).
+/// y, and in gamma and beta (LayerNorm's) unless `WEIGHTS_SHIFTED`.
 #[inline(always)]
 unsafe fn write_y_chunk<
     T: Element,
@@ -1294,6 +1325,7 @@ unsafe fn write_y_chunk<
     const X_CENTERED: bool,
     const EVICT_FIRST: bool,
     const WEIGHTS_READ_ONLY: bool,
+    const WEIGHTS_SHIFTED: bool,
 >(
     affine: Affine<W>,
     y: *mut Y,
@@ -1305,9 +1337,10 @@ unsafe fn write_y_chunk<
     let mut out = xv;
     // SAFETY: the caller's guarantee.
     unsafe {
-        for_each_weight_pack::<W, WEIGHTS_READ_ONLY>(affine.gamma, j, len, |at, step, g| {
+        for_each_weight_pack::<W, WEIGHTS_READ_ONLY, WEIGHTS_SHIFTED>(affine.gamma, j, len, |at, step, g| {
             if CENTERED {
-                let b = read_cached::<W, WEIGHTS_READ_ONLY>(affine.beta, j + at as u32, step);
+                let b =
+                    read_weights::<W, WEIGHTS_READ_ONLY, WEIGHTS_SHIFTED>(affine.beta, j + at as u32, step);
                 for k in 0..step {
                     out[at + k] =
                         y_of::<CENTERED, X_CENTERED>(norm, xv[at + k], g[k] + affine.gamma_offset, b[k]);
@@ -1548,7 +1581,7 @@ unsafe fn normalize_widened<T: Element, W: Element, S: StatsTeam, const CENTERED
                 // SAFETY: the pack at j is this rank's, whole and aligned in y, gamma and
                 // beta (the caller's guarantee).
                 unsafe {
-                    write_y_chunk::<T, T, W, CENTERED, false, false, true>(
+                    write_y_chunk::<T, T, W, CENTERED, false, false, true, false>(
                         affine,
                         y_row,
                         j,

@@ -451,6 +451,12 @@ pub const PACKS: usize = 16;
 pub const HALF_PACKS: usize = 8;
 /// Single elements: see [`PACKS`].
 pub const ELEMENTS: usize = 1;
+/// Whole 16-byte packs from the row's first 16-byte boundary on, where the row's pointers all
+/// sit equally far past one (an f16 row of N = 4097 sits 2 bytes further along than the row
+/// before it) and its weights' columns need not be aligned; the columns before the boundary
+/// and after the last whole pack one by one ([`for_each_read`]). A name, not a size (as
+/// the others are): its chunks are [`PACKS`]' 16 bytes.
+pub const SHIFTED_PACKS: usize = 17;
 
 /// The widest chunk ([`PACKS`], [`HALF_PACKS`] or [`ELEMENTS`]) a row of `T` allows: its
 /// pointers `rows` aligned to the chunk's bytes, and its weights' `weights` (of `W`) to
@@ -477,6 +483,8 @@ pub fn chunk_of<T: Element, W: Element>(rows: &[usize], weights: &[usize]) -> us
 const fn chunk_len<T: Element, const CHUNK: usize>() -> usize {
     if CHUNK == ELEMENTS {
         1
+    } else if CHUNK == SHIFTED_PACKS {
+        PACKS / size_of::<T>()
     } else {
         CHUNK / size_of::<T>()
     }
@@ -566,6 +574,18 @@ pub fn for_each_shifted_chunk<T: Element, S: Team, const K: usize>(
     // The rank opaque: two of its pack columns, kept across the team's row loop, spilled
     // sm_90's owned block kernels at their 64 registers.
     walk_chunks::<T, S, PACKS, K, true>(n, head, f)
+}
+
+/// As [`for_each_shifted_chunk`] with no pack held and the rank as it is: the forward's
+/// streamed rows, which walk a row twice and keep nothing of the walk between (with the
+/// rank opaque, LayerNorm's block kernels spilled more when tried on this path).
+#[inline(always)]
+pub fn for_each_shifted_pack<T: Element, S: Team>(
+    n: u32,
+    head: u32,
+    f: impl FnMut(u32, usize, Option<usize>),
+) {
+    walk_chunks::<T, S, PACKS, 0, false>(n, head, f)
 }
 
 /// Items `from..n` of a row (its elements, or its chunks: [`for_each_chunk_batched`]), item
@@ -660,10 +680,12 @@ const READ_BATCH_MAX: usize = if READ_BATCH_ELEMENTS > READ_BATCH_HALF_PACKS {
 /// from `row` for `f(start, len, values)`: this rank's whole chunks of `CHUNK` bytes a
 /// batch at a time, the batch's loads issued before `f` sees any of them (the last, short
 /// batch too, then given to `f` one by one), then the elements past the last whole chunk.
-/// Each rank takes the chunks [`for_each_chunk`] gives it.
+/// Each rank takes the chunks [`for_each_chunk`] gives it. [`SHIFTED_PACKS`]: the packs
+/// from the row's first 16-byte boundary on ([`head_elements`]), then the columns before it.
 ///
 /// # Safety
-/// `row` holds `n` elements, aligned to `CHUNK`'s bytes.
+/// `row` holds `n` elements, aligned to `CHUNK`'s bytes (to its own size for
+/// [`SHIFTED_PACKS`]).
 #[inline(always)]
 pub unsafe fn for_each_read<T: Element, S: Team, const CHUNK: usize>(
     row: *const T,
@@ -727,7 +749,7 @@ pub unsafe fn for_each_read_values<T: Element, S: Team, const CHUNK: usize>(
 fn read_batch<S: Team, const CHUNK: usize>() -> usize {
     match (CHUNK, S::HOLDS_PART_OF_LONG_ROWS) {
         (ELEMENTS, _) => READ_BATCH_ELEMENTS,
-        (PACKS, true) => READ_BATCH_PACKS,
+        (PACKS | SHIFTED_PACKS, true) => READ_BATCH_PACKS,
         (_, true) => READ_BATCH_HALF_PACKS,
         // Warp teams, which the host gives only rows short enough for warps: 16 bytes at a
         // time, a pack or two half packs (batches of packs cost their 64 registers a spill
@@ -749,6 +771,13 @@ unsafe fn read_batches<T: Element, S: Team, const CHUNK: usize>(
     mut f: impl FnMut(u32, u32, usize, &[Pack; READ_BATCH_MAX], usize),
 ) {
     let (width, batch) = (chunk_len::<T, CHUNK>() as u32, read_batch::<S, CHUNK>());
+    // The first whole chunk's column: a shifted row's head (made from the row where used,
+    // not kept across the caller's passes), else 0.
+    let first = if CHUNK == SHIFTED_PACKS {
+        head_elements(row, n)
+    } else {
+        0
+    };
     // Called below with whole chunks of the row (or its elements), aligned to CHUNK.
     let load = |start: u32, len: usize| {
         // SAFETY: the caller's guarantee, for a chunk inside the row.
@@ -760,15 +789,15 @@ unsafe fn read_batches<T: Element, S: Team, const CHUNK: usize>(
             }
         }
     };
-    let (chunks, size) = (n / width, S::size());
+    let (chunks, size) = ((n - first) / width, S::size());
     let mut c = S::rank();
     while c + (batch as u32 - 1) * size < chunks {
         let mut v = [[0.0; MAX_PACK]; READ_BATCH_MAX];
         for (u, v) in v.iter_mut().enumerate().take(batch) {
             // Chunk c + u size < chunks.
-            *v = load((c + u as u32 * size) * width, width as usize);
+            *v = load(first + (c + u as u32 * size) * width, width as usize);
         }
-        f(c * width, size * width, width as usize, &v, batch);
+        f(first + c * width, size * width, width as usize, &v, batch);
         c += batch as u32 * size;
     }
     if c < chunks {
@@ -782,11 +811,11 @@ unsafe fn read_batches<T: Element, S: Team, const CHUNK: usize>(
             let chunk = c + u as u32 * size;
             if u + 1 < batch && chunk < chunks {
                 // Chunk < chunks.
-                v[u] = load(chunk * width, width as usize);
+                v[u] = load(first + chunk * width, width as usize);
             }
         });
         while c < chunks {
-            f(c * width, 0, width as usize, &v, 1);
+            f(first + c * width, 0, width as usize, &v, 1);
             each_slot::<READ_BATCH_MAX>(|u| {
                 if u + 2 < batch {
                     v[u] = v[u + 1];
@@ -795,12 +824,19 @@ unsafe fn read_batches<T: Element, S: Team, const CHUNK: usize>(
             c += size;
         }
     }
-    let mut j = chunks * width + S::rank();
+    let mut j = first + chunks * width + S::rank();
     while j < n {
         let mut v = [[0.0; MAX_PACK]; READ_BATCH_MAX];
         // SAFETY: j < n.
         v[0] = unsafe { read(row, j, 1) };
         f(j, 0, 1, &v, 1);
         j += size;
+    }
+    // A shifted row's head: fewer columns than a pack, so one a rank at most.
+    if CHUNK == SHIFTED_PACKS && S::rank() < first {
+        let mut v = [[0.0; MAX_PACK]; READ_BATCH_MAX];
+        // SAFETY: rank < first <= n.
+        v[0] = unsafe { read(row, S::rank(), 1) };
+        f(S::rank(), 0, 1, &v, 1);
     }
 }

@@ -104,7 +104,7 @@ mod stage2;
 pub(crate) mod streamed;
 
 use crate::device::{self, fma};
-use crate::element::{Element, MAX_PACK, Pack, read_cached};
+use crate::element::{Element, Pack, read_cached, read_cached_shifted};
 use crate::layout::params::{BackwardRows, Partials, Reduce};
 use crate::team::{Block, SCRATCH_BYTES, StackedBlock, Warp};
 use held::stage1_held;
@@ -190,11 +190,9 @@ impl<X, T, W> Rows<X, T, W> {
     }
 
     /// As [`Rows::gamma`], for columns whose first is off gamma's 16-byte boundaries (a
-    /// shifted row's packs, `streamed::backward_row`): 16-bit weights as four 4-byte words
-    /// where column j starts one, else column j alone, three words from j + 1 and column
-    /// j + 7 alone, each word then the halves of two (five loads and registers, where an
-    /// element at a time took eight of each: the owned block kernel spilled at its 64);
-    /// others an element at a time. They come from L1, where every row keeps them.
+    /// shifted row's packs, `streamed::backward_row`), read as [`read_cached_shifted`] reads
+    /// them: five loads and registers for 16-bit weights where an element at a time took
+    /// eight of each (the owned block kernel spilled at its 64).
     ///
     /// # Safety
     /// Columns `j..j + len` are inside gamma (no launch writes it).
@@ -204,37 +202,8 @@ impl<X, T, W> Rows<X, T, W> {
         X: Element,
         W: Element,
     {
-        let at = self.gamma.wrapping_add(j as usize);
-        let mut g = if size_of::<W>() == 2 && len == 8 {
-            // SAFETY: columns j..j + 8 are inside gamma, and each load reads only them: four
-            // words from j where it starts one, else one column, three words and one column.
-            let words = unsafe {
-                if (at as usize).is_multiple_of(4) {
-                    let p = at as *const u32;
-                    [p.read(), p.add(1).read(), p.add(2).read(), p.add(3).read()]
-                } else {
-                    let first = (at as *const u16).read() as u32;
-                    let p = at.add(1) as *const u32;
-                    let w = [p.read(), p.add(1).read(), p.add(2).read()];
-                    let last = (at.add(7) as *const u16).read() as u32;
-                    let halves = |lo: u32, hi: u32| (lo >> 16) | (hi << 16);
-                    [
-                        first | (w[0] << 16),
-                        halves(w[0], w[1]),
-                        halves(w[1], w[2]),
-                        halves(w[2], last),
-                    ]
-                }
-            };
-            W::unpack(words)
-        } else {
-            let mut g = [0.0; MAX_PACK];
-            for (k, g) in g.iter_mut().enumerate().take(len) {
-                // SAFETY: column j + k < j + len, inside gamma (the caller's guarantee).
-                *g = unsafe { read_cached::<W, true>(self.gamma, j + k as u32, 1)[0] };
-            }
-            g
-        };
+        // SAFETY: the caller's guarantee.
+        let mut g = unsafe { read_cached_shifted::<W, true>(self.gamma, j, len) };
         for g in &mut g[..len] {
             *g += self.gamma_offset;
         }
