@@ -44,7 +44,8 @@
 //!   long for that, s summed as it is formed and read back from L2 for y, both at 64
 //!   registers; `residual_streamed` also for launches of many rows not all aligned, past
 //!   a warp's length (sm_90), whose rows not of aligned whole packs it takes in half packs
-//!   where 8-byte aligned, else element by element;
+//!   where 8-byte aligned, RMSNorm's in packs from their first 16-byte boundary where all
+//!   four rows sit alike past one, else element by element;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -93,8 +94,8 @@ use crate::layout::params::Forward;
 use crate::layout::registry::{Norm, pipeline_stages};
 use crate::row::{
     ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, SHIFTED_PACKS, Staged, Widened, chunk_of, each_held_slot,
-    each_slot, fits, for_each_batched, for_each_chunk, for_each_read, for_each_read_values,
-    for_each_shifted_pack, head_elements, values,
+    each_slot, fits, for_each_batched, for_each_chunk, for_each_edge_column, for_each_read,
+    for_each_read_values, head_elements, values,
 };
 use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
@@ -287,12 +288,12 @@ impl<W: Copy> Affine<W> {
     }
 }
 
-/// True where rows `x` and `y` (of one type) sit equally far past a 16-byte boundary, at a
-/// whole element's offset: their packs from there line up ([`SHIFTED_PACKS`]).
+/// True where the row pointers `rows` (of types of `T`'s size) all sit equally far past a
+/// 16-byte boundary, at a whole element's offset: their packs from there line up
+/// ([`SHIFTED_PACKS`]).
 #[inline(always)]
-fn shifted_alike<T>(x: *const T, y: *mut T) -> bool {
-    let (x, y) = (x as usize, y as usize);
-    x % 16 == y % 16 && x.is_multiple_of(size_of::<T>())
+fn shifted_alike<T>(rows: &[usize]) -> bool {
+    rows.iter().all(|&p| p % 16 == rows[0] % 16) && rows[0].is_multiple_of(size_of::<T>())
 }
 
 /// Normalizes rows `S::id(), S::id() + S::count(), ...`, one team per row.
@@ -337,11 +338,14 @@ unsafe fn forward_rows<T: Element, W: Element, S: StatsTeam, const CENTERED: boo
                 // Block teams only: the warp kernels, whose rows the host keeps short, lost
                 // nothing by their elements and kept their code smaller (docs/PERF.md v60).
                 forward_row::<T, T, W, S, CENTERED, HALF_PACKS, 0>(x_row, affine, y_row, n, eps, first)
-            } else if !CENTERED && S::HOLDS_PART_OF_LONG_ROWS && shifted_alike(x_row, y_row) {
-                // RMSNorm's block teams, as half packs: x and y as far past a 16-byte
-                // boundary (rows of one type always are), so read and written in packs from
-                // there, where element by element each 16 bytes of f16 took 8 loads and 8
-                // stores. (LayerNorm's block kernels spilled 8-48 bytes with them.)
+            } else if !CENTERED
+                && S::HOLDS_PART_OF_LONG_ROWS
+                && shifted_alike::<T>(&[x_row as usize, y_row as usize])
+            {
+                // RMSNorm's block teams, where half packs do not fit: x and y sit equally far
+                // past a 16-byte boundary (rows of one type always do), so they are read and
+                // written in packs from there; element by element each 16 bytes of f16 took 8
+                // loads and 8 stores. (LayerNorm's block kernels spilled 8-48 bytes with them.)
                 forward_row::<T, T, W, S, CENTERED, SHIFTED_PACKS, 0>(x_row, affine, y_row, n, eps, first)
             } else {
                 forward_row::<T, T, W, S, CENTERED, ELEMENTS, 0>(x_row, affine, y_row, n, eps, first)
@@ -460,9 +464,10 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
 ///   and reads s back twice; here two blocks of 512 share a multiprocessor, and each row's
 ///   tail overlaps another block's loads (docs/PERF.md, v39). Rows that are not whole
 ///   aligned packs (launches not all aligned) are added in half packs where every pointer
-///   is 8-byte aligned ([`add_residual_half_packs`]), else element by element
-///   ([`add_residual_elements`]), and normalized as the plain forward streams them, s read
-///   back from L2 twice: the general kernel took them at 128 registers and 16 warps a
+///   is 8-byte aligned ([`add_residual_half_packs`]), RMSNorm's in packs from the first
+///   16-byte boundary where x, y, the residual and s sit alike past one
+///   ([`add_residual_shifted`]), else element by element ([`add_residual_elements`]), and
+///   normalized as the plain forward streams them, s read back from L2 twice: the general kernel took them at 128 registers and 16 warps a
 ///   multiprocessor, element by element; these run 32 (sm_90 only).
 ///
 /// DRAM sees x, the residual, s and y once each, and shared memory only the reductions'
@@ -499,21 +504,24 @@ unsafe fn forward_rows_residual_lean<
                 && is_pack_aligned(affine.beta)
                 && is_pack_aligned(residual_row)
                 && is_pack_aligned(sum_row));
-        // Rows not whole aligned packs: half packs where every pointer allows them (8 bytes
-        // of s, of x's type: a stream in f32 beside 16-bit x goes element by element).
+        // Rows not whole aligned packs: half packs where every pointer allows them, else
+        // packs from the first 16-byte boundary where all four rows sit alike past one (s of
+        // x's size: a stream in f32 beside 16-bit x goes element by element).
+        let rows = [
+            x_row as usize,
+            y_row as usize,
+            residual_row as usize,
+            sum_row as usize,
+        ];
         let chunk = if packed {
             PACKS
         } else if size_of::<Y>() == size_of::<T>() {
-            chunk_of::<T, W>(
-                &[
-                    x_row as usize,
-                    y_row as usize,
-                    residual_row as usize,
-                    sum_row as usize,
-                ],
-                &[affine.gamma as usize, affine.beta as usize],
-            )
-            .min(HALF_PACKS)
+            match chunk_of::<T, W>(&rows, &[affine.gamma as usize, affine.beta as usize]).min(HALF_PACKS) {
+                // RMSNorm's 16-bit rows only: LayerNorm's f16 kernels spilled 16 bytes with
+                // them, and f32 rows ran 2-6% slower than by elements (docs/PERF.md v78).
+                ELEMENTS if !CENTERED && size_of::<T>() == 2 && shifted_alike::<T>(&rows) => SHIFTED_PACKS,
+                chunk => chunk,
+            }
         } else {
             ELEMENTS
         };
@@ -532,6 +540,16 @@ unsafe fn forward_rows_residual_lean<
                 if chunk == HALF_PACKS {
                     add_residual_half_packs::<T, Y, S>(x_row, residual_row, sum_row, n);
                     forward_row::<T, Y, W, S, CENTERED, HALF_PACKS, 0>(s_row, affine, y_row, n, eps, || pivot)
+                } else if chunk == SHIFTED_PACKS {
+                    add_residual_shifted::<T, Y, S>(x_row, residual_row, sum_row, n);
+                    forward_row::<T, Y, W, S, CENTERED, SHIFTED_PACKS, 0>(
+                        s_row,
+                        affine,
+                        y_row,
+                        n,
+                        eps,
+                        || pivot,
+                    )
                 } else {
                     add_residual::<T, Y, S, false>(x_row, residual_row, sum_row, n);
                     forward_row::<T, Y, W, S, CENTERED, ELEMENTS, 0>(s_row, affine, y_row, n, eps, || pivot)
@@ -890,6 +908,58 @@ unsafe fn add_residual_half_packs<T: Element, Y: Element, S: Team>(
     unsafe { add_residual_elements::<T, Y, S, 1>(x, residual, sum, chunks * width as u32, n) };
 }
 
+/// The residual add of a row whose x, residual and sum (x of s's size) sit equally far past
+/// a 16-byte boundary (the streamed kernel's, sm_90): the packs from the row's first
+/// boundary on, pack c by rank c mod size as the shifted walks read them back
+/// ([`SHIFTED_PACKS`]), `SUM_BATCH` a rank at a time, every load of a batch before its
+/// first store, x and the residual evict-first; then the columns before the boundary and
+/// after the last whole pack, as [`for_each_edge_column`] hands them out to every pass.
+/// Element by element, each 16 bytes of f16 took 8 loads of x, 8 of the residual and 8
+/// stores.
+///
+/// # Safety
+/// x, residual and sum hold the `n`-element row, each as far past a 16-byte boundary, at a
+/// whole element; `Y` is `T`'s size.
+#[inline(always)]
+unsafe fn add_residual_shifted<T: Element, Y: Element, S: Team>(
+    x: *const Y,
+    residual: *const T,
+    sum: *mut T,
+    n: u32,
+) {
+    let head = head_elements(sum, n);
+    let packs = (n - head) / T::PACK as u32;
+    let column = |p: u32| head + p * T::PACK as u32;
+    for_each_batched::<S, (Pack, Pack), SUM_BATCH, false>(
+        0,
+        packs,
+        // SAFETY: pack p < packs lies inside the row, from its first 16-byte boundary, where
+        // x's, the residual's and sum's packs all start.
+        |p| unsafe {
+            (
+                Y::unpack(load_pack::<Y, Y, true>(x.add(column(p) as usize))),
+                T::unpack(load_pack::<T, T, true>(residual.add(column(p) as usize))),
+            )
+        },
+        |p, (xv, rv)| {
+            let mut s: Pack = [0.0; MAX_PACK];
+            for k in 0..T::PACK {
+                s[k] = xv[k] + rv[k];
+            }
+            // SAFETY: as above.
+            unsafe { write(sum, column(p), T::PACK, &s) };
+        },
+    );
+    for_each_edge_column::<S>(S::rank(), n, head, column(packs), |j| {
+        let mut s: Pack = [0.0; MAX_PACK];
+        // SAFETY: j < n, inside the row.
+        unsafe {
+            s[0] = read(x, j, 1)[0] + read(residual, j, 1)[0];
+            write(sum, j, 1, &s);
+        }
+    });
+}
+
 /// The pivot of a row no thread writes ([`chunk_stats`]): its first value, read when called
 /// (by every rank of the team: one load a warp).
 ///
@@ -1233,29 +1303,29 @@ unsafe fn write_y<
     n: u32,
     norm: RowNorm<CENTERED>,
 ) {
-    if CHUNK == SHIFTED_PACKS {
-        // A pack at a time, as LayerNorm's aligned packs go: in batches, with each pack's
-        // weights read off their boundaries, RMSNorm's f16 block kernel spilled on sm_90.
-        // (The statistics' pass reads in batches: `for_each_read_values`.)
-        for_each_shifted_pack::<T, S>(n, head_elements(x, n), |j, len, _| {
-            // SAFETY: as for this function; the walk yields in-bounds chunks, whole packs
-            // from the row's first 16-byte boundary, where y's lie too.
-            unsafe {
-                let v = read(x, j, len);
-                write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true, true>(affine, y, j, len, v, norm)
-            }
-        });
-        return;
-    }
     if HELD == 0 && (CHUNK != PACKS || !CENTERED) {
-        // Rows read again, RMSNorm's and those read element by element: a batch of loads at
-        // once. (LayerNorm's packs go one at a time: 4 at once, with gamma's and beta's, lost
-        // 6% at f32 N = 131072 and 24% at bf16 262144, after v54.)
+        // Rows read again, RMSNorm's, those read element by element and shifted rows: a batch
+        // of loads at once. (LayerNorm's packs go one at a time: 4 at once, with gamma's and
+        // beta's, lost 6% at f32 N = 131072 and 24% at bf16 262144, after v54.) A shifted
+        // row's batches are its packs from its first 16-byte boundary, where y's lie too,
+        // each with its weights' columns off their boundaries; a pack at a time, each rank
+        // had 16 bytes of x in flight for L2's whole latency, and RMSNorm's residual rows
+        // of f32 N = 4097 lost 6% to their elements (docs/PERF.md v78).
         // SAFETY: as for this function: the row is x's, aligned to its chunks.
         unsafe {
-            for_each_read::<T, S, CHUNK>(x, n, |j, len, v| {
-                write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true, false>(affine, y, j, len, *v, norm)
-            })
+            if CHUNK == SHIFTED_PACKS {
+                for_each_read::<T, S, CHUNK>(x, n, |j, len, v| {
+                    write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true, true>(
+                        affine, y, j, len, *v, norm,
+                    )
+                })
+            } else {
+                for_each_read::<T, S, CHUNK>(x, n, |j, len, v| {
+                    write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true, false>(
+                        affine, y, j, len, *v, norm,
+                    )
+                })
+            }
         };
         return;
     }

@@ -540,14 +540,20 @@ fn walk_chunks<T: Element, S: Team, const CHUNK: usize, const K: usize, const OP
             p += S::size();
         }
     }
-    // The head's columns, then the tail's (from `head + chunks * width`), as one run of
-    // edge columns handed out rank by rank.
-    let tail = head + chunks * width;
+    for_each_edge_column::<S>(rank, n, head, head + chunks * width, |j| f(j, 1, None));
+}
+
+/// The columns of a row outside its whole chunks, those before `head` and those from
+/// `tail` on, as one run handed out rank by rank (`rank` this rank's, as the caller took
+/// it): column `i` of the run by rank `i mod size`. Every walk of a row that a rank writes
+/// and then reads back (the residual forward's s) must hand its edges out alike.
+#[inline(always)]
+pub fn for_each_edge_column<S: Team>(rank: u32, n: u32, head: u32, tail: u32, mut f: impl FnMut(u32)) {
     let mut j = if rank < head { rank } else { tail + rank - head };
     while j < n {
-        f(j, 1, None);
+        f(j);
         // A rank's head column (one at most: head < size) is followed by its tail's.
-        j += S::size() + if j < head { chunks * width } else { 0 };
+        j += S::size() + if j < head { tail - head } else { 0 };
     }
 }
 
@@ -574,18 +580,6 @@ pub fn for_each_shifted_chunk<T: Element, S: Team, const K: usize>(
     // The rank opaque: two of its pack columns, kept across the team's row loop, spilled
     // sm_90's owned block kernels at their 64 registers.
     walk_chunks::<T, S, PACKS, K, true>(n, head, f)
-}
-
-/// As [`for_each_shifted_chunk`] with no pack held and the rank as it is: the forward's
-/// streamed rows, which walk a row twice and keep nothing of the walk between (with the
-/// rank opaque, LayerNorm's block kernels spilled more when tried on this path).
-#[inline(always)]
-pub fn for_each_shifted_pack<T: Element, S: Team>(
-    n: u32,
-    head: u32,
-    f: impl FnMut(u32, usize, Option<usize>),
-) {
-    walk_chunks::<T, S, PACKS, 0, false>(n, head, f)
 }
 
 /// Items `from..n` of a row (its elements, or its chunks: [`for_each_chunk_batched`]), item
@@ -681,7 +675,8 @@ const READ_BATCH_MAX: usize = if READ_BATCH_ELEMENTS > READ_BATCH_HALF_PACKS {
 /// batch at a time, the batch's loads issued before `f` sees any of them (the last, short
 /// batch too, then given to `f` one by one), then the elements past the last whole chunk.
 /// Each rank takes the chunks [`for_each_chunk`] gives it. [`SHIFTED_PACKS`]: the packs
-/// from the row's first 16-byte boundary on ([`head_elements`]), then the columns before it.
+/// from the row's first 16-byte boundary on ([`head_elements`]), then the columns before
+/// it with the tail's ([`for_each_edge_column`]).
 ///
 /// # Safety
 /// `row` holds `n` elements, aligned to `CHUNK`'s bytes (to its own size for
@@ -824,19 +819,12 @@ unsafe fn read_batches<T: Element, S: Team, const CHUNK: usize>(
             c += size;
         }
     }
-    let mut j = first + chunks * width + S::rank();
-    while j < n {
+    // The elements past the last whole chunk, and a shifted row's head (fewer columns than
+    // a pack, so one a rank at most), as the other walks hand them out.
+    for_each_edge_column::<S>(S::rank(), n, first, first + chunks * width, |j| {
         let mut v = [[0.0; MAX_PACK]; READ_BATCH_MAX];
         // SAFETY: j < n.
         v[0] = unsafe { read(row, j, 1) };
         f(j, 0, 1, &v, 1);
-        j += size;
-    }
-    // A shifted row's head: fewer columns than a pack, so one a rank at most.
-    if CHUNK == SHIFTED_PACKS && S::rank() < first {
-        let mut v = [[0.0; MAX_PACK]; READ_BATCH_MAX];
-        // SAFETY: rank < first <= n.
-        v[0] = unsafe { read(row, S::rank(), 1) };
-        f(S::rank(), 0, 1, &v, 1);
-    }
+    });
 }
