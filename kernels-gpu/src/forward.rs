@@ -44,8 +44,8 @@
 //!   long for that, s summed as it is formed and read back from L2 for y, both at 64
 //!   registers; `residual_streamed` also for launches of many rows not all aligned, past
 //!   a warp's length (sm_90), whose rows not of aligned whole packs it takes in half packs
-//!   where 8-byte aligned, RMSNorm's in packs from their first 16-byte boundary where all
-//!   four rows sit alike past one, else element by element;
+//!   where 8-byte aligned, RMSNorm's 16-bit ones in packs from their first 16-byte
+//!   boundary where all four rows sit alike past one, else element by element;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -464,11 +464,12 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
 ///   and reads s back twice; here two blocks of 512 share a multiprocessor, and each row's
 ///   tail overlaps another block's loads (docs/PERF.md, v39). Rows that are not whole
 ///   aligned packs (launches not all aligned) are added in half packs where every pointer
-///   is 8-byte aligned ([`add_residual_half_packs`]), RMSNorm's in packs from the first
-///   16-byte boundary where x, y, the residual and s sit alike past one
+///   is 8-byte aligned ([`add_residual_half_packs`]), RMSNorm's 16-bit ones in packs from
+///   the first 16-byte boundary where x, y, the residual and s sit alike past one
 ///   ([`add_residual_shifted`]), else element by element ([`add_residual_elements`]), and
-///   normalized as the plain forward streams them, s read back from L2 twice: the general kernel took them at 128 registers and 16 warps a
-///   multiprocessor, element by element; these run 32 (sm_90 only).
+///   normalized as the plain forward streams them, s read back from L2 twice: the general
+///   kernel took them at 128 registers and 16 warps a multiprocessor, element by element;
+///   these run 32 (sm_90 only).
 ///
 /// DRAM sees x, the residual, s and y once each, and shared memory only the reductions'
 /// scratch.
@@ -1309,8 +1310,8 @@ unsafe fn write_y<
         // beta's, lost 6% at f32 N = 131072 and 24% at bf16 262144, after v54.) A shifted
         // row's batches are its packs from its first 16-byte boundary, where y's lie too,
         // each with its weights' columns off their boundaries; a pack at a time, each rank
-        // had 16 bytes of x in flight for L2's whole latency, and RMSNorm's residual rows
-        // of f32 N = 4097 lost 6% to their elements (docs/PERF.md v78).
+        // had 16 bytes of x in flight for L2's whole latency (batches: RMSNorm's f32 N =
+        // 2051 and 4097 +3.8%, docs/PERF.md v78).
         // SAFETY: as for this function: the row is x's, aligned to its chunks.
         unsafe {
             if CHUNK == SHIFTED_PACKS {
