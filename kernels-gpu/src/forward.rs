@@ -44,8 +44,8 @@
 //!   long for that, s summed as it is formed and read back from L2 for y, both at 64
 //!   registers; `residual_streamed` also for launches of many rows not all aligned, past
 //!   a warp's length (sm_90), whose rows not of aligned whole packs it takes in half packs
-//!   where 8-byte aligned, RMSNorm's 16-bit ones in packs from their first 16-byte
-//!   boundary where all four rows sit alike past one, else element by element;
+//!   where 8-byte aligned, 16-bit ones in packs from their first 16-byte boundary where
+//!   all four rows sit alike past one, else element by element;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -464,7 +464,7 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
 ///   and reads s back twice; here two blocks of 512 share a multiprocessor, and each row's
 ///   tail overlaps another block's loads (docs/PERF.md, v39). Rows that are not whole
 ///   aligned packs (launches not all aligned) are added in half packs where every pointer
-///   is 8-byte aligned ([`add_residual_half_packs`]), RMSNorm's 16-bit ones in packs from
+///   is 8-byte aligned ([`add_residual_half_packs`]), 16-bit ones in packs from
 ///   the first 16-byte boundary where x, y, the residual and s sit alike past one
 ///   ([`add_residual_shifted`]), else element by element ([`add_residual_elements`]), and
 ///   normalized as the plain forward streams them, s read back from L2 twice: the general
@@ -518,9 +518,9 @@ unsafe fn forward_rows_residual_lean<
             PACKS
         } else if size_of::<Y>() == size_of::<T>() {
             match chunk_of::<T, W>(&rows, &[affine.gamma as usize, affine.beta as usize]).min(HALF_PACKS) {
-                // RMSNorm's 16-bit rows only: LayerNorm's f16 kernels spilled 16 bytes with
-                // them, and f32 rows ran 2-6% slower than by elements (docs/PERF.md v78).
-                ELEMENTS if !CENTERED && size_of::<T>() == 2 && shifted_alike::<T>(&rows) => SHIFTED_PACKS,
+                // 16-bit rows only: f32 rows ran 2-6% slower than by elements (docs/PERF.md
+                // v78).
+                ELEMENTS if size_of::<T>() == 2 && shifted_alike::<T>(&rows) => SHIFTED_PACKS,
                 chunk => chunk,
             }
         } else {

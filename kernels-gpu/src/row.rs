@@ -661,6 +661,9 @@ pub fn for_each_chunk_batched<
 /// row not 8-byte aligned. A load at a time left a rank 16 bytes in flight (2 to 4 element
 /// by element) for DRAM's whole latency (v56).
 const READ_BATCH_PACKS: usize = 4;
+/// Packs of a shifted row ([`SHIFTED_PACKS`]) a batch holds: 2, since with 4 LayerNorm's
+/// streamed residual kernels spilled 8-16 bytes at their 64 registers on sm_90.
+const READ_BATCH_SHIFTED_PACKS: usize = 2;
 const READ_BATCH_HALF_PACKS: usize = 2 * READ_BATCH_PACKS;
 const READ_BATCH_ELEMENTS: usize = crate::layout::READ_BATCH_ELEMENTS as usize;
 /// The most chunks a batch holds.
@@ -744,7 +747,8 @@ pub unsafe fn for_each_read_values<T: Element, S: Team, const CHUNK: usize>(
 fn read_batch<S: Team, const CHUNK: usize>() -> usize {
     match (CHUNK, S::HOLDS_PART_OF_LONG_ROWS) {
         (ELEMENTS, _) => READ_BATCH_ELEMENTS,
-        (PACKS | SHIFTED_PACKS, true) => READ_BATCH_PACKS,
+        (PACKS, true) => READ_BATCH_PACKS,
+        (SHIFTED_PACKS, _) => READ_BATCH_SHIFTED_PACKS,
         (_, true) => READ_BATCH_HALF_PACKS,
         // Warp teams, which the host gives only rows short enough for warps: 16 bytes at a
         // time, a pack or two half packs (batches of packs cost their 64 registers a spill
