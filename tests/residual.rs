@@ -363,8 +363,8 @@ fn gpu_residual_held_rows_match_the_reference() {
 
 /// Launches of more rows than multiprocessors (140) whose rows are not whole aligned packs,
 /// past a warp's length: on sm_90 the streamed kernel takes them at 64 registers (on sm_80
-/// the general kernel), in half packs where 8-byte aligned, RMSNorm's 16-bit rows shifted
-/// off their 16-byte boundaries in packs from the first one, else element by element:
+/// the general kernel), in half packs where 8-byte aligned, 16-bit rows shifted off their
+/// 16-byte boundaries in packs from the first one, else element by element:
 /// teams of 64 to 512 ranks (bf16 N = 1030, half packs and two elements on rows 8-byte
 /// aligned, shifted or elements on the others; f16 4100 and f16 with f32 weights 16388,
 /// half packs; f32 4097 and 12289, half packs and elements on alternate rows; f16 2051 and
