@@ -97,7 +97,7 @@ use crate::row::{
     each_slot, fits, for_each_batched, for_each_chunk, for_each_edge_column, for_each_read,
     for_each_read_values, head_elements, values,
 };
-use crate::team::{Block, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
+use crate::team::{Block, ResidualBlock, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
 
 /// Packs per rank a block team holds in registers of a row too long to hold whole; the
@@ -1991,7 +1991,7 @@ macro_rules! residual_kernels {
         pub unsafe extern "ptx-kernel" fn $kind(p: Forward<$y, $w, $r>) {
             // SAFETY: the host launches this kernel only as `forward_rows_residual_lean`
             // requires.
-            unsafe { forward_rows_residual_lean::<$r, $y, $w, Block, $centered, { $held }>(p) }
+            unsafe { forward_rows_residual_lean::<$r, $y, $w, ResidualBlock, $centered, { $held }>(p) }
         }
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $y:ty, $w:ty, $r:ty, $kind:ident, $rows:ident,

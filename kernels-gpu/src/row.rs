@@ -658,12 +658,10 @@ pub fn for_each_chunk_batched<
 
 /// What a rank of a row no rank holds reads at once ([`for_each_read`]): 4 packs or 8
 /// half packs (64 bytes in flight a rank), or `layout::READ_BATCH_ELEMENTS` elements of a
-/// row not 8-byte aligned. A load at a time left a rank 16 bytes in flight (2 to 4 element
+/// row not 8-byte aligned; a shifted row's packs as its team says
+/// ([`Team::SHIFTED_READ_BATCH`]). A load at a time left a rank 16 bytes in flight (2 to 4 element
 /// by element) for DRAM's whole latency (v56).
 const READ_BATCH_PACKS: usize = 4;
-/// Packs of a shifted row ([`SHIFTED_PACKS`]) a batch holds: 2, since with 4 LayerNorm's
-/// streamed residual kernels spilled 8-16 bytes at their 64 registers on sm_90.
-const READ_BATCH_SHIFTED_PACKS: usize = 2;
 const READ_BATCH_HALF_PACKS: usize = 2 * READ_BATCH_PACKS;
 const READ_BATCH_ELEMENTS: usize = crate::layout::READ_BATCH_ELEMENTS as usize;
 /// The most chunks a batch holds.
@@ -748,7 +746,7 @@ fn read_batch<S: Team, const CHUNK: usize>() -> usize {
     match (CHUNK, S::HOLDS_PART_OF_LONG_ROWS) {
         (ELEMENTS, _) => READ_BATCH_ELEMENTS,
         (PACKS, true) => READ_BATCH_PACKS,
-        (SHIFTED_PACKS, _) => READ_BATCH_SHIFTED_PACKS,
+        (SHIFTED_PACKS, _) => S::SHIFTED_READ_BATCH,
         (_, true) => READ_BATCH_HALF_PACKS,
         // Warp teams, which the host gives only rows short enough for warps: 16 bytes at a
         // time, a pack or two half packs (batches of packs cost their 64 registers a spill

@@ -155,6 +155,12 @@ pub trait Team {
     /// the 16-bit cluster8 kernels 8-24 bytes at their 96).
     const PARTIALS_WITH_DX: bool = false;
 
+    /// Packs of a shifted row (`row::SHIFTED_PACKS`) each rank has in flight at once
+    /// (`row::for_each_read`). 4 (64 bytes a rank) where the row comes from DRAM, as the
+    /// plain forward's x does: with 2, RMSNorm's plain block kernels lost 1-9% (f16 N =
+    /// 4097 and 16383, f32 2051 and 4097; docs/PERF.md v79). [`ResidualBlock`] takes 2.
+    const SHIFTED_READ_BATCH: usize = 4;
+
     /// Index of this thread within the team.
     fn rank() -> u32;
     /// Threads in the team.
@@ -250,7 +256,8 @@ impl StatsTeam for Warp {
 /// kernels at 128, the row block at 40, which spill with generic pointers); the others
 /// write and read the slots as plain Rust, which LLVM schedules around: the same kernels
 /// through inline PTX lost 8-17% at f32 N = 32768-65536 (docs/PERF.md v48).
-pub struct Blocks<const STACKED: bool, const NARROW: bool = false>;
+/// `SHIFTED_READ_BATCH`: as [`Team::SHIFTED_READ_BATCH`].
+pub struct Blocks<const STACKED: bool, const NARROW: bool = false, const SHIFTED_READ_BATCH: usize = 4>;
 
 /// A whole block per row, launched one-dimensional.
 pub type Block = Blocks<false>;
@@ -262,7 +269,15 @@ pub type NarrowBlock = Blocks<false, true>;
 /// `blockDim.y` teams of `blockDim.x` threads per block, one row each.
 pub type StackedBlock = Blocks<true>;
 
-impl<const STACKED: bool, const NARROW: bool> Blocks<STACKED, NARROW> {
+/// [`Block`] for the streamed residual forward, whose row passes read back the s it has
+/// just written, from L2: its shifted rows' reads go 2 packs a rank at a time. With 4,
+/// LayerNorm's kernels spilled 8-16 bytes at their 64 registers on sm_90; with 2, both
+/// norms' 16-bit kernels gained up to 31% and lost at most 4% (docs/PERF.md v79).
+pub type ResidualBlock = Blocks<false, false, 2>;
+
+impl<const STACKED: bool, const NARROW: bool, const SHIFTED_READ_BATCH: usize>
+    Blocks<STACKED, NARROW, SHIFTED_READ_BATCH>
+{
     /// This team's index in its block's stack.
     #[inline(always)]
     fn stack_index() -> u32 {
@@ -317,9 +332,12 @@ impl<const STACKED: bool, const NARROW: bool> Blocks<STACKED, NARROW> {
     }
 }
 
-impl<const STACKED: bool, const NARROW: bool> Team for Blocks<STACKED, NARROW> {
+impl<const STACKED: bool, const NARROW: bool, const SHIFTED_READ_BATCH: usize> Team
+    for Blocks<STACKED, NARROW, SHIFTED_READ_BATCH>
+{
     const HOLDS_PART_OF_LONG_ROWS: bool = true;
     const TAKES_SHIFTED_ROWS: bool = true;
+    const SHIFTED_READ_BATCH: usize = SHIFTED_READ_BATCH;
     #[inline(always)]
     fn rank() -> u32 {
         device::thread_idx()
@@ -361,7 +379,9 @@ impl<const STACKED: bool, const NARROW: bool> Team for Blocks<STACKED, NARROW> {
     }
 }
 
-impl<const STACKED: bool, const NARROW: bool> StatsTeam for Blocks<STACKED, NARROW> {
+impl<const STACKED: bool, const NARROW: bool, const SHIFTED_READ_BATCH: usize> StatsTeam
+    for Blocks<STACKED, NARROW, SHIFTED_READ_BATCH>
+{
     #[inline(always)]
     fn sum(a: f32) -> f32 {
         let v = Self::exchange([warp_sums([a])[0], 0.0, 0.0], [0.0; 3]);
