@@ -661,7 +661,7 @@ pub fn for_each_chunk_batched<
 /// row not 8-byte aligned; a shifted row's packs as its team says
 /// ([`Team::SHIFTED_READ_BATCH`]). A load at a time left a rank 16 bytes in flight (2 to 4 element
 /// by element) for DRAM's whole latency (v56).
-const READ_BATCH_PACKS: usize = 4;
+pub const READ_BATCH_PACKS: usize = 4;
 const READ_BATCH_HALF_PACKS: usize = 2 * READ_BATCH_PACKS;
 const READ_BATCH_ELEMENTS: usize = crate::layout::READ_BATCH_ELEMENTS as usize;
 /// The most chunks a batch holds.

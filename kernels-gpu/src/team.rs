@@ -159,7 +159,7 @@ pub trait Team {
     /// (`row::for_each_read`). 4 (64 bytes a rank) where the row comes from DRAM, as the
     /// plain forward's x does: with 2, RMSNorm's plain block kernels lost 1-9% (f16 N =
     /// 4097 and 16383, f32 2051 and 4097; docs/PERF.md v79). [`ResidualBlock`] takes 2.
-    const SHIFTED_READ_BATCH: usize = 4;
+    const SHIFTED_READ_BATCH: usize = crate::row::READ_BATCH_PACKS;
 
     /// Index of this thread within the team.
     fn rank() -> u32;
@@ -257,7 +257,11 @@ impl StatsTeam for Warp {
 /// write and read the slots as plain Rust, which LLVM schedules around: the same kernels
 /// through inline PTX lost 8-17% at f32 N = 32768-65536 (docs/PERF.md v48).
 /// `SHIFTED_READ_BATCH`: as [`Team::SHIFTED_READ_BATCH`].
-pub struct Blocks<const STACKED: bool, const NARROW: bool = false, const SHIFTED_READ_BATCH: usize = 4>;
+pub struct Blocks<
+    const STACKED: bool,
+    const NARROW: bool = false,
+    const SHIFTED_READ_BATCH: usize = { crate::row::READ_BATCH_PACKS },
+>;
 
 /// A whole block per row, launched one-dimensional.
 pub type Block = Blocks<false>;
@@ -272,7 +276,7 @@ pub type StackedBlock = Blocks<true>;
 /// [`Block`] for the streamed residual forward, whose row passes read back the s it has
 /// just written, from L2: its shifted rows' reads go 2 packs a rank at a time. With 4,
 /// LayerNorm's kernels spilled 8-16 bytes at their 64 registers on sm_90; with 2, both
-/// norms' 16-bit kernels gained up to 31% and lost at most 4% (docs/PERF.md v79).
+/// norms' 16-bit kernels gained up to 31% and lost at most 4.3% (docs/PERF.md v79).
 pub type ResidualBlock = Blocks<false, false, 2>;
 
 impl<const STACKED: bool, const NARROW: bool, const SHIFTED_READ_BATCH: usize>
