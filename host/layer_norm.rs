@@ -951,6 +951,20 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
                     &[address(&gamma, stream), address(&beta, stream)],
                 ),
             };
+            // Residual rows in half packs stay with the streamed kernel, which takes them so
+            // (7% faster than held from the boundary at f16 N = 4100: docs/PERF.md v82).
+            let shifted = match &residual {
+                Some((r, s)) if !packed && size_of::<T>() == 2 => {
+                    let (x, others) = (
+                        address(&x, stream),
+                        [address(&y, stream), address(r, stream), address(s, stream)],
+                    );
+                    let weights = [address(&gamma, stream), address(&beta, stream)];
+                    !half_packed_rows::<T, W, R>(n, others.iter().chain(&weights).chain([&x]))
+                        && shifted_rows::<T, R>(x, &others)
+                }
+                _ => false,
+            };
             let a = Forward {
                 x,
                 residual,
@@ -964,6 +978,7 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
                 eps,
                 gamma_offset,
                 packed,
+                shifted,
                 norm,
             };
             gpu::forward(g, a)
@@ -1256,8 +1271,8 @@ fn packed_rows<T: Element, R: Element>(n: usize, xs: &[u64], rows: &[u64], weigh
         && rows.iter().chain(weights).all(|a| a.is_multiple_of(16))
 }
 
-/// Whether the backward may walk every row of `n` elements in half packs (four columns, 8
-/// bytes): x, dy and the weights of one 16-bit type (`T` = `R`, `W` the same size), n a
+/// Whether the kernels may walk every row of `n` elements in half packs (four columns, 8
+/// bytes): the rows and the weights of one 16-bit type (`T` = `R`, `W` the same size), n a
 /// multiple of 4, and every address (each tensor's, the weights' too) 8-byte aligned.
 fn half_packed_rows<'a, T: Element, W: Element, R: Element>(
     n: usize,
@@ -1270,10 +1285,12 @@ fn half_packed_rows<'a, T: Element, W: Element, R: Element>(
         && addresses.into_iter().all(|a| a.is_multiple_of(8))
 }
 
-/// Whether the backward may hold every row from x's first 16-byte boundary on: x, dy and dx
-/// of one type (`T` = `R`, no wider stream), and each of `others` (dy's and dx's addresses)
-/// as many bytes past a 16-byte boundary as `x`'s, so that each row of them is too (rows
-/// of one length apart). The weights may sit anywhere: the kernel stages them.
+/// Whether the kernels may hold every row from x's first 16-byte boundary on: x and the
+/// other rows of one type (`T` = `R`, no wider stream), and each of `others` (the
+/// backward's dy and dx, the residual forward's y, residual and s) as many bytes past a
+/// 16-byte boundary as `x`'s, so that each row of them is too (rows of one length apart).
+/// The weights may sit anywhere: the backward stages them, the forward reads them off
+/// their boundaries.
 fn shifted_rows<T: Element, R: Element>(x: u64, others: &[u64]) -> bool {
     size_of::<T>() == size_of::<R>() && others.iter().all(|a| a.abs_diff(x).is_multiple_of(16))
 }

@@ -41,7 +41,12 @@
 //!   (N = 3073-4096, 7169-8192, 15361-16384), the held residual kernel at 64 registers;
 //!   rows too long for a block of 512 to hold at 8 packs a rank (16-bit N > 32768, f32 >
 //!   16384), the streamed residual kernel, 512 ranks, which forms and sums s in one pass
-//!   and reads it back from L2 for y (both a block for every row on sm_90).
+//!   and reads it back from L2 for y (both a block for every row on sm_90). On sm_90,
+//!   RMSNorm's 16-bit rows of one type with weights of it that sit alike past 16-byte
+//!   boundaries ([`Alignment::Shifted`], not in half packs) take the held residual kernel's
+//!   `_shifted` copy, in packs from their first boundary, where they fit
+//!   `RESIDUAL_HELD_SHIFTED` packs a rank of 1024 (N <= 16384); other rows not all
+//!   aligned, the streamed kernel at the general kernel's team.
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
@@ -64,8 +69,8 @@ use crate::layout::registry::pipeline_stages;
 pub use crate::layout::registry::{Arch, DTYPE_BYTES, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
     BWD_BATCH_ELEMENTS, BWD_HELD, BWD_UNALIGNED_BATCHES_PER_RANK, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES,
-    MAX_STACKED, PIPE_HELD, READ_BATCH_ELEMENTS, RESIDUAL_HELD, SCRATCH_BYTES, UNALIGNED_BATCHES_PER_RANK,
-    block_half_pack_rows,
+    MAX_STACKED, PIPE_HELD, READ_BATCH_ELEMENTS, RESIDUAL_HELD, RESIDUAL_HELD_SHIFTED, SCRATCH_BYTES,
+    UNALIGNED_BATCHES_PER_RANK, block_half_pack_rows,
 };
 
 use crate::element::{Element, F32Stream, Weight, pair_of};
@@ -123,9 +128,11 @@ pub enum Alignment {
     /// Not `Packs`, but every row (and the weights) starts 8-byte aligned and `n` is a
     /// multiple of 4: 16-bit x, dy and weights of one type then take half packs (8 bytes).
     HalfPacks,
-    /// Neither, but x, dy and dx are of one size and every row of each sits as many bytes
-    /// past a 16-byte boundary as x's (f16 rows of odd `n` do, from aligned tensors): the
-    /// backward holds them in packs from that boundary, without a residual's dsum.
+    /// Neither, but the rows are of one size and every row of each sits as many bytes past a
+    /// 16-byte boundary as x's (f16 rows of odd `n` do, from aligned tensors): the
+    /// backward's x, dy and dx, which it holds in packs from that boundary without a
+    /// residual's dsum; the residual forward's 16-bit x, y, residual and s, which
+    /// RMSNorm's held residual kernel holds so (sm_90).
     Shifted,
     /// Anything else.
     Other,
@@ -668,6 +675,9 @@ impl<T: Element> Planner<T> {
     /// Over f32 rows (x, or a stream in f32) it gained 2% at N = 16384 and lost 17% at
     /// 12288, and the registry has it for 16-bit rows only.
     fn residual_held(&self) -> Option<Plan> {
+        if self.shifted {
+            return self.residual_held_shifted();
+        }
         let variant = Variant::FwdResidualHeld;
         let pipelined = self.fits(
             self.n,
@@ -692,6 +702,35 @@ impl<T: Element> Planner<T> {
             smem: SCRATCH_BYTES,
             local: false,
             grid: self.every_row_on_sm90(true),
+        })
+    }
+
+    /// RMSNorm's held residual forward over rows shifted alike ([`Alignment::Shifted`]:
+    /// 16-bit x, y, residual and s of one type, weights of it, not in half packs), on sm_90,
+    /// for launches of more rows than multiprocessors whose rows, longer than a warp's, fit
+    /// `RESIDUAL_HELD_SHIFTED` packs a rank of a block: the fewest ranks that hold them, a
+    /// power of two from 64 to 1024 (whole blocks fill a multiprocessor's 1024 threads at 64
+    /// registers), a team for every row. Streamed ([`Self::residual_unaligned`]), these
+    /// rows' s is written and then read back from L2 twice (H200, docs/PERF.md v82: +6 to
+    /// +26% at f16 N = 1030-16383). LayerNorm's kernels spilled with the shifted path, and
+    /// keep streaming such rows (the registry has the kernel for RMSNorm only).
+    fn residual_held_shifted(&self) -> Option<Plan> {
+        let variant = Variant::FwdResidualHeldShifted;
+        let ranks = self.n.div_ceil(pack_len::<T>()).div_ceil(RESIDUAL_HELD_SHIFTED);
+        let threads = ranks.next_power_of_two().max(64);
+        let takes = self.norm.has(variant)
+            && variant.in_module(self.limits.arch)
+            && variant.has_pair(self.pair)
+            && !self.few_rows
+            && !self.residual_warp_rows()
+            && threads <= self.max_threads(variant).min(FULL_BLOCK);
+        takes.then_some(Plan {
+            variant,
+            threads,
+            stacked: 1,
+            smem: SCRATCH_BYTES,
+            local: false,
+            grid: Grid::EveryRow,
         })
     }
 

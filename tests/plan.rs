@@ -306,6 +306,55 @@ fn shifted_rows_take_the_held_block_kernel() {
     }
 }
 
+/// RMSNorm's residual forward over 16-bit rows shifted alike (x, y, residual and s of one
+/// type, weights of it) takes the held residual kernel's shifted copy on sm_90, in packs
+/// from the first boundary, 2 packs a rank of the fewest ranks, a power of two from 64,
+/// that hold the row, a block for every row: f16 N = 1030 on 128 ranks, 2051 on 256, 4097
+/// on 512, 16383 on 1024. Not past what 1024 ranks hold (16388), nor rows in half packs
+/// (4100: the host gives them as such), LayerNorm's rows (its kernels spilled with the
+/// path), f32 weights, launches of few rows, or sm_80: those stream; nor rows a warp takes
+/// (1022). The aligned rows keep the held kernel.
+#[test]
+fn rms_shifted_residual_rows_take_the_held_kernel() {
+    let h = DeviceLimits::H100;
+    let res = Pass::ForwardResidual;
+    let shifted = Variant::FwdResidualHeldShifted;
+    for (n, threads) in [(1030, 128), (2051, 256), (4097, 512), (16383, 1024)] {
+        let p = plan::<f16, f16>(Norm::Rms, MANY, n, res, Alignment::Shifted, h).unwrap();
+        assert_eq!(
+            (p.variant, p.threads, p.grid),
+            (shifted, threads, Grid::EveryRow),
+            "f16 {n}"
+        );
+        let p = plan::<bf16, bf16>(Norm::Rms, MANY, n, res, Alignment::Shifted, h).unwrap();
+        assert_eq!((p.variant, p.threads), (shifted, threads), "bf16 {n}");
+    }
+    let streamed = [
+        (16388, Norm::Rms, Alignment::Shifted, "16388"),
+        (4100, Norm::Rms, Alignment::HalfPacks, "half packs"),
+        (4097, Norm::Layer, Alignment::Shifted, "LayerNorm"),
+        (4097, Norm::Rms, Alignment::Other, "other rows"),
+    ];
+    for (n, norm, alignment, what) in streamed {
+        let p = plan::<f16, f16>(norm, MANY, n, res, alignment, h).unwrap();
+        assert_eq!(p.variant, Variant::FwdResidualStreamed, "{what}");
+    }
+    let p = plan::<f16, f32>(Norm::Rms, MANY, 4097, res, Alignment::Shifted, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdResidualStreamed, "f32 weights");
+    let p = plan::<f16, f16>(Norm::Rms, 100, 4097, res, Alignment::Shifted, h).unwrap();
+    assert_ne!(p.variant, shifted, "few rows");
+    let p = plan::<f16, f16>(Norm::Rms, MANY, 1022, res, Alignment::Shifted, h).unwrap();
+    assert_eq!(p.variant, Variant::FwdResidualWarp, "warp rows");
+    let p = plan::<f16, f16>(Norm::Rms, MANY, 4097, res, Alignment::Shifted, DeviceLimits::A100).unwrap();
+    assert_ne!(p.variant, shifted, "sm_80");
+    let p = plan::<f16, f16>(Norm::Rms, MANY, 32768, res, Alignment::Packs, h).unwrap();
+    assert_eq!(
+        (p.variant, p.threads),
+        (Variant::FwdResidualHeld, 1024),
+        "aligned"
+    );
+}
+
 /// Block-team rows of 16-bit values and weights of one type, 8-byte aligned and a whole
 /// number of half packs (f16 N = 4100 and 16388 of a whole tensor: every other row starts
 /// 8 bytes past a 16-byte boundary), are held in half packs as packed rows are in packs:

@@ -79,7 +79,7 @@ pub(crate) fn forward<T: Element, W: Weight<T>, R: Element>(
     let plan = if pass == Pass::Forward {
         plan_rows::<T>(a.norm, types, a.rows, a.n, pass, a.packed, limits)?
     } else {
-        plan_rows::<R>(a.norm, types, a.rows, a.n, pass, a.packed, limits)?
+        plan_rows::<R>(a.norm, types, a.rows, a.n, pass, a.alignment(), limits)?
     };
     let kernel = gpu.kernels.of_pair(a.norm, pair)?.any(plan.variant);
     let launch = grid(gpu, kernel, a.rows, &plan)?;

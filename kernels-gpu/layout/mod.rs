@@ -31,6 +31,12 @@ pub const PIPE_HELD: u32 = 4;
 /// its 64, and a block of 1024 ranks holds a 16-bit row of N = 32768 (f32: 16384).
 pub const RESIDUAL_HELD: u32 = 4;
 
+/// Packs of x, and of the residual, each rank of the held residual forward loads together
+/// of RMSNorm's rows shifted alike past a 16-byte boundary (sm_90), from the first one on:
+/// with `RESIDUAL_HELD` the kernels spilled 32-64 bytes, and LayerNorm's 48-72 even with
+/// 2, so its shifted rows stay streamed. A block of 1024 ranks holds a row of N = 16384.
+pub const RESIDUAL_HELD_SHIFTED: u32 = 2;
+
 /// Packs of x each rank of LayerNorm's pipelined forward block team holds of the f32 rows
 /// whose next row it stages (`registry::pipeline_stages`): with one row in registers, 6 fit
 /// the 64 of its thread limit (8 spilled), and rows of up to 6144 packs (N = 24576) fit

@@ -170,6 +170,7 @@ pub const fn param_bytes(variant: Variant) -> &'static [usize] {
         | Variant::FwdWidenedWarp
         | Variant::FwdFewRows
         | Variant::FwdResidualHeld
+        | Variant::FwdResidualHeldShifted
         | Variant::FwdResidualStreamed
         | Variant::FwdResidualWarp
         | Variant::FwdResidualBlock

@@ -175,9 +175,13 @@ impl Norm {
     /// Whether `norm` has a kernel of `variant` of its own. Stage 2 (column sums of the
     /// partial rows) is the same for both and exists once, as LayerNorm's; the widened warp
     /// forward is LayerNorm's alone (RMSNorm's rows keep the pipelined warp, which was
-    /// faster for them).
+    /// faster for them); the held residual forward over shifted rows is RMSNorm's alone
+    /// (LayerNorm's spilled at 2 packs a rank: docs/PERF.md v82).
     pub const fn has(self, variant: Variant) -> bool {
-        matches!(self, Norm::Layer) || !matches!(variant, Variant::BwdReduce | Variant::FwdWidenedWarp)
+        match self {
+            Norm::Layer => !matches!(variant, Variant::FwdResidualHeldShifted),
+            Norm::Rms => !matches!(variant, Variant::BwdReduce | Variant::FwdWidenedWarp),
+        }
     }
 
     /// Whether `norm`'s ops launch `variant`: its own kernels, and stage 2, LayerNorm's
@@ -327,6 +331,9 @@ pub enum Variant {
     /// block per row at 64 registers: 16-bit rows held at `RESIDUAL_HELD` packs a rank by
     /// up to 1024 ranks,
     FwdResidualHeld,
+    /// RMSNorm's 16-bit rows shifted alike past a 16-byte boundary, held as that kernel
+    /// holds its rows, 2 packs a rank from the boundary (sm_90),
+    FwdResidualHeldShifted,
     /// or, too long for that, s formed and summed as it streams in, y from s read back from
     /// L2.
     FwdResidualStreamed,
@@ -357,7 +364,7 @@ pub enum Variant {
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 27] = [
+    pub const ALL: [Variant; 28] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
@@ -370,6 +377,7 @@ impl Variant {
         Variant::FwdResidualPipelinedWarp,
         Variant::FwdResidualPipelinedBlock,
         Variant::FwdResidualHeld,
+        Variant::FwdResidualHeldShifted,
         Variant::FwdResidualStreamed,
         Variant::BwdOwnedWarp,
         Variant::BwdOwnedBlock,
@@ -402,6 +410,7 @@ impl Variant {
             Variant::FwdResidualPipelinedWarp => "fwd_residual_pipelined_warp",
             Variant::FwdResidualPipelinedBlock => "fwd_residual_pipelined_block",
             Variant::FwdResidualHeld => "fwd_residual_held",
+            Variant::FwdResidualHeldShifted => "fwd_residual_held_shifted",
             Variant::FwdResidualStreamed => "fwd_residual_streamed",
             Variant::BwdOwnedWarp => "bwd_owned_warp",
             Variant::BwdOwnedBlock => "bwd_owned_block",
@@ -455,10 +464,14 @@ impl Variant {
     }
 
     /// Whether only the sm_90 module has the kernel: clusters exist from sm_90 on, and the
-    /// widened warp forward and the row block were measured faster only there (no sm_80
-    /// device measured them).
+    /// widened warp forward, the row block and the held residual forward over shifted rows
+    /// were measured faster only there (no sm_80 device measured them).
     pub const fn sm90_only(self) -> bool {
-        self.cluster() > 1 || matches!(self, Variant::FwdWidenedWarp | Variant::FwdRowBlock)
+        self.cluster() > 1
+            || matches!(
+                self,
+                Variant::FwdWidenedWarp | Variant::FwdRowBlock | Variant::FwdResidualHeldShifted
+            )
     }
 
     /// The launch bound of the kernel for type pair `pair` in `arch`'s module (the module
@@ -473,6 +486,7 @@ impl Variant {
                 Variant::FwdWarp
                 | Variant::FwdBlock
                 | Variant::FwdResidualHeld
+                | Variant::FwdResidualHeldShifted
                 | Variant::FwdResidualStreamed
                 | Variant::BwdReduce,
                 _,
@@ -569,7 +583,7 @@ impl Variant {
     }
 
     /// Whether the kernel comes in type pair `pair`: stage 2, which reads f32 partials and
-    /// writes the weights' gradients, only in pairs of one type; the held residual forward
+    /// writes the weights' gradients, only in pairs of one type; the held residual forwards
     /// only over f16 and bf16 rows with weights and stream of their type, the widened warp
     /// forward only over f16 and bf16 x (with weights of its type or f32), the held block
     /// kernel in half packs over f16 and bf16 x, dy and weights of one type, the held block
@@ -592,7 +606,7 @@ impl Variant {
             // Its staged weights are packs of x's columns.
             return pair.weights == pair.x && pair.stream == pair.x;
         }
-        if matches!(self, Variant::FwdResidualHeld) {
+        if matches!(self, Variant::FwdResidualHeld | Variant::FwdResidualHeldShifted) {
             // Where it was measured faster (H200, docs/PERF.md v40: f32 rows, a stream in
             // f32 included, gained 2% or lost up to 17%; f32 weights beside 16-bit rows
             // spilled it at 64 registers).
@@ -619,6 +633,7 @@ impl Variant {
         matches!(
             self,
             Variant::FwdResidualHeld
+                | Variant::FwdResidualHeldShifted
                 | Variant::FwdWidenedWarp
                 | Variant::FwdRowBlock
                 | Variant::BwdHeldBlockHalves

@@ -46,6 +46,9 @@
 //!   a warp's length (sm_90), whose rows not of aligned whole packs it takes in half packs
 //!   where 8-byte aligned, 16-bit ones in packs from their first 16-byte boundary where
 //!   all four rows sit alike past one, else element by element;
+//! - `residual_held_shifted` ([`forward_rows_residual_held_shifted`], RMSNorm's, sm_90) for
+//!   those launches' 16-bit rows not in half packs that sit alike past a 16-byte boundary
+//!   and fit 2 packs a rank of 1024 from it: held as `residual_held` holds its rows;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -95,7 +98,7 @@ use crate::layout::registry::{Norm, pipeline_stages};
 use crate::row::{
     ELEMENTS, FWD_HELD, HALF_PACKS, Held, PACKS, SHIFTED_PACKS, Staged, Widened, chunk_of, each_held_slot,
     each_slot, fits, for_each_batched, for_each_chunk, for_each_edge_column, for_each_read,
-    for_each_read_values, head_elements, values,
+    for_each_read_values, for_each_shifted_chunk, head_elements, values,
 };
 use crate::team::{Block, ResidualBlock, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
@@ -108,6 +111,10 @@ const PART_HELD: usize = crate::layout::PART_HELD as usize;
 /// Packs a rank of the held residual kernel (`residual_held`): x's and the residual's
 /// loaded together fit its 64 registers.
 const RESIDUAL_HELD: usize = crate::layout::RESIDUAL_HELD as usize;
+
+/// Packs a rank of the held residual kernel over shifted rows (`residual_held_shifted`).
+#[cfg(layernorm_sm90)]
+const RESIDUAL_HELD_SHIFTED: usize = crate::layout::RESIDUAL_HELD_SHIFTED as usize;
 
 /// Elements a rank of an unaligned residual row adds at once ([`add_residual_elements`]),
 /// as many as it then reads back at once (`row::for_each_read`).
@@ -409,7 +416,7 @@ unsafe fn forward_rows_residual<T: Element, Y: Element, W: Element, S: StatsTeam
         // or `holds` for the held and staged.
         let norm = unsafe {
             if packed && fits::<T, S, FWD_HELD>(n) {
-                residual_held_row::<T, Y, W, S, CENTERED, FWD_HELD>(
+                residual_held_row::<T, Y, W, S, CENTERED, PACKS, FWD_HELD>(
                     x_row,
                     residual_row,
                     sum_row,
@@ -556,7 +563,7 @@ unsafe fn forward_rows_residual_lean<
                     forward_row::<T, Y, W, S, CENTERED, ELEMENTS, 0>(s_row, affine, y_row, n, eps, || pivot)
                 }
             } else if HELD > 0 {
-                residual_held_row::<T, Y, W, S, CENTERED, HELD>(
+                residual_held_row::<T, Y, W, S, CENTERED, PACKS, HELD>(
                     x_row,
                     residual_row,
                     sum_row,
@@ -584,6 +591,47 @@ unsafe fn forward_rows_residual_lean<
     // SAFETY: the caller's guarantee; `normalize` writes s by elements exactly where its
     // chunk is `ELEMENTS`.
     unsafe { residual_rows::<T, Y, W, S, CENTERED>(p, normalize) }
+}
+
+/// RMSNorm's held residual forward over 16-bit rows shifted alike (`residual_held_shifted`,
+/// sm_90, teams of up to 1024 ranks at 64 registers): x, y, the residual and s all sit as
+/// far past a 16-byte boundary. Each rank loads x's and the residual's packs from the row's
+/// first boundary on, `RESIDUAL_HELD_SHIFTED` of each together (with `RESIDUAL_HELD` the
+/// kernel spilled), forms and stores s, and normalizes it from registers
+/// ([`residual_held_row`]); the columns before the boundary and after the last whole pack
+/// go a column a rank. Streamed (the `residual_streamed` kernel), such rows' s is written
+/// and read back from L2 twice. A kernel of its own: an arm for these rows in the aligned
+/// held kernel cost that kernel 11% at N = 32768 (docs/PERF.md, v82).
+///
+/// # Safety
+/// As for [`forward_rows_residual`]; x, y, the residual and s are of one 16-bit type, every
+/// row of each as far past a 16-byte boundary as x's, and every row fits
+/// `RESIDUAL_HELD_SHIFTED` packs a rank from its first boundary (the host launches it only
+/// on such rows).
+#[cfg(layernorm_sm90)]
+#[inline(always)]
+unsafe fn forward_rows_residual_held_shifted<T: Element, W: Element, S: StatsTeam>(p: Forward<T, W, T>) {
+    let affine = Affine::of(p);
+    let (n, eps) = (p.n, p.eps);
+    let normalize = |x_row: *const T, residual_row: *const T, sum_row: *mut T, y_row: *mut T| {
+        // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`), which
+        // sit alike and fit (the caller's guarantee).
+        let norm = unsafe {
+            residual_held_row::<T, T, W, S, false, SHIFTED_PACKS, RESIDUAL_HELD_SHIFTED>(
+                x_row,
+                residual_row,
+                sum_row,
+                affine,
+                y_row,
+                n,
+                eps,
+            )
+        };
+        (norm, true)
+    };
+    // SAFETY: the caller's guarantee; `normalize` writes s in packs and edge columns, as
+    // the walks that read it back hand them out.
+    unsafe { residual_rows::<T, T, W, S, false>(p, normalize) }
 }
 
 /// The residual forward's loop over the team's rows: `normalize(x, residual, sum, y)` (one
@@ -628,12 +676,16 @@ unsafe fn residual_rows<T: Element, Y: Element, W: Element, S: StatsTeam, const 
 /// One residual row held in registers, `HELD` packs a rank: x's and the residual's packs
 /// loaded together (every load in flight at once), s formed, written to `sum` and
 /// normalized from registers ([`store_sum`]); the elements after the last whole pack one
-/// by one. Returns the row's normalization, or None where its statistics overflowed (as
-/// [`normalize_row`]).
+/// by one. [`SHIFTED_PACKS`]: the packs from the row's first 16-byte boundary, where x's,
+/// the residual's, s's and y's all start, and the columns before it with the tail's
+/// ([`add_residual_edges`]), the weights read off their boundary; s is read back from
+/// memory at those columns only, which this rank wrote. Returns the row's normalization,
+/// or None where its statistics overflowed (as [`normalize_row`]).
 ///
 /// # Safety
-/// As for [`forward_row`] over x, residual, sum and y, all 16-byte aligned; the row fits
-/// `HELD` packs a rank.
+/// As for [`forward_row`] over x, residual, sum and y, all 16-byte aligned ([`PACKS`]) or
+/// all of one 16-bit type and as far past a 16-byte boundary ([`SHIFTED_PACKS`]); the row
+/// fits `HELD` packs a rank.
 #[inline(always)]
 unsafe fn residual_held_row<
     T: Element,
@@ -641,6 +693,7 @@ unsafe fn residual_held_row<
     W: Element,
     S: StatsTeam,
     const CENTERED: bool,
+    const CHUNK: usize,
     const HELD: usize,
 >(
     x: *const Y,
@@ -651,19 +704,97 @@ unsafe fn residual_held_row<
     n: u32,
     eps: f32,
 ) -> Option<RowNorm<CENTERED>> {
-    let packs = n / T::PACK as u32;
-    // SAFETY: the caller's guarantee.
+    let head = if CHUNK == SHIFTED_PACKS {
+        head_elements(sum, n)
+    } else {
+        0
+    };
+    let packs = (n - head) / T::PACK as u32;
+    // SAFETY: the caller's guarantee: from column `head` on, every row's packs are aligned.
     unsafe {
         let held = store_sum::<T, Y, S, HELD>(
-            Held::load_as::<T, Y, S>(x, packs),
-            Held::load::<T, S>(residual, packs),
-            sum,
+            Held::load_as::<T, Y, S>(x.add(head as usize), packs),
+            Held::load::<T, S>(residual.add(head as usize), packs),
+            sum.add(head as usize),
             packs,
         );
-        add_residual_elements::<T, Y, S, 1>(x, residual, sum, packs * T::PACK as u32, n);
+        if CHUNK == SHIFTED_PACKS {
+            add_residual_edges::<T, Y, S>(x, residual, sum, n, head, head + packs * T::PACK as u32);
+        } else {
+            add_residual_elements::<T, Y, S, 1>(x, residual, sum, packs * T::PACK as u32, n);
+        }
+        if CHUNK == SHIFTED_PACKS {
+            return normalize_held_shifted::<T, Y, W, S, CENTERED, HELD>(
+                &held,
+                sum.cast_const(),
+                affine,
+                y,
+                n,
+                eps,
+            );
+        }
         // Held rows merge no chunks: no pivot.
         normalize_row::<T, Y, W, S, CENTERED, PACKS, HELD>(&held, sum.cast_const(), affine, y, n, eps, || 0.0)
     }
+}
+
+/// [`normalize_row`] over a held shifted row ([`residual_held_row`]): its statistics and y
+/// from this rank's held packs, from the row's first 16-byte boundary on, and from the
+/// columns before it and after the last whole pack read back at `x` (s: the ones this rank
+/// wrote, as [`for_each_shifted_chunk`] hands them out), the weights off their boundaries.
+/// A function of its own rather than a chunk of `normalize_row`'s: an arm for it there
+/// changed the code of 60 other forward kernels (on sm_80 too, which never takes it).
+///
+/// # Safety
+/// As for [`normalize_row`]; x and y sit as far past a 16-byte boundary, and `held` holds
+/// this rank's packs of the row from there ([`Held::load`] at x + the head).
+#[inline(always)]
+unsafe fn normalize_held_shifted<
+    T: Element,
+    Y: Element,
+    W: Element,
+    S: StatsTeam,
+    const CENTERED: bool,
+    const HELD: usize,
+>(
+    held: &Held<HELD>,
+    x: *const T,
+    affine: Affine<W>,
+    y: *mut Y,
+    n: u32,
+    eps: f32,
+) -> Option<RowNorm<CENTERED>> {
+    let head = head_elements(x, n);
+    let mean = row_mean::<S, CENTERED>(
+        || {
+            let mut sum = 0.0;
+            for_each_shifted_chunk::<T, S, HELD>(n, head, |j, len, slot| {
+                // SAFETY: the walk yields in-bounds chunks, whole packs aligned in x from
+                // the head on.
+                let v = unsafe { values(held, x, j, len, slot) };
+                sum += v[..len].iter().sum::<f32>();
+            });
+            sum
+        },
+        n,
+    );
+    let mut m2 = 0.0;
+    for_each_shifted_chunk::<T, S, HELD>(n, head, |j, len, slot| {
+        // SAFETY: as above.
+        let v = unsafe { values(held, x, j, len, slot) };
+        for &v in &v[..len] {
+            m2 = fma(v - mean, v - mean, m2);
+        }
+    });
+    let norm = RowNorm::of(mean, S::sum(m2), n, eps)?;
+    for_each_shifted_chunk::<T, S, HELD>(n, head, |j, len, slot| {
+        // SAFETY: as above, and y's packs sit as x's do.
+        unsafe {
+            let v = values(held, x, j, len, slot);
+            write_y_chunk::<T, _, _, CENTERED, CENTERED, false, true, true>(affine, y, j, len, v, norm)
+        }
+    });
+    Some(norm)
 }
 
 /// As [`add_residual`] over a row of `packs` whole packs, returning this rank's statistics
@@ -951,7 +1082,25 @@ unsafe fn add_residual_shifted<T: Element, Y: Element, S: Team>(
             unsafe { write(sum, column(p), T::PACK, &s) };
         },
     );
-    for_each_edge_column::<S>(S::rank(), n, head, column(packs), |j| {
+    // SAFETY: the caller's guarantee.
+    unsafe { add_residual_edges::<T, Y, S>(x, residual, sum, n, head, column(packs)) };
+}
+
+/// The residual add of a shifted row's columns before `head` and from `tail` on, as
+/// [`for_each_edge_column`] hands them out to every pass that reads s back.
+///
+/// # Safety
+/// x, residual and sum hold the `n`-element row.
+#[inline(always)]
+unsafe fn add_residual_edges<T: Element, Y: Element, S: Team>(
+    x: *const Y,
+    residual: *const T,
+    sum: *mut T,
+    n: u32,
+    head: u32,
+    tail: u32,
+) {
+    for_each_edge_column::<S>(S::rank(), n, head, tail, |j| {
         let mut s: Pack = [0.0; MAX_PACK];
         // SAFETY: j < n, inside the row.
         unsafe {
@@ -2144,6 +2293,36 @@ row_block_kernels!(f32_row_block, "f32", f32);
 row_block_kernels!(f16_row_block, "f16", crate::element::F16);
 #[cfg(layernorm_sm90)]
 row_block_kernels!(bf16_row_block, "bf16", crate::element::Bf16);
+
+/// Exports RMSNorm's held residual forward over shifted rows
+/// (`rms_norm_fwd_residual_held_shifted_<type>`) of 16-bit x with weights and a residual
+/// stream of its type, in the sm_90 module: the norm, type pairs and architecture the host
+/// plans it for (`layout::registry`: `Norm::has`, `Variant::has_pair`, `Variant::sm90_only`).
+#[cfg(layernorm_sm90)]
+macro_rules! residual_held_shifted_kernels {
+    ($module:ident, $types:literal, $t:ty) => {
+        mod $module {
+            use super::*;
+            /// Forward of x + residual, one block per row, held at 64 registers from the
+            /// rows' first 16-byte boundary (16-bit rows shifted alike, 2 packs a rank).
+            ///
+            /// # Safety
+            /// Launched by the host with buffers of the documented sizes, on rows the kernel
+            /// takes (`forward_rows_residual_held_shifted`'s safety section).
+            #[unsafe(export_name = concat!("rms_norm_fwd_residual_held_shifted_", $types))]
+            pub unsafe extern "ptx-kernel" fn residual_held_shifted(p: Forward<$t, $t, $t>) {
+                // SAFETY: the host launches this kernel only as
+                // `forward_rows_residual_held_shifted` requires.
+                unsafe { forward_rows_residual_held_shifted::<$t, $t, ResidualBlock>(p) }
+            }
+        }
+    };
+}
+
+#[cfg(layernorm_sm90)]
+residual_held_shifted_kernels!(f16_held_shifted, "f16", crate::element::F16);
+#[cfg(layernorm_sm90)]
+residual_held_shifted_kernels!(bf16_held_shifted, "bf16", crate::element::Bf16);
 
 #[cfg(layernorm_sm90)]
 widened_kernels!(f16_widened, "f16", crate::element::F16, crate::element::F16);

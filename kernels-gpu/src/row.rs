@@ -517,7 +517,8 @@ fn walk_chunks<T: Element, S: Team, const CHUNK: usize, const K: usize, const OP
     head: u32,
     mut f: impl FnMut(u32, usize, Option<usize>),
 ) {
-    const { assert!(K == 0 || CHUNK == PACKS) };
+    // Held slots are whole packs (a shifted row's from its head on).
+    const { assert!(K == 0 || CHUNK == PACKS || CHUNK == SHIFTED_PACKS) };
     let rank = if OPAQUE_RANK {
         device::opaque(S::rank())
     } else {
