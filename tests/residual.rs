@@ -364,15 +364,15 @@ fn gpu_residual_held_rows_match_the_reference() {
 /// Launches of more rows than multiprocessors (140) whose rows are not whole aligned packs,
 /// past a warp's length: on sm_90 the streamed kernel takes them at 64 registers (on sm_80
 /// the general kernel), in half packs where 8-byte aligned, 16-bit rows shifted off their
-/// 16-byte boundaries in packs from the first one, else element by element:
-/// teams of 64 to 512 ranks (bf16 N = 1030, half packs and two elements on rows 8-byte
-/// aligned, shifted or elements on the others; f16 4100 and f16 with f32 weights 16388,
-/// half packs; f32 4097 and 12289, half packs and elements on alternate rows; f16 2051 and
-/// f16 with f32 weights 4097, shifted or elements on every row; f16 16383, shifted), and a
-/// stream in f32 beside bf16 (N = 4099, elements), both norms, with a dsum and without, the
-/// backward after them. On sm_90 RMSNorm's 16-bit rows with weights of their type not in
-/// half packs (bf16 1030, f16 2051 and 16383) take the held residual kernel's shifted copy
-/// instead, in packs from their first boundary, 2 a rank of 128 to 1024 ranks.
+/// 16-byte boundaries in packs from the first one, else element by element: teams of 64 to
+/// 512 ranks (bf16 N = 1030, half packs and two elements on rows 8-byte aligned, shifted or
+/// elements on the others; f16 4100 and f16 with f32 weights 16388, half packs; f32 4097
+/// and 12289, half packs and elements on alternate rows; f16 2051 and f16 with f32 weights
+/// 4097, shifted or elements on every row; f16 4097 and 16383, shifted), and a stream in
+/// f32 beside bf16 (N = 4099, elements), both norms, with a dsum and without, the backward
+/// after them. On sm_90 RMSNorm's 16-bit rows with weights of their type not in half packs
+/// (bf16 1030, f16 2051, 4097 and 16383) take the held residual kernel's shifted copy
+/// instead, in packs from their first boundary, 2 a rank of 64 to 1024 ranks.
 #[test]
 fn gpu_residual_unaligned_rows_of_many_match_the_reference() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -387,6 +387,7 @@ fn gpu_residual_unaligned_rows_of_many_match_the_reference() {
         check::<f16, f16>(&gpu, norm, mode, 140, 2051, seed + 6);
         check::<f16, f32>(&gpu, norm, mode, 140, 4097, seed + 7);
         check::<f16, f16>(&gpu, norm, mode, 140, 16383, seed + 8);
+        check::<f16, f16>(&gpu, norm, mode, 140, 4097, seed + 9);
     }
 }
 
