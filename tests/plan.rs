@@ -22,11 +22,12 @@ use layernorm_cuda::plan::{
 };
 use layernorm_cuda::{Element, F32Stream, Weight, bf16, f16};
 
-/// (type pair, pass, rows, n) the GPU tests run on whole tensors (aligned where n is whole
-/// packs, in half packs where 16-bit rows and weights are a whole number of them): every shape of `common::SHAPES` in every type pair (tests/weights.rs runs the
-/// f32 weights), pass (both backward modes run the same kernels; tests/residual.rs the
-/// residual passes), at its own rows (at most one a multiprocessor: the few-rows plans),
-/// and the long rows of tests/forward.rs and tests/backward.rs and the many-row forwards of
+/// (type pair, pass, rows, n) the GPU tests run LayerNorm on, whole tensors (aligned where
+/// n is whole packs, in half packs where 16-bit rows and weights are a whole number of
+/// them): every shape of `common::SHAPES` in every type pair (tests/weights.rs runs the f32
+/// weights), pass (both backward modes run the same kernels; tests/residual.rs the residual
+/// passes), at its own rows (at most one a multiprocessor: the few-rows plans), and the
+/// long rows of tests/forward.rs and tests/backward.rs and the many-row forwards of
 /// tests/forward.rs in the types they use.
 fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
     let passes = [
@@ -111,7 +112,29 @@ fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
     cases
 }
 
+/// (type pair, pass, rows, n) of RMSNorm's own kernels that the GPU tests run, as
+/// [`test_cases`]: tests/residual.rs, `gpu_residual_unaligned_rows_of_many_match_the_reference`
+/// (the held residual kernel's shifted copy).
+fn rms_test_cases() -> Vec<(usize, Pass, u32, u32)> {
+    let (f16, bf16) = (1, 2);
+    [(bf16, 1030), (f16, 2051), (f16, 4097), (f16, 16383)]
+        .into_iter()
+        .map(|(dtype, n)| (dtype, Pass::ForwardResidual, 140, n))
+        .collect()
+}
+
 fn plan_of<T: Element, W: Weight<T>>(rows: u32, n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
+    norm_plan_of::<T, W>(Norm::Layer, rows, n, pass, limits)
+}
+
+/// As [`plan_of`], of `norm`'s kernels.
+fn norm_plan_of<T: Element, W: Weight<T>>(
+    norm: Norm,
+    rows: u32,
+    n: u32,
+    pass: Pass,
+    limits: DeviceLimits,
+) -> Plan {
     let pack = (16 / size_of::<T>()) as u32;
     // A whole tensor's rows of 16-bit values and weights, n a multiple of 4, start 8-byte
     // aligned, as the library finds them; other rows of whole tensors of x, dy and dx each
@@ -123,7 +146,7 @@ fn plan_of<T: Element, W: Weight<T>>(rows: u32, n: u32, pass: Pass, limits: Devi
     } else {
         Alignment::Shifted
     };
-    plan::<T, W>(Norm::Layer, rows, n, pass, alignment, limits).unwrap()
+    plan::<T, W>(norm, rows, n, pass, alignment, limits).unwrap()
 }
 
 /// As [`plan_of`], with the residual stream in f32 (rows of f32: aligned where n is whole
@@ -136,15 +159,17 @@ fn stream_plan_of<T: F32Stream, W: Weight<T>>(rows: u32, n: u32, pass: Pass, lim
 const MANY: u32 = 4096;
 
 fn reached(limits: DeviceLimits) -> BTreeSet<String> {
-    test_cases()
-        .into_iter()
-        .map(|(dtype, pass, rows, n)| {
+    let layer = test_cases().into_iter().map(|case| (Norm::Layer, case));
+    let rms = rms_test_cases().into_iter().map(|case| (Norm::Rms, case));
+    layer
+        .chain(rms)
+        .map(|(norm, (dtype, pass, rows, n))| {
             let p = match layout::registry::TYPE_PAIRS[dtype].name {
-                "f32" => plan_of::<f32, f32>(rows, n, pass, limits),
-                "f16" => plan_of::<f16, f16>(rows, n, pass, limits),
-                "bf16" => plan_of::<bf16, bf16>(rows, n, pass, limits),
-                "f16_f32w" => plan_of::<f16, f32>(rows, n, pass, limits),
-                "bf16_f32w" => plan_of::<bf16, f32>(rows, n, pass, limits),
+                "f32" => norm_plan_of::<f32, f32>(norm, rows, n, pass, limits),
+                "f16" => norm_plan_of::<f16, f16>(norm, rows, n, pass, limits),
+                "bf16" => norm_plan_of::<bf16, bf16>(norm, rows, n, pass, limits),
+                "f16_f32w" => norm_plan_of::<f16, f32>(norm, rows, n, pass, limits),
+                "bf16_f32w" => norm_plan_of::<bf16, f32>(norm, rows, n, pass, limits),
                 "f16_f32s" => stream_plan_of::<f16, f16>(rows, n, pass, limits),
                 "bf16_f32s" => stream_plan_of::<bf16, bf16>(rows, n, pass, limits),
                 "f16_f32w_f32s" => stream_plan_of::<f16, f32>(rows, n, pass, limits),
