@@ -44,9 +44,9 @@
 //!   and reads it back from L2 for y (both a block for every row on sm_90). On sm_90,
 //!   RMSNorm's 16-bit rows of one type with weights of it that sit alike past 16-byte
 //!   boundaries ([`Alignment::Shifted`], not in half packs) take the held residual kernel's
-//!   `_shifted` copy, in packs from their first boundary, where they fit
-//!   `RESIDUAL_HELD_SHIFTED` packs a rank of 1024 (N <= 16384); other rows not all
-//!   aligned, the streamed kernel at the general kernel's team.
+//!   `_shifted` copy, in packs from their first boundary, where their whole packs fit
+//!   `RESIDUAL_HELD_SHIFTED` a rank of 1024 (N < 16392); other rows not all aligned, the
+//!   streamed kernel at the general kernel's team.
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest
@@ -716,7 +716,9 @@ impl<T: Element> Planner<T> {
     /// keep streaming such rows (the registry has the kernel for RMSNorm only).
     fn residual_held_shifted(&self) -> Option<Plan> {
         let variant = Variant::FwdResidualHeldShifted;
-        let ranks = self.n.div_ceil(pack_len::<T>()).div_ceil(RESIDUAL_HELD_SHIFTED);
+        // Whole packs from the first boundary: at most n's (the edge columns go a column a
+        // rank).
+        let ranks = (self.n / pack_len::<T>()).div_ceil(RESIDUAL_HELD_SHIFTED);
         let threads = ranks.next_power_of_two().max(64);
         let takes = self.norm.has(variant)
             && variant.in_module(self.limits.arch)

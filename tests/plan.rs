@@ -334,17 +334,18 @@ fn shifted_rows_take_the_held_block_kernel() {
 /// RMSNorm's residual forward over 16-bit rows shifted alike (x, y, residual and s of one
 /// type, weights of it) takes the held residual kernel's shifted copy on sm_90, in packs
 /// from the first boundary, 2 packs a rank of the fewest ranks, a power of two from 64,
-/// that hold the row, a block for every row: f16 N = 1030 on 128 ranks, 2051 on 256, 4097
-/// on 512, 16383 on 1024. Not past what 1024 ranks hold (16388), nor rows in half packs
-/// (4100: the host gives them as such), LayerNorm's rows (its kernels spilled with the
-/// path), f32 weights, launches of few rows, or sm_80: those stream; nor rows a warp takes
-/// (1022). The aligned rows keep the held kernel.
+/// that hold the row's whole packs, a block for every row: f16 N = 1030 (128 whole packs at
+/// most) on 64 ranks, 2051 (256) on 128, 4097 (512) on 256, 16383 (2047) on 1024. Not
+/// past what 1024 ranks hold (16392), nor rows in half packs (4100: the host gives them as
+/// such), LayerNorm's rows (its kernels spilled with the path), f32 weights, launches of
+/// few rows, or sm_80: those stream; nor rows a warp takes (1022). The aligned rows keep
+/// the held kernel.
 #[test]
 fn rms_shifted_residual_rows_take_the_held_kernel() {
     let h = DeviceLimits::H100;
     let res = Pass::ForwardResidual;
     let shifted = Variant::FwdResidualHeldShifted;
-    for (n, threads) in [(1030, 128), (2051, 256), (4097, 512), (16383, 1024)] {
+    for (n, threads) in [(1030, 64), (2051, 128), (4097, 256), (16383, 1024)] {
         let p = plan::<f16, f16>(Norm::Rms, MANY, n, res, Alignment::Shifted, h).unwrap();
         assert_eq!(
             (p.variant, p.threads, p.grid),
@@ -355,7 +356,7 @@ fn rms_shifted_residual_rows_take_the_held_kernel() {
         assert_eq!((p.variant, p.threads), (shifted, threads), "bf16 {n}");
     }
     let streamed = [
-        (16388, Norm::Rms, Alignment::Shifted, "16388"),
+        (16392, Norm::Rms, Alignment::Shifted, "16392"),
         (4100, Norm::Rms, Alignment::HalfPacks, "half packs"),
         (4097, Norm::Layer, Alignment::Shifted, "LayerNorm"),
         (4097, Norm::Rms, Alignment::Other, "other rows"),
