@@ -711,9 +711,9 @@ impl<T: Element> Planner<T> {
     /// `RESIDUAL_HELD_SHIFTED` packs a rank of a block: the fewest ranks that hold them, a
     /// power of two from 64 to 1024 (whole blocks fill a multiprocessor's 1024 threads at 64
     /// registers), a team for every row. Streamed ([`Self::residual_unaligned`]), these
-    /// rows' s is written and then read back from L2 twice (H200, docs/PERF.md v82: +6 to
-    /// +26% at f16 N = 1030-16383). LayerNorm's kernels spilled with the shifted path, and
-    /// keep streaming such rows (the registry has the kernel for RMSNorm only).
+    /// rows' s is written and then read back from L2 twice (H200, docs/PERF.md v83b: +30 to
+    /// +38% at 16-bit N = 1030-4097, +7 to +9% at 16383). LayerNorm's rows keep streaming
+    /// (the registry has the kernel for RMSNorm only: `Norm::has`).
     fn residual_held_shifted(&self) -> Option<Plan> {
         let variant = Variant::FwdResidualHeldShifted;
         // Whole packs from the first boundary: at most n's (the edge columns go a column a

@@ -336,10 +336,10 @@ fn shifted_rows_take_the_held_block_kernel() {
 /// from the first boundary, 2 packs a rank of the fewest ranks, a power of two from 64,
 /// that hold the row's whole packs, a block for every row: f16 N = 1030 (128 whole packs at
 /// most) on 64 ranks, 2051 (256) on 128, 4097 (512) on 256, 16383 (2047) on 1024. Not
-/// past what 1024 ranks hold (16392), nor rows in half packs (4100: the host gives them as
-/// such), LayerNorm's rows (its kernels spilled with the path), f32 weights, launches of
-/// few rows, or sm_80: those stream; nor rows a warp takes (1022). The aligned rows keep
-/// the held kernel.
+/// past what 1024 ranks hold (16392), nor rows in half packs (4100, which the host does
+/// not give as shifted), LayerNorm's rows (the kernel is RMSNorm's only), f32 weights,
+/// launches of few rows, or sm_80: those stream; nor rows a warp takes (1022). The aligned
+/// rows keep the held kernel.
 #[test]
 fn rms_shifted_residual_rows_take_the_held_kernel() {
     let h = DeviceLimits::H100;

@@ -33,8 +33,9 @@ pub const RESIDUAL_HELD: u32 = 4;
 
 /// Packs of x, and of the residual, each rank of the held residual forward loads together
 /// of RMSNorm's rows shifted alike past a 16-byte boundary (sm_90), from the first one on:
-/// with `RESIDUAL_HELD` the kernels spilled 32-64 bytes, and LayerNorm's 48-72 even with
-/// 2, so its shifted rows stay streamed. A block of 1024 ranks holds a row of N = 16384.
+/// where this path was an arm of the aligned held kernel (docs/PERF.md v82), 4 spilled it
+/// 32-64 bytes, and LayerNorm's 48-72 even at 2. A block of 1024 ranks holds a row of 2048
+/// whole packs (16-bit N < 16392).
 pub const RESIDUAL_HELD_SHIFTED: u32 = 2;
 
 /// Packs of x each rank of LayerNorm's pipelined forward block team holds of the f32 rows

@@ -176,7 +176,8 @@ impl Norm {
     /// partial rows) is the same for both and exists once, as LayerNorm's; the widened warp
     /// forward is LayerNorm's alone (RMSNorm's rows keep the pipelined warp, which was
     /// faster for them); the held residual forward over shifted rows is RMSNorm's alone
-    /// (LayerNorm's spilled at 2 packs a rank: docs/PERF.md v82).
+    /// (LayerNorm's path spilled as an arm of the aligned held kernel, docs/PERF.md v82,
+    /// and has not been measured as a kernel of its own).
     pub const fn has(self, variant: Variant) -> bool {
         match self {
             Norm::Layer => !matches!(variant, Variant::FwdResidualHeldShifted),

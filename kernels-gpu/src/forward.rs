@@ -596,8 +596,8 @@ unsafe fn forward_rows_residual_lean<
 /// RMSNorm's held residual forward over 16-bit rows shifted alike (`residual_held_shifted`,
 /// sm_90, teams of up to 1024 ranks at 64 registers): x, y, the residual and s all sit as
 /// far past a 16-byte boundary. Each rank loads x's and the residual's packs from the row's
-/// first boundary on, `RESIDUAL_HELD_SHIFTED` of each together (with `RESIDUAL_HELD` the
-/// kernel spilled), forms and stores s, and normalizes it from registers
+/// first boundary on, `RESIDUAL_HELD_SHIFTED` of each together, forms and stores s, and
+/// normalizes it from registers
 /// ([`residual_held_row`]); the columns before the boundary and after the last whole pack
 /// go a column a rank. Streamed (the `residual_streamed` kernel), such rows' s is written
 /// and read back from L2 twice. A kernel of its own: an arm for these rows in the aligned
@@ -720,10 +720,6 @@ unsafe fn residual_held_row<
         );
         if CHUNK == SHIFTED_PACKS {
             add_residual_edges::<T, Y, S>(x, residual, sum, n, head, head + packs * T::PACK as u32);
-        } else {
-            add_residual_elements::<T, Y, S, 1>(x, residual, sum, packs * T::PACK as u32, n);
-        }
-        if CHUNK == SHIFTED_PACKS {
             return normalize_held_shifted::<T, Y, W, S, CENTERED, HELD>(
                 &held,
                 sum.cast_const(),
@@ -733,6 +729,7 @@ unsafe fn residual_held_row<
                 eps,
             );
         }
+        add_residual_elements::<T, Y, S, 1>(x, residual, sum, packs * T::PACK as u32, n);
         // Held rows merge no chunks: no pivot.
         normalize_row::<T, Y, W, S, CENTERED, PACKS, HELD>(&held, sum.cast_const(), affine, y, n, eps, || 0.0)
     }
