@@ -42,7 +42,7 @@
 //!   rows too long for a block of 512 to hold at 8 packs a rank (16-bit N > 32768, f32 >
 //!   16384), the streamed residual kernel, 512 ranks, which forms and sums s in one pass
 //!   and reads it back from L2 for y (both a block for every row on sm_90). On sm_90,
-//!   RMSNorm's 16-bit rows of one type with weights of it that sit alike past 16-byte
+//!   16-bit rows of one type with weights of it that sit alike past 16-byte
 //!   boundaries ([`Alignment::Shifted`], not in half packs) take the held residual kernel's
 //!   `_shifted` copy, in packs from their first boundary, where their whole packs fit
 //!   `RESIDUAL_HELD_SHIFTED` a rank of 1024 (N < 16392); other rows not all aligned, the
@@ -705,23 +705,21 @@ impl<T: Element> Planner<T> {
         })
     }
 
-    /// RMSNorm's held residual forward over rows shifted alike ([`Alignment::Shifted`]:
-    /// 16-bit x, y, residual and s of one type, weights of it, not in half packs), on sm_90,
+    /// The held residual forward over rows shifted alike ([`Alignment::Shifted`]: 16-bit
+    /// x, y, residual and s of one type, weights of it, not in half packs), on sm_90,
     /// for launches of more rows than multiprocessors whose rows, longer than a warp's, fit
     /// `RESIDUAL_HELD_SHIFTED` packs a rank of a block: the fewest ranks that hold them, a
     /// power of two from 64 to 1024 (whole blocks fill a multiprocessor's 1024 threads at 64
     /// registers), a team for every row. Streamed ([`Self::residual_unaligned`]), these
-    /// rows' s is written and then read back from L2 twice (H200, docs/PERF.md v83b: +30 to
-    /// +38% at 16-bit N = 1030-4097, +7 to +9% at 16383). LayerNorm's rows keep streaming
-    /// (the registry has the kernel for RMSNorm only: `Norm::has`).
+    /// rows' s is written and then read back from L2 twice (H200, RMSNorm, docs/PERF.md
+    /// v83b: +30 to +38% at 16-bit N = 1030-4097, +7 to +9% at 16383).
     fn residual_held_shifted(&self) -> Option<Plan> {
         let variant = Variant::FwdResidualHeldShifted;
         // Whole packs from the first boundary: at most n's (the edge columns go a column a
         // rank).
         let ranks = (self.n / pack_len::<T>()).div_ceil(RESIDUAL_HELD_SHIFTED);
         let threads = ranks.next_power_of_two().max(64);
-        let takes = self.norm.has(variant)
-            && variant.in_module(self.limits.arch)
+        let takes = variant.in_module(self.limits.arch)
             && variant.has_pair(self.pair)
             && !self.few_rows
             && !self.residual_warp_rows()

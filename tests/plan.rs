@@ -112,9 +112,9 @@ fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
     cases
 }
 
-/// (type pair, pass, rows, n) of RMSNorm's own kernels that the GPU tests run, as
-/// [`test_cases`]: tests/residual.rs, `gpu_residual_unaligned_rows_of_many_match_the_reference`
-/// (the held residual kernel's shifted copy).
+/// (type pair, pass, rows, n) the GPU tests run RMSNorm on besides, as [`test_cases`]:
+/// tests/residual.rs, `gpu_residual_unaligned_rows_of_many_match_the_reference` (the held
+/// residual kernel's shifted copy, which LayerNorm's runs there too).
 fn rms_test_cases() -> Vec<(usize, Pass, u32, u32)> {
     let (f16, bf16) = (1, 2);
     [(bf16, 1030), (f16, 2051), (f16, 4097), (f16, 16383)]
@@ -331,54 +331,52 @@ fn shifted_rows_take_the_held_block_kernel() {
     }
 }
 
-/// RMSNorm's residual forward over 16-bit rows shifted alike (x, y, residual and s of one
-/// type, weights of it) takes the held residual kernel's shifted copy on sm_90, in packs
-/// from the first boundary, 2 packs a rank of the fewest ranks, a power of two from 64,
-/// that hold the row's whole packs, a block for every row: f16 N = 1030 (128 whole packs at
-/// most) on 64 ranks, 2051 (256) on 128, 4097 (512) on 256, 16383 (2047) on 1024. Not
-/// past what 1024 ranks hold (16392), nor rows in half packs (4100, which the host does
-/// not give as shifted), LayerNorm's rows (the kernel is RMSNorm's only), f32 weights,
-/// launches of few rows, or sm_80: those stream; nor rows a warp takes (1022). The aligned
-/// rows keep the held kernel.
+/// The residual forward over 16-bit rows shifted alike (x, y, residual and s of one type,
+/// weights of it) takes the held residual kernel's shifted copy on sm_90, both norms, in
+/// packs from the first boundary, 2 packs a rank of the fewest ranks, a power of two from
+/// 64, that hold the row's whole packs, a block for every row: f16 N = 1030 (128 whole
+/// packs at most) on 64 ranks, 2051 (256) on 128, 4097 (512) on 256, 16383 (2047) on 1024.
+/// Not past what 1024 ranks hold (16392), nor rows in half packs (4100: the host gives them
+/// as such), f32 weights, launches of few rows, or sm_80: those stream; nor rows a warp
+/// takes (1022). The aligned rows keep the held kernel.
 #[test]
-fn rms_shifted_residual_rows_take_the_held_kernel() {
+fn shifted_residual_rows_take_the_held_kernel() {
     let h = DeviceLimits::H100;
     let res = Pass::ForwardResidual;
     let shifted = Variant::FwdResidualHeldShifted;
-    for (n, threads) in [(1030, 64), (2051, 128), (4097, 256), (16383, 1024)] {
-        let p = plan::<f16, f16>(Norm::Rms, MANY, n, res, Alignment::Shifted, h).unwrap();
-        assert_eq!(
-            (p.variant, p.threads, p.grid),
-            (shifted, threads, Grid::EveryRow),
-            "f16 {n}"
-        );
-        let p = plan::<bf16, bf16>(Norm::Rms, MANY, n, res, Alignment::Shifted, h).unwrap();
-        assert_eq!((p.variant, p.threads), (shifted, threads), "bf16 {n}");
+    for norm in [Norm::Layer, Norm::Rms] {
+        for (n, threads) in [(1030, 64), (2051, 128), (4097, 256), (16383, 1024)] {
+            let p = plan::<f16, f16>(norm, MANY, n, res, Alignment::Shifted, h).unwrap();
+            let what = format!("{norm:?} f16 {n}");
+            assert_eq!(
+                (p.variant, p.threads, p.grid),
+                (shifted, threads, Grid::EveryRow),
+                "{what}"
+            );
+            let p = plan::<bf16, bf16>(norm, MANY, n, res, Alignment::Shifted, h).unwrap();
+            assert_eq!((p.variant, p.threads), (shifted, threads), "{norm:?} bf16 {n}");
+        }
+        let streamed = [
+            (16392, Alignment::Shifted, "16392"),
+            (4100, Alignment::HalfPacks, "half packs"),
+            (4097, Alignment::Other, "other rows"),
+        ];
+        for (n, alignment, what) in streamed {
+            let p = plan::<f16, f16>(norm, MANY, n, res, alignment, h).unwrap();
+            assert_eq!(p.variant, Variant::FwdResidualStreamed, "{norm:?} {what}");
+        }
+        let p = plan::<f16, f32>(norm, MANY, 4097, res, Alignment::Shifted, h).unwrap();
+        assert_eq!(p.variant, Variant::FwdResidualStreamed, "{norm:?} f32 weights");
+        let p = plan::<f16, f16>(norm, 100, 4097, res, Alignment::Shifted, h).unwrap();
+        assert_ne!(p.variant, shifted, "{norm:?} few rows");
+        let p = plan::<f16, f16>(norm, MANY, 1022, res, Alignment::Shifted, h).unwrap();
+        assert_eq!(p.variant, Variant::FwdResidualWarp, "{norm:?} warp rows");
+        let p = plan::<f16, f16>(norm, MANY, 4097, res, Alignment::Shifted, DeviceLimits::A100).unwrap();
+        assert_ne!(p.variant, shifted, "{norm:?} sm_80");
+        let p = plan::<f16, f16>(norm, MANY, 32768, res, Alignment::Packs, h).unwrap();
+        let held = (Variant::FwdResidualHeld, 1024);
+        assert_eq!((p.variant, p.threads), held, "{norm:?} aligned");
     }
-    let streamed = [
-        (16392, Norm::Rms, Alignment::Shifted, "16392"),
-        (4100, Norm::Rms, Alignment::HalfPacks, "half packs"),
-        (4097, Norm::Layer, Alignment::Shifted, "LayerNorm"),
-        (4097, Norm::Rms, Alignment::Other, "other rows"),
-    ];
-    for (n, norm, alignment, what) in streamed {
-        let p = plan::<f16, f16>(norm, MANY, n, res, alignment, h).unwrap();
-        assert_eq!(p.variant, Variant::FwdResidualStreamed, "{what}");
-    }
-    let p = plan::<f16, f32>(Norm::Rms, MANY, 4097, res, Alignment::Shifted, h).unwrap();
-    assert_eq!(p.variant, Variant::FwdResidualStreamed, "f32 weights");
-    let p = plan::<f16, f16>(Norm::Rms, 100, 4097, res, Alignment::Shifted, h).unwrap();
-    assert_ne!(p.variant, shifted, "few rows");
-    let p = plan::<f16, f16>(Norm::Rms, MANY, 1022, res, Alignment::Shifted, h).unwrap();
-    assert_eq!(p.variant, Variant::FwdResidualWarp, "warp rows");
-    let p = plan::<f16, f16>(Norm::Rms, MANY, 4097, res, Alignment::Shifted, DeviceLimits::A100).unwrap();
-    assert_ne!(p.variant, shifted, "sm_80");
-    let p = plan::<f16, f16>(Norm::Rms, MANY, 32768, res, Alignment::Packs, h).unwrap();
-    assert_eq!(
-        (p.variant, p.threads),
-        (Variant::FwdResidualHeld, 1024),
-        "aligned"
-    );
 }
 
 /// Block-team rows of 16-bit values and weights of one type, 8-byte aligned and a whole

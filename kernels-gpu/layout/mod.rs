@@ -31,10 +31,10 @@ pub const PIPE_HELD: u32 = 4;
 /// its 64, and a block of 1024 ranks holds a 16-bit row of N = 32768 (f32: 16384).
 pub const RESIDUAL_HELD: u32 = 4;
 
-/// Packs of x, and of the residual, each rank of the held residual forward loads together
-/// of RMSNorm's rows shifted alike past a 16-byte boundary (sm_90), from the first one on:
-/// where this path was an arm of the aligned held kernel (docs/PERF.md v82), 4 spilled it
-/// 32-64 bytes, and LayerNorm's 48-72 even at 2. A block of 1024 ranks holds a row of 2048
+/// Packs of x, and of the residual, each rank of the held residual forward over rows shifted
+/// alike past a 16-byte boundary (`registry::Variant::FwdResidualHeldShifted`, sm_90) loads
+/// together, from the first one on: with `RESIDUAL_HELD` RMSNorm's spilled 32-64 bytes
+/// (as an arm of the aligned held kernel, v82). A block of 1024 ranks holds a row of 2048
 /// whole packs (16-bit N < 16392).
 pub const RESIDUAL_HELD_SHIFTED: u32 = 2;
 

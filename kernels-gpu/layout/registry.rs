@@ -175,14 +175,9 @@ impl Norm {
     /// Whether `norm` has a kernel of `variant` of its own. Stage 2 (column sums of the
     /// partial rows) is the same for both and exists once, as LayerNorm's; the widened warp
     /// forward is LayerNorm's alone (RMSNorm's rows keep the pipelined warp, which was
-    /// faster for them); the held residual forward over shifted rows is RMSNorm's alone
-    /// (LayerNorm's path spilled as an arm of the aligned held kernel, docs/PERF.md v82,
-    /// and has not been measured as a kernel of its own).
+    /// faster for them).
     pub const fn has(self, variant: Variant) -> bool {
-        match self {
-            Norm::Layer => !matches!(variant, Variant::FwdResidualHeldShifted),
-            Norm::Rms => !matches!(variant, Variant::BwdReduce | Variant::FwdWidenedWarp),
-        }
+        matches!(self, Norm::Layer) || !matches!(variant, Variant::BwdReduce | Variant::FwdWidenedWarp)
     }
 
     /// Whether `norm`'s ops launch `variant`: its own kernels, and stage 2, LayerNorm's
@@ -332,8 +327,8 @@ pub enum Variant {
     /// block per row at 64 registers: 16-bit rows held at `RESIDUAL_HELD` packs a rank by
     /// up to 1024 ranks,
     FwdResidualHeld,
-    /// RMSNorm's 16-bit rows shifted alike past a 16-byte boundary, held as that kernel
-    /// holds its rows, 2 packs a rank from the boundary (sm_90),
+    /// 16-bit rows shifted alike past a 16-byte boundary, held as that kernel holds its
+    /// rows, 2 packs a rank from the boundary (sm_90),
     FwdResidualHeldShifted,
     /// or, too long for that, s formed and summed as it streams in, y from s read back from
     /// L2.

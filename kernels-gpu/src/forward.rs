@@ -46,7 +46,7 @@
 //!   a warp's length (sm_90), whose rows not of aligned whole packs it takes in half packs
 //!   where 8-byte aligned, 16-bit ones in packs from their first 16-byte boundary where
 //!   all four rows sit alike past one, else element by element;
-//! - `residual_held_shifted` ([`forward_rows_residual_held_shifted`], RMSNorm's, sm_90) for
+//! - `residual_held_shifted` ([`forward_rows_residual_held_shifted`], sm_90) for
 //!   those launches' 16-bit rows not in half packs that sit alike past a 16-byte boundary
 //!   and fit 2 packs a rank of 1024 from it: held as `residual_held` holds its rows;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
@@ -593,15 +593,16 @@ unsafe fn forward_rows_residual_lean<
     unsafe { residual_rows::<T, Y, W, S, CENTERED>(p, normalize) }
 }
 
-/// RMSNorm's held residual forward over 16-bit rows shifted alike (`residual_held_shifted`,
-/// sm_90, teams of up to 1024 ranks at 64 registers): x, y, the residual and s all sit as
+/// The held residual forward over 16-bit rows shifted alike (`residual_held_shifted`, sm_90,
+/// teams of up to 1024 ranks at 64 registers): x, y, the residual and s all sit as
 /// far past a 16-byte boundary. Each rank loads x's and the residual's packs from the row's
 /// first boundary on, `RESIDUAL_HELD_SHIFTED` of each together, forms and stores s, and
 /// normalizes it from registers
 /// ([`residual_held_row`]); the columns before the boundary and after the last whole pack
 /// go a column a rank. Streamed (the `residual_streamed` kernel), such rows' s is written
 /// and read back from L2 twice. A kernel of its own: an arm for these rows in the aligned
-/// held kernel cost that kernel 11% at N = 32768 (docs/PERF.md, v82).
+/// held kernel cost that kernel 11% at N = 32768 (docs/PERF.md, v82), and spilled
+/// LayerNorm's, which fits here (56 registers).
 ///
 /// # Safety
 /// As for [`forward_rows_residual`]; x, y, the residual and s are of one 16-bit type, every
@@ -610,14 +611,16 @@ unsafe fn forward_rows_residual_lean<
 /// on such rows).
 #[cfg(layernorm_sm90)]
 #[inline(always)]
-unsafe fn forward_rows_residual_held_shifted<T: Element, W: Element, S: StatsTeam>(p: Forward<T, W, T>) {
+unsafe fn forward_rows_residual_held_shifted<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+    p: Forward<T, W, T>,
+) {
     let affine = Affine::of(p);
     let (n, eps) = (p.n, p.eps);
     let normalize = |x_row: *const T, residual_row: *const T, sum_row: *mut T, y_row: *mut T| {
         // SAFETY: the rows are one row of x, y, the residual and sum (`residual_rows`), which
         // sit alike and fit (the caller's guarantee).
         let norm = unsafe {
-            residual_held_row::<T, T, W, S, false, SHIFTED_PACKS, RESIDUAL_HELD_SHIFTED>(
+            residual_held_row::<T, T, W, S, CENTERED, SHIFTED_PACKS, RESIDUAL_HELD_SHIFTED>(
                 x_row,
                 residual_row,
                 sum_row,
@@ -631,7 +634,7 @@ unsafe fn forward_rows_residual_held_shifted<T: Element, W: Element, S: StatsTea
     };
     // SAFETY: the caller's guarantee; `normalize` writes s in packs and edge columns, as
     // the walks that read it back hand them out.
-    unsafe { residual_rows::<T, T, W, S, false>(p, normalize) }
+    unsafe { residual_rows::<T, T, W, S, CENTERED>(p, normalize) }
 }
 
 /// The residual forward's loop over the team's rows: `normalize(x, residual, sum, y)` (one
@@ -2291,27 +2294,37 @@ row_block_kernels!(f16_row_block, "f16", crate::element::F16);
 #[cfg(layernorm_sm90)]
 row_block_kernels!(bf16_row_block, "bf16", crate::element::Bf16);
 
-/// Exports RMSNorm's held residual forward over shifted rows
-/// (`rms_norm_fwd_residual_held_shifted_<type>`) of 16-bit x with weights and a residual
-/// stream of its type, in the sm_90 module: the norm, type pairs and architecture the host
-/// plans it for (`layout::registry`: `Norm::has`, `Variant::has_pair`, `Variant::sm90_only`).
+/// Exports the held residual forward over shifted rows
+/// (`<norm>_fwd_residual_held_shifted_<type>`) of both norms for 16-bit x with weights and a
+/// residual stream of its type, in the sm_90 module: the type pairs and architecture the
+/// host plans it for (`layout::registry`: `Variant::has_pair`, `Variant::sm90_only`).
 #[cfg(layernorm_sm90)]
 macro_rules! residual_held_shifted_kernels {
     ($module:ident, $types:literal, $t:ty) => {
         mod $module {
             use super::*;
-            /// Forward of x + residual, one block per row, held at 64 registers from the
-            /// rows' first 16-byte boundary (16-bit rows shifted alike, 2 packs a rank).
-            ///
-            /// # Safety
-            /// Launched by the host with buffers of the documented sizes, on rows the kernel
-            /// takes (`forward_rows_residual_held_shifted`'s safety section).
-            #[unsafe(export_name = concat!("rms_norm_fwd_residual_held_shifted_", $types))]
-            pub unsafe extern "ptx-kernel" fn residual_held_shifted(p: Forward<$t, $t, $t>) {
-                // SAFETY: the host launches this kernel only as
-                // `forward_rows_residual_held_shifted` requires.
-                unsafe { forward_rows_residual_held_shifted::<$t, $t, ResidualBlock>(p) }
+            mod layer {
+                use super::*;
+                residual_held_shifted_kernels!(@one "layer_norm", true, $types, $t);
             }
+            mod rms {
+                use super::*;
+                residual_held_shifted_kernels!(@one "rms_norm", false, $types, $t);
+            }
+        }
+    };
+    (@one $prefix:literal, $centered:literal, $types:literal, $t:ty) => {
+        /// Forward of x + residual, one block per row, held at 64 registers from the
+        /// rows' first 16-byte boundary (16-bit rows shifted alike, 2 packs a rank).
+        ///
+        /// # Safety
+        /// Launched by the host with buffers of the documented sizes, on rows the kernel
+        /// takes (`forward_rows_residual_held_shifted`'s safety section).
+        #[unsafe(export_name = concat!($prefix, "_fwd_residual_held_shifted_", $types))]
+        pub unsafe extern "ptx-kernel" fn residual_held_shifted(p: Forward<$t, $t, $t>) {
+            // SAFETY: the host launches this kernel only as
+            // `forward_rows_residual_held_shifted` requires.
+            unsafe { forward_rows_residual_held_shifted::<$t, $t, ResidualBlock, $centered>(p) }
         }
     };
 }
