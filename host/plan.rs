@@ -45,7 +45,7 @@
 //!   16-bit rows of one type with weights of it that sit alike past 16-byte
 //!   boundaries ([`Alignment::Shifted`], not in half packs) take the held residual kernel's
 //!   `_shifted` copy, in packs from their first boundary, where their whole packs fit
-//!   `RESIDUAL_HELD_SHIFTED` a rank of 1024 (N < 16392); other rows not all aligned, the
+//!   `RESIDUAL_HELD_SHIFTED` a rank of 1024 (N < 32776); other rows not all aligned, the
 //!   streamed kernel at the general kernel's team.
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs

@@ -117,10 +117,16 @@ fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
 /// residual kernel's shifted copy, which LayerNorm's runs there too).
 fn rms_test_cases() -> Vec<(usize, Pass, u32, u32)> {
     let (f16, bf16) = (1, 2);
-    [(bf16, 1030), (f16, 2051), (f16, 4097), (f16, 16383)]
-        .into_iter()
-        .map(|(dtype, n)| (dtype, Pass::ForwardResidual, 140, n))
-        .collect()
+    [
+        (bf16, 1030),
+        (f16, 2051),
+        (f16, 4097),
+        (f16, 16383),
+        (bf16, 20001),
+    ]
+    .into_iter()
+    .map(|(dtype, n)| (dtype, Pass::ForwardResidual, 140, n))
+    .collect()
 }
 
 fn plan_of<T: Element, W: Weight<T>>(rows: u32, n: u32, pass: Pass, limits: DeviceLimits) -> Plan {
@@ -333,19 +339,19 @@ fn shifted_rows_take_the_held_block_kernel() {
 
 /// The residual forward over 16-bit rows shifted alike (x, y, residual and s of one type,
 /// weights of it) takes the held residual kernel's shifted copy on sm_90, both norms, in
-/// packs from the first boundary, 2 packs a rank of the fewest ranks, a power of two from
+/// packs from the first boundary, 4 packs a rank of the fewest ranks, a power of two from
 /// 64, that hold the row's whole packs, a block for every row: f16 N = 1030 (128 whole
-/// packs at most) on 64 ranks, 2051 (256) on 128, 4097 (512) on 256, 16383 (2047) on 1024.
-/// Not past what 1024 ranks hold (16392), nor rows in half packs (4100: the host gives them
-/// as such), f32 weights, launches of few rows, or sm_80: those stream; nor rows a warp
-/// takes (1022). The aligned rows keep the held kernel.
+/// packs at most) and 2051 (256) on 64 ranks, 4097 (512) on 128, 16383 (2047) on 512,
+/// 20001 (2500) on 1024. Not past what 1024 ranks hold (32776), nor rows in half packs
+/// (4100: the host gives them as such), f32 weights, launches of few rows, or sm_80: those
+/// stream; nor rows a warp takes (1022). The aligned rows keep the held kernel.
 #[test]
 fn shifted_residual_rows_take_the_held_kernel() {
     let h = DeviceLimits::H100;
     let res = Pass::ForwardResidual;
     let shifted = Variant::FwdResidualHeldShifted;
     for norm in [Norm::Layer, Norm::Rms] {
-        for (n, threads) in [(1030, 64), (2051, 128), (4097, 256), (16383, 1024)] {
+        for (n, threads) in [(1030, 64), (2051, 64), (4097, 128), (16383, 512), (20001, 1024)] {
             let p = plan::<f16, f16>(norm, MANY, n, res, Alignment::Shifted, h).unwrap();
             let what = format!("{norm:?} f16 {n}");
             assert_eq!(
@@ -357,7 +363,7 @@ fn shifted_residual_rows_take_the_held_kernel() {
             assert_eq!((p.variant, p.threads), (shifted, threads), "{norm:?} bf16 {n}");
         }
         let streamed = [
-            (16392, Alignment::Shifted, "16392"),
+            (32776, Alignment::Shifted, "32776"),
             (4100, Alignment::HalfPacks, "half packs"),
             (4097, Alignment::Other, "other rows"),
         ];

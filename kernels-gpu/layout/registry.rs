@@ -328,7 +328,7 @@ pub enum Variant {
     /// up to 1024 ranks,
     FwdResidualHeld,
     /// 16-bit rows shifted alike past a 16-byte boundary, held as that kernel holds its
-    /// rows, 2 packs a rank from the boundary (sm_90),
+    /// rows, 4 packs a rank from the boundary (sm_90),
     FwdResidualHeldShifted,
     /// or, too long for that, s formed and summed as it streams in, y from s read back from
     /// L2.

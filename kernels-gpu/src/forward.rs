@@ -48,7 +48,7 @@
 //!   all four rows sit alike past one, else element by element;
 //! - `residual_held_shifted` ([`forward_rows_residual_held_shifted`], sm_90) for
 //!   those launches' 16-bit rows not in half packs that sit alike past a 16-byte boundary
-//!   and fit 2 packs a rank of 1024 from it: held as `residual_held` holds its rows;
+//!   and fit 4 packs a rank of 1024 from it: held as `residual_held` holds its rows;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -2315,7 +2315,7 @@ macro_rules! residual_held_shifted_kernels {
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $t:ty) => {
         /// Forward of x + residual, one block per row, held at 64 registers from the
-        /// rows' first 16-byte boundary (16-bit rows shifted alike, 2 packs a rank).
+        /// rows' first 16-byte boundary (16-bit rows shifted alike, 4 packs a rank).
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows the kernel
