@@ -951,18 +951,12 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
                     &[address(&gamma, stream), address(&beta, stream)],
                 ),
             };
-            // Residual rows in half packs stay with the streamed kernel, which takes them so
-            // (7% faster than held from the boundary at f16 N = 4100: docs/PERF.md v82).
+            // Residual rows in half packs are held from their boundary too (4 packs a rank).
             let shifted = match &residual {
-                Some((r, s)) if !packed && size_of::<T>() == 2 => {
-                    let (x, others) = (
-                        address(&x, stream),
-                        [address(&y, stream), address(r, stream), address(s, stream)],
-                    );
-                    let weights = [address(&gamma, stream), address(&beta, stream)];
-                    !half_packed_rows::<T, W, R>(n, others.iter().chain(&weights).chain([&x]))
-                        && shifted_rows::<T, R>(x, &others)
-                }
+                Some((r, s)) if !packed && size_of::<T>() == 2 => shifted_rows::<T, R>(
+                    address(&x, stream),
+                    &[address(&y, stream), address(r, stream), address(s, stream)],
+                ),
                 _ => false,
             };
             let a = Forward {
