@@ -43,7 +43,7 @@
 //!   16384), the streamed residual kernel, 512 ranks, which forms and sums s in one pass
 //!   and reads it back from L2 for y (both a block for every row on sm_90). On sm_90,
 //!   16-bit rows of one type with weights of it that sit alike past 16-byte
-//!   boundaries ([`Alignment::Shifted`], not in half packs) take the held residual kernel's
+//!   boundaries ([`Alignment::Shifted`], rows in half packs included) take the held residual kernel's
 //!   `_shifted` copy, in packs from their first boundary, where their whole packs fit
 //!   `RESIDUAL_HELD_SHIFTED` a rank of 1024 (N < 32776); other rows not all aligned, the
 //!   streamed kernel at the general kernel's team.
@@ -131,8 +131,8 @@ pub enum Alignment {
     /// Neither, but the rows are of one size and every row of each sits as many bytes past a
     /// 16-byte boundary as x's (f16 rows of odd `n` do, from aligned tensors): the
     /// backward's x, dy and dx, which it holds in packs from that boundary without a
-    /// residual's dsum; the residual forward's 16-bit x, y, residual and s, which
-    /// RMSNorm's held residual kernel holds so (sm_90).
+    /// residual's dsum; the residual forward's 16-bit x, y, residual and s, which the held
+    /// residual kernel's shifted copy holds so (sm_90), rows in half packs among them.
     Shifted,
     /// Anything else.
     Other,
@@ -706,13 +706,16 @@ impl<T: Element> Planner<T> {
     }
 
     /// The held residual forward over rows shifted alike ([`Alignment::Shifted`]: 16-bit
-    /// x, y, residual and s of one type, weights of it, not in half packs), on sm_90,
+    /// x, y, residual and s of one type, weights of it; rows in half packs too), on sm_90,
     /// for launches of more rows than multiprocessors whose rows, longer than a warp's, fit
     /// `RESIDUAL_HELD_SHIFTED` packs a rank of a block: the fewest ranks that hold them, a
     /// power of two from 64 to 1024 (whole blocks fill a multiprocessor's 1024 threads at 64
     /// registers), a team for every row. Streamed ([`Self::residual_unaligned`]), these
-    /// rows' s is written and then read back from L2 twice (H200, RMSNorm, docs/PERF.md
-    /// v83b: +30 to +38% at 16-bit N = 1030-4097, +7 to +9% at 16383).
+    /// rows' s is written and then read back from L2 twice (H200, docs/PERF.md v84b-v84c,
+    /// against v83b's streamed LayerNorm rows: +73 to +78% at 16-bit N = 1030, +40 to +56%
+    /// at 2051-16383; RMSNorm's rows at 4 packs a rank rather than 2: +8 to +27% at
+    /// 4097-16383, and +18% at 24577, streamed before; rows in half packs against the
+    /// streamed kernel's: +13 to +27%).
     fn residual_held_shifted(&self) -> Option<Plan> {
         let variant = Variant::FwdResidualHeldShifted;
         // Whole packs from the first boundary: at most n's (the edge columns go a column a

@@ -341,17 +341,25 @@ fn shifted_rows_take_the_held_block_kernel() {
 /// weights of it) takes the held residual kernel's shifted copy on sm_90, both norms, in
 /// packs from the first boundary, 4 packs a rank of the fewest ranks, a power of two from
 /// 64, that hold the row's whole packs, a block for every row: f16 N = 1030 (128 whole
-/// packs at most) and 2051 (256) on 64 ranks, 4097 (512) on 128, 16383 (2047) on 512,
-/// 20001 (2500) on 1024. Not past what 1024 ranks hold (32776), nor rows in half packs
-/// (4100: the host gives them as such), f32 weights, launches of few rows, or sm_80: those
-/// stream; nor rows a warp takes (1022). The aligned rows keep the held kernel.
+/// packs at most) and 2051 (256) on 64 ranks, 4097 (512) and 4100 (rows in half packs,
+/// which the host gives as shifted: 512) on 128, 16383 (2047) on 512, 20001 (2500) on
+/// 1024. Not past what 1024 ranks hold (32776), nor f32 weights, launches of few rows, or
+/// sm_80: those stream; nor rows a warp takes (1022). The aligned rows keep the held
+/// kernel.
 #[test]
 fn shifted_residual_rows_take_the_held_kernel() {
     let h = DeviceLimits::H100;
     let res = Pass::ForwardResidual;
     let shifted = Variant::FwdResidualHeldShifted;
     for norm in [Norm::Layer, Norm::Rms] {
-        for (n, threads) in [(1030, 64), (2051, 64), (4097, 128), (16383, 512), (20001, 1024)] {
+        for (n, threads) in [
+            (1030, 64),
+            (2051, 64),
+            (4097, 128),
+            (4100, 128),
+            (16383, 512),
+            (20001, 1024),
+        ] {
             let p = plan::<f16, f16>(norm, MANY, n, res, Alignment::Shifted, h).unwrap();
             let what = format!("{norm:?} f16 {n}");
             assert_eq!(
@@ -362,12 +370,10 @@ fn shifted_residual_rows_take_the_held_kernel() {
             let p = plan::<bf16, bf16>(norm, MANY, n, res, Alignment::Shifted, h).unwrap();
             assert_eq!((p.variant, p.threads), (shifted, threads), "{norm:?} bf16 {n}");
         }
-        let streamed = [
+        for (n, alignment, what) in [
             (32776, Alignment::Shifted, "32776"),
-            (4100, Alignment::HalfPacks, "half packs"),
             (4097, Alignment::Other, "other rows"),
-        ];
-        for (n, alignment, what) in streamed {
+        ] {
             let p = plan::<f16, f16>(norm, MANY, n, res, alignment, h).unwrap();
             assert_eq!(p.variant, Variant::FwdResidualStreamed, "{norm:?} {what}");
         }

@@ -47,8 +47,9 @@
 //!   where 8-byte aligned, 16-bit ones in packs from their first 16-byte boundary where
 //!   all four rows sit alike past one, else element by element;
 //! - `residual_held_shifted` ([`forward_rows_residual_held_shifted`], sm_90) for
-//!   those launches' 16-bit rows not in half packs that sit alike past a 16-byte boundary
-//!   and fit 4 packs a rank of 1024 from it: held as `residual_held` holds its rows;
+//!   those launches' 16-bit rows that sit alike past a 16-byte boundary (rows in half
+//!   packs among them) and fit 4 packs a rank of 1024 from it: held as `residual_held`
+//!   holds its rows;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -602,7 +603,7 @@ unsafe fn forward_rows_residual_lean<
 /// go a column a rank. Streamed (the `residual_streamed` kernel), such rows' s is written
 /// and read back from L2 twice. A kernel of its own: an arm for these rows in the aligned
 /// held kernel cost that kernel 11% at N = 32768 (docs/PERF.md, v82), and spilled
-/// LayerNorm's, which fits here (56 registers).
+/// LayerNorm's, which fits here (59-64 registers at 4 packs a rank, no spill).
 ///
 /// # Safety
 /// As for [`forward_rows_residual`]; x, y, the residual and s are of one 16-bit type, every
