@@ -42,11 +42,11 @@
 //!   rows too long for a block of 512 to hold at 8 packs a rank (16-bit N > 32768, f32 >
 //!   16384), the streamed residual kernel, 512 ranks, which forms and sums s in one pass
 //!   and reads it back from L2 for y (both a block for every row on sm_90). On sm_90,
-//!   16-bit rows of one type with weights of it that sit alike past 16-byte
-//!   boundaries ([`Alignment::Shifted`], rows in half packs included) take the held residual kernel's
-//!   `_shifted` copy, in packs from their first boundary, where their whole packs fit
-//!   `RESIDUAL_HELD_SHIFTED` a rank of 1024 (N < 32776); other rows not all aligned, the
-//!   streamed kernel at the general kernel's team.
+//!   16-bit rows of one type with weights of it that sit alike past 16-byte boundaries
+//!   ([`Alignment::Shifted`], rows in half packs included) take the held residual
+//!   kernel's `_shifted` copy, in packs from their first boundary, where their whole
+//!   packs fit `RESIDUAL_HELD_SHIFTED` a rank of 1024 (N < 32776); other rows not all
+//!   aligned, the streamed kernel at the general kernel's team.
 //! - Backward, either mode (the modes differ only in where each block's sums go): on sm_90,
 //!   block-team rows that one block cannot hold (4 packs
 //!   a thread) or cannot sum in shared memory split over a cluster, held over the fewest

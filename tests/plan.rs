@@ -143,11 +143,13 @@ fn norm_plan_of<T: Element, W: Weight<T>>(
 ) -> Plan {
     let pack = (16 / size_of::<T>()) as u32;
     // A whole tensor's rows of 16-bit values and weights, n a multiple of 4, start 8-byte
-    // aligned, as the library finds them; other rows of whole tensors of x, dy and dx each
+    // aligned, as the library finds them, which the backward takes in half packs and the
+    // residual forward as shifted rows; other rows of whole tensors of x, dy and dx each
     // sit as far past a boundary as x's.
+    let residual_forward = pass == Pass::ForwardResidual;
     let alignment = if n.is_multiple_of(pack) {
         Alignment::Packs
-    } else if size_of::<T>() == 2 && size_of::<W>() == 2 && n.is_multiple_of(4) {
+    } else if !residual_forward && size_of::<T>() == 2 && size_of::<W>() == 2 && n.is_multiple_of(4) {
         Alignment::HalfPacks
     } else {
         Alignment::Shifted

@@ -370,9 +370,9 @@ fn gpu_residual_held_rows_match_the_reference() {
 /// and 12289, half packs and elements on alternate rows; f16 2051 and f16 with f32 weights
 /// 4097, shifted or elements on every row; f16 4097 and 16383, shifted), and a stream in
 /// f32 beside bf16 (N = 4099, elements), both norms, with a dsum and without, the backward
-/// after them. On sm_90 16-bit rows with weights of their type not in half packs (bf16
-/// 1030, f16 2051, 4097 and 16383) take the held residual kernel's shifted copy instead, in
-/// packs from their first boundary, 4 a rank of 64 to 1024 ranks (bf16 20001 on 1024).
+/// after them. On sm_90 16-bit rows with weights of their type (bf16 1030, f16 4100 in
+/// half packs, 2051, 4097 and 16383) take the held residual kernel's shifted copy instead,
+/// in packs from their first boundary, 4 a rank of 64 to 1024 ranks (bf16 20001 on 1024).
 #[test]
 fn gpu_residual_unaligned_rows_of_many_match_the_reference() {
     let Some(gpu) = gpu_or_skip() else { return };

@@ -34,7 +34,7 @@ pub const RESIDUAL_HELD: u32 = 4;
 /// Packs of x, and of the residual, each rank of the held residual forward over rows shifted
 /// alike past a 16-byte boundary (`registry::Variant::FwdResidualHeldShifted`, sm_90) loads
 /// together, from the first one on: as many as the aligned rows' `RESIDUAL_HELD`, which fit
-/// 61-64 registers in this kernel of its own (as an arm of the aligned held kernel, v82,
+/// 59-64 registers in this kernel of its own (as an arm of the aligned held kernel, v82,
 /// they spilled 32-64 bytes). A block of 1024 ranks holds a row of 4096 whole packs (16-bit
 /// N < 32776).
 pub const RESIDUAL_HELD_SHIFTED: u32 = 4;
