@@ -953,9 +953,10 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
             };
             // Residual rows in half packs are held from their boundary too, as shifted rows:
             // the held kernel beat the streamed one's half packs once its teams were 4 packs
-            // a rank (H200, docs/PERF.md v84c: +13 to +27% at f16 N = 4100 and 16388).
+            // a rank (H200, docs/PERF.md v84c: +13 to +27% at f16 N = 4100 and 16388). f32
+            // rows too, which the streamed kernel took element by element (v85).
             let shifted = match &residual {
-                Some((r, s)) if !packed && size_of::<T>() == 2 => shifted_rows::<T, R>(
+                Some((r, s)) if !packed => shifted_rows::<T, R>(
                     address(&x, stream),
                     &[address(&y, stream), address(r, stream), address(s, stream)],
                 ),

@@ -42,7 +42,7 @@
 //!   rows too long for a block of 512 to hold at 8 packs a rank (16-bit N > 32768, f32 >
 //!   16384), the streamed residual kernel, 512 ranks, which forms and sums s in one pass
 //!   and reads it back from L2 for y (both a block for every row on sm_90). On sm_90,
-//!   16-bit rows of one type with weights of it that sit alike past 16-byte boundaries
+//!   rows of one type with weights of it that sit alike past 16-byte boundaries
 //!   ([`Alignment::Shifted`], rows in half packs included) take the held residual
 //!   kernel's `_shifted` copy, in packs from their first boundary, where their whole
 //!   packs fit `RESIDUAL_HELD_SHIFTED` a rank of 1024 (N < 32776); other rows not all
@@ -131,8 +131,8 @@ pub enum Alignment {
     /// Neither, but the rows are of one size and every row of each sits as many bytes past a
     /// 16-byte boundary as x's (f16 rows of odd `n` do, from aligned tensors): the
     /// backward's x, dy and dx, which it holds in packs from that boundary without a
-    /// residual's dsum; the residual forward's 16-bit x, y, residual and s, which the held
-    /// residual kernel's shifted copy holds so (sm_90), rows in half packs among them.
+    /// residual's dsum; the residual forward's x, y, residual and s of one type, which the
+    /// held residual kernel's shifted copy holds so (sm_90), rows in half packs among them.
     Shifted,
     /// Anything else.
     Other,
@@ -705,8 +705,8 @@ impl<T: Element> Planner<T> {
         })
     }
 
-    /// The held residual forward over rows shifted alike ([`Alignment::Shifted`]: 16-bit
-    /// x, y, residual and s of one type, weights of it; rows in half packs too), on sm_90,
+    /// The held residual forward over rows shifted alike ([`Alignment::Shifted`]: x, y,
+    /// residual and s of one type, weights of it; 16-bit rows in half packs too), on sm_90,
     /// for launches of more rows than multiprocessors whose rows, longer than a warp's, fit
     /// `RESIDUAL_HELD_SHIFTED` packs a rank of a block: the fewest ranks that hold them, a
     /// power of two from 64 to 1024 (whole blocks fill a multiprocessor's 1024 threads at 64

@@ -339,13 +339,14 @@ fn shifted_rows_take_the_held_block_kernel() {
     }
 }
 
-/// The residual forward over 16-bit rows shifted alike (x, y, residual and s of one type,
-/// weights of it) takes the held residual kernel's shifted copy on sm_90, both norms, in
-/// packs from the first boundary, 4 packs a rank of the fewest ranks, a power of two from
-/// 64, that hold the row's whole packs, a block for every row: f16 N = 1030 (128 whole
-/// packs at most) and 2051 (256) on 64 ranks, 4097 (512) and 4100 (rows in half packs,
-/// which the host gives as shifted: 512) on 128, 16383 (2047) on 512, 20001 (2500) on
-/// 1024. Not past what 1024 ranks hold (32776), nor f32 weights, launches of few rows, or
+/// The residual forward over rows shifted alike (x, y, residual and s of one type, weights
+/// of it) takes the held residual kernel's shifted copy on sm_90, both norms, in packs from
+/// the first boundary, 4 packs a rank of the fewest ranks, a power of two from 64, that
+/// hold the row's whole packs, a block for every row: f16 N = 1030 (128 whole packs at
+/// most) and 2051 (256) on 64 ranks, 4097 (512) and 4100 (rows in half packs, which the
+/// host gives as shifted: 512) on 128, 16383 (2047) on 512, 20001 (2500) on 1024; f32 N =
+/// 1030 (257) and 2051 (512) on 128, 4097 (1024) on 256, 12289 (3072) on 1024. Not past
+/// what 1024 ranks hold (f16 32776, f32 16389), nor f32 weights, launches of few rows, or
 /// sm_80: those stream; nor rows a warp takes (1022). The aligned rows keep the held
 /// kernel.
 #[test]
@@ -372,6 +373,15 @@ fn shifted_residual_rows_take_the_held_kernel() {
             let p = plan::<bf16, bf16>(norm, MANY, n, res, Alignment::Shifted, h).unwrap();
             assert_eq!((p.variant, p.threads), (shifted, threads), "{norm:?} bf16 {n}");
         }
+        for (n, threads) in [(1030, 128), (2051, 128), (4097, 256), (12289, 1024)] {
+            let p = plan::<f32, f32>(norm, MANY, n, res, Alignment::Shifted, h).unwrap();
+            let what = format!("{norm:?} f32 {n}");
+            assert_eq!(
+                (p.variant, p.threads, p.grid),
+                (shifted, threads, Grid::EveryRow),
+                "{what}"
+            );
+        }
         for (n, alignment, what) in [
             (32776, Alignment::Shifted, "32776"),
             (4097, Alignment::Other, "other rows"),
@@ -379,6 +389,8 @@ fn shifted_residual_rows_take_the_held_kernel() {
             let p = plan::<f16, f16>(norm, MANY, n, res, alignment, h).unwrap();
             assert_eq!(p.variant, Variant::FwdResidualStreamed, "{norm:?} {what}");
         }
+        let p = plan::<f32, f32>(norm, MANY, 16389, res, Alignment::Shifted, h).unwrap();
+        assert_eq!(p.variant, Variant::FwdResidualStreamed, "{norm:?} f32 16389");
         let p = plan::<f16, f32>(norm, MANY, 4097, res, Alignment::Shifted, h).unwrap();
         assert_eq!(p.variant, Variant::FwdResidualStreamed, "{norm:?} f32 weights");
         let p = plan::<f16, f16>(norm, 100, 4097, res, Alignment::Shifted, h).unwrap();

@@ -370,9 +370,10 @@ fn gpu_residual_held_rows_match_the_reference() {
 /// and 12289, half packs and elements on alternate rows; f16 2051 and f16 with f32 weights
 /// 4097, shifted or elements on every row; f16 4097 and 16383, shifted), and a stream in
 /// f32 beside bf16 (N = 4099, elements), both norms, with a dsum and without, the backward
-/// after them. On sm_90 16-bit rows with weights of their type (bf16 1030, f16 4100 in
-/// half packs, 2051, 4097 and 16383) take the held residual kernel's shifted copy instead,
-/// in packs from their first boundary, 4 a rank of 64 to 1024 ranks (bf16 20001 on 1024).
+/// after them. On sm_90 rows of one type with weights of it (bf16 1030, f16 4100 in half
+/// packs, 2051, 4097 and 16383; f32 1030, 4097 and 12289) take the held residual kernel's
+/// shifted copy instead, in packs from their first boundary, 4 a rank of 64 to 1024 ranks
+/// (bf16 20001 and f32 12289 on 1024).
 #[test]
 fn gpu_residual_unaligned_rows_of_many_match_the_reference() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -389,6 +390,7 @@ fn gpu_residual_unaligned_rows_of_many_match_the_reference() {
         check::<f16, f16>(&gpu, norm, mode, 140, 16383, seed + 8);
         check::<f16, f16>(&gpu, norm, mode, 140, 4097, seed + 9);
         check::<bf16, bf16>(&gpu, norm, mode, 140, 20001, seed + 10);
+        check::<f32, f32>(&gpu, norm, mode, 140, 1030, seed + 11);
     }
 }
 

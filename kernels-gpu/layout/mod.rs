@@ -36,7 +36,7 @@ pub const RESIDUAL_HELD: u32 = 4;
 /// together, from the first one on: as many as the aligned rows' `RESIDUAL_HELD`, which fit
 /// 59-64 registers in this kernel of its own (as an arm of the aligned held kernel, v82,
 /// they spilled 32-64 bytes). A block of 1024 ranks holds a row of 4096 whole packs (16-bit
-/// N < 32776).
+/// N < 32776, f32 N < 16388).
 pub const RESIDUAL_HELD_SHIFTED: u32 = 4;
 
 /// Packs of x each rank of LayerNorm's pipelined forward block team holds of the f32 rows

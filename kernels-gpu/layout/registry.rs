@@ -327,8 +327,8 @@ pub enum Variant {
     /// block per row at 64 registers: 16-bit rows held at `RESIDUAL_HELD` packs a rank by
     /// up to 1024 ranks,
     FwdResidualHeld,
-    /// 16-bit rows shifted alike past a 16-byte boundary, held as that kernel holds its
-    /// rows, 4 packs a rank from the boundary (sm_90),
+    /// Rows of one type shifted alike past a 16-byte boundary, held as that kernel holds
+    /// its rows, 4 packs a rank from the boundary (sm_90),
     FwdResidualHeldShifted,
     /// or, too long for that, s formed and summed as it streams in, y from s read back from
     /// L2.
@@ -579,11 +579,12 @@ impl Variant {
     }
 
     /// Whether the kernel comes in type pair `pair`: stage 2, which reads f32 partials and
-    /// writes the weights' gradients, only in pairs of one type; the held residual forwards
-    /// only over f16 and bf16 rows with weights and stream of their type, the widened warp
+    /// writes the weights' gradients, only in pairs of one type; the held residual forward
+    /// over aligned rows only over f16 and bf16 rows with weights and stream of their type, the widened warp
     /// forward only over f16 and bf16 x (with weights of its type or f32), the held block
-    /// kernel in half packs over f16 and bf16 x, dy and weights of one type, the held block
-    /// kernel over shifted rows over x, dy and weights of one type, the row block
+    /// kernel in half packs over f16 and bf16 x, dy and weights of one type, the held
+    /// kernels over shifted rows (stage 1, the residual forward) over rows and weights of
+    /// one type, the row block
     /// only with weights of x's type; with a residual stream in f32, only the kernels that
     /// read or write it: the residual forward and stage 1.
     pub const fn has_pair(self, pair: TypePair) -> bool {
@@ -598,11 +599,17 @@ impl Variant {
             // Half packs of 16-bit rows: 8 bytes of x, dy and the weights alike.
             return DTYPE_BYTES[pair.x] == 2 && pair.weights == pair.x && pair.stream == pair.x;
         }
-        if matches!(self, Variant::BwdHeldBlockShifted) {
-            // Its staged weights are packs of x's columns.
+        if matches!(
+            self,
+            Variant::BwdHeldBlockShifted | Variant::FwdResidualHeldShifted
+        ) {
+            // Rows of one type shifted alike. The backward's staged weights are packs of x's
+            // columns; the forward's f32 rows gained where streamed ones, by elements, lost
+            // (docs/PERF.md v85). One arm for both: a third arm here grew this function past
+            // what rustc inlines across crates, and the kernels then called it.
             return pair.weights == pair.x && pair.stream == pair.x;
         }
-        if matches!(self, Variant::FwdResidualHeld | Variant::FwdResidualHeldShifted) {
+        if matches!(self, Variant::FwdResidualHeld) {
             // Where it was measured faster (H200, docs/PERF.md v40: f32 rows, a stream in
             // f32 included, gained 2% or lost up to 17%; f32 weights beside 16-bit rows
             // spilled it at 64 registers).

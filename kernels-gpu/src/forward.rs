@@ -594,7 +594,7 @@ unsafe fn forward_rows_residual_lean<
     unsafe { residual_rows::<T, Y, W, S, CENTERED>(p, normalize) }
 }
 
-/// The held residual forward over 16-bit rows shifted alike (`residual_held_shifted`, sm_90,
+/// The held residual forward over rows of one type shifted alike (`residual_held_shifted`, sm_90,
 /// teams of up to 1024 ranks at 64 registers): x, y, the residual and s all sit as
 /// far past a 16-byte boundary. Each rank loads x's and the residual's packs from the row's
 /// first boundary on, `RESIDUAL_HELD_SHIFTED` of each together, forms and stores s, and
@@ -606,7 +606,7 @@ unsafe fn forward_rows_residual_lean<
 /// LayerNorm's, which fits here (59-64 registers at 4 packs a rank, no spill).
 ///
 /// # Safety
-/// As for [`forward_rows_residual`]; x, y, the residual and s are of one 16-bit type, every
+/// As for [`forward_rows_residual`]; x, y, the residual and s are of one type, every
 /// row of each as far past a 16-byte boundary as x's, and every row fits
 /// `RESIDUAL_HELD_SHIFTED` packs a rank from its first boundary (the host launches it only
 /// on such rows).
@@ -2296,7 +2296,7 @@ row_block_kernels!(f16_row_block, "f16", crate::element::F16);
 row_block_kernels!(bf16_row_block, "bf16", crate::element::Bf16);
 
 /// Exports the held residual forward over shifted rows
-/// (`<norm>_fwd_residual_held_shifted_<type>`) of both norms for 16-bit x with weights and a
+/// (`<norm>_fwd_residual_held_shifted_<type>`) of both norms for x with weights and a
 /// residual stream of its type, in the sm_90 module: the type pairs and architecture the
 /// host plans it for (`layout::registry`: `Variant::has_pair`, `Variant::sm90_only`).
 #[cfg(layernorm_sm90)]
@@ -2316,7 +2316,7 @@ macro_rules! residual_held_shifted_kernels {
     };
     (@one $prefix:literal, $centered:literal, $types:literal, $t:ty) => {
         /// Forward of x + residual, one block per row, held at 64 registers from the
-        /// rows' first 16-byte boundary (16-bit rows shifted alike, 4 packs a rank).
+        /// rows' first 16-byte boundary (rows shifted alike, 4 packs a rank).
         ///
         /// # Safety
         /// Launched by the host with buffers of the documented sizes, on rows the kernel
@@ -2330,6 +2330,8 @@ macro_rules! residual_held_shifted_kernels {
     };
 }
 
+#[cfg(layernorm_sm90)]
+residual_held_shifted_kernels!(f32_held_shifted, "f32", f32);
 #[cfg(layernorm_sm90)]
 residual_held_shifted_kernels!(f16_held_shifted, "f16", crate::element::F16);
 #[cfg(layernorm_sm90)]
