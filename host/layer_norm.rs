@@ -951,17 +951,19 @@ pub(crate) fn forward_rows<T: Element, W: Weight<T>, R: cpu::Stream<T>>(
                     &[address(&gamma, stream), address(&beta, stream)],
                 ),
             };
-            // Residual rows in half packs are held from their boundary too, as shifted rows:
-            // the held kernel beat the streamed one's half packs once its teams were 4 packs
+            // Rows in half packs are held from their boundary too, as shifted rows: the held
+            // residual kernel beat the streamed one's half packs once its teams were 4 packs
             // a rank (H200, docs/PERF.md v84c: +13 to +27% at f16 N = 4100 and 16388). f32
-            // rows too, which the streamed kernel took element by element (v85).
-            let shifted = match &residual {
-                Some((r, s)) if !packed => shifted_rows::<T, R>(
-                    address(&x, stream),
-                    &[address(&y, stream), address(r, stream), address(s, stream)],
-                ),
-                _ => false,
-            };
+            // rows too, which the streamed kernel took element by element (v85), and the
+            // plain forward's rows, which the general kernel streamed (v86).
+            let shifted = !packed
+                && match &residual {
+                    Some((r, s)) => shifted_rows::<T, R>(
+                        address(&x, stream),
+                        &[address(&y, stream), address(r, stream), address(s, stream)],
+                    ),
+                    None => shifted_rows::<T, T>(address(&x, stream), &[address(&y, stream)]),
+                };
             let a = Forward {
                 x,
                 residual,
@@ -1284,7 +1286,7 @@ fn half_packed_rows<'a, T: Element, W: Element, R: Element>(
 
 /// Whether the kernels may hold every row from x's first 16-byte boundary on: x and the
 /// other rows of one type (`T` = `R`, no wider stream), and each of `others` (the
-/// backward's dy and dx, the residual forward's y, residual and s) as many bytes past a
+/// backward's dy and dx, the forward's y, the residual forward's residual and s) as many bytes past a
 /// 16-byte boundary as `x`'s, so that each row of them is too (rows of one length apart).
 /// The weights may sit anywhere: the backward stages them, the forward reads them off
 /// their boundaries.

@@ -34,7 +34,11 @@
 //!   pipelined block teams over weights of x's type give way to the row block (a block for
 //!   every row, holding its row only, at 40 registers) where a multiprocessor runs two of
 //!   its blocks or more and more of its threads, and its last wave is nearly full or its
-//!   rows fill a team of 512 ranks (2048 packs).
+//!   rows fill a team of 512 ranks (2048 packs). On sm_90, launches of more rows than
+//!   multiprocessors whose x and y of one type, weights of it, sit alike past 16-byte
+//!   boundaries ([`Alignment::Shifted`], 16-bit rows in half packs included), past a warp's
+//!   length, take the held forward over shifted rows where their whole packs fit
+//!   `FWD_HELD_SHIFTED` a rank of 1024: a block for every row, x held from its boundary.
 //! - Residual forward of more rows than multiprocessors over rows all of aligned packs:
 //!   16-bit rows with weights of their type longer than the pipelined block holds, up to 4
 //!   packs a rank of 1024 (N <= 32768), or that it holds on teams of 128, 256 or 512 ranks
@@ -68,9 +72,9 @@
 use crate::layout::registry::pipeline_stages;
 pub use crate::layout::registry::{Arch, DTYPE_BYTES, DTYPES, Norm, TYPE_PAIRS, TypePair, Variant};
 use crate::layout::{
-    BWD_BATCH_ELEMENTS, BWD_HELD, BWD_UNALIGNED_BATCHES_PER_RANK, CLUSTER_SIZE, FWD_HELD, HELD_CLUSTER_SIZES,
-    MAX_STACKED, PIPE_HELD, READ_BATCH_ELEMENTS, RESIDUAL_HELD, RESIDUAL_HELD_SHIFTED, SCRATCH_BYTES,
-    UNALIGNED_BATCHES_PER_RANK, block_half_pack_rows,
+    BWD_BATCH_ELEMENTS, BWD_HELD, BWD_UNALIGNED_BATCHES_PER_RANK, CLUSTER_SIZE, FWD_HELD, FWD_HELD_SHIFTED,
+    HELD_CLUSTER_SIZES, MAX_STACKED, PIPE_HELD, READ_BATCH_ELEMENTS, RESIDUAL_HELD, RESIDUAL_HELD_SHIFTED,
+    SCRATCH_BYTES, UNALIGNED_BATCHES_PER_RANK, block_half_pack_rows,
 };
 
 use crate::element::{Element, F32Stream, Weight, pair_of};
@@ -131,8 +135,9 @@ pub enum Alignment {
     /// Neither, but the rows are of one size and every row of each sits as many bytes past a
     /// 16-byte boundary as x's (f16 rows of odd `n` do, from aligned tensors): the
     /// backward's x, dy and dx, which it holds in packs from that boundary without a
-    /// residual's dsum; the residual forward's x, y, residual and s of one type, which the
-    /// held residual kernel's shifted copy holds so (sm_90), rows in half packs among them.
+    /// residual's dsum; the forward's x and y, and the residual forward's x, y, residual and
+    /// s, of one type, which the held forwards' shifted kernels hold so (sm_90), rows in
+    /// half packs among them.
     Shifted,
     /// Anything else.
     Other,
@@ -397,6 +402,7 @@ impl<T: Element> Planner<T> {
 
     fn forward(&self) -> Plan {
         let special = self.few_rows_forward().or_else(|| self.rms_long_rows());
+        let special = special.or_else(|| self.held_shifted());
         if let Some(plan) = special.or_else(|| self.widened_warp()) {
             return plan;
         }
@@ -705,27 +711,30 @@ impl<T: Element> Planner<T> {
         })
     }
 
-    /// The held residual forward over rows shifted alike ([`Alignment::Shifted`]: x, y,
-    /// residual and s of one type, weights of it; 16-bit rows in half packs too), on sm_90,
-    /// for launches of more rows than multiprocessors whose rows, longer than a warp's, fit
-    /// `RESIDUAL_HELD_SHIFTED` packs a rank of a block: the fewest ranks that hold them, a
-    /// power of two from 64 to 1024 (whole blocks fill a multiprocessor's 1024 threads at 64
-    /// registers), a team for every row. Streamed ([`Self::residual_unaligned`]), these
-    /// rows' s is written and then read back from L2 twice (H200, docs/PERF.md v84b-v84c,
-    /// against v83b's streamed LayerNorm rows: +73 to +78% at 16-bit N = 1030, +40 to +56%
-    /// at 2051-16383; RMSNorm's rows at 4 packs a rank rather than 2: +8 to +27% at
-    /// 4097-16383, and +18% at 24577, streamed before; rows in half packs against the
-    /// streamed kernel's: +13 to +27%).
-    fn residual_held_shifted(&self) -> Option<Plan> {
-        let variant = Variant::FwdResidualHeldShifted;
+    /// The held forward over rows shifted alike ([`Alignment::Shifted`]: x and y of one
+    /// type, weights of it; 16-bit rows in half packs too), as [`Self::every_row_held_shifted`]
+    /// takes them. The general block kernel streams them ([`Self::unaligned_block`]), x read
+    /// again from L2 for each pass, in packs from the boundary (RMSNorm's), half packs or
+    /// elements.
+    fn held_shifted(&self) -> Option<Plan> {
+        self.every_row_held_shifted(Variant::FwdHeldShifted, FWD_HELD_SHIFTED, warp_rows(self.n))
+    }
+
+    /// The held kernel `variant` over rows shifted alike, on sm_90, for launches of more
+    /// rows than multiprocessors whose rows, longer than a warp's (`warp_rows`: not), fit
+    /// `held` packs a rank of a block from their first 16-byte boundary: the fewest ranks
+    /// that hold them, a power of two from 64 to 1024 (whole blocks fill a multiprocessor's
+    /// 1024 threads at 64 registers), a team for every row.
+    fn every_row_held_shifted(&self, variant: Variant, held: u32, warp_rows: bool) -> Option<Plan> {
         // Whole packs from the first boundary: at most n's (the edge columns go a column a
         // rank).
-        let ranks = (self.n / pack_len::<T>()).div_ceil(RESIDUAL_HELD_SHIFTED);
+        let ranks = (self.n / pack_len::<T>()).div_ceil(held);
         let threads = ranks.next_power_of_two().max(64);
-        let takes = variant.in_module(self.limits.arch)
+        let takes = self.shifted
+            && variant.in_module(self.limits.arch)
             && variant.has_pair(self.pair)
             && !self.few_rows
-            && !self.residual_warp_rows()
+            && !warp_rows
             && threads <= self.max_threads(variant).min(FULL_BLOCK);
         takes.then_some(Plan {
             variant,
@@ -735,6 +744,23 @@ impl<T: Element> Planner<T> {
             local: false,
             grid: Grid::EveryRow,
         })
+    }
+
+    /// The held residual forward over rows shifted alike ([`Alignment::Shifted`]: x, y,
+    /// residual and s of one type, weights of it; 16-bit rows in half packs too), as
+    /// [`Self::every_row_held_shifted`] takes them, at `RESIDUAL_HELD_SHIFTED` packs a
+    /// rank. Streamed ([`Self::residual_unaligned`]), these
+    /// rows' s is written and then read back from L2 twice (H200, docs/PERF.md v84b-v84c,
+    /// against v83b's streamed LayerNorm rows: +73 to +78% at 16-bit N = 1030, +40 to +56%
+    /// at 2051-16383; RMSNorm's rows at 4 packs a rank rather than 2: +8 to +27% at
+    /// 4097-16383, and +18% at 24577, streamed before; rows in half packs against the
+    /// streamed kernel's: +13 to +27%).
+    fn residual_held_shifted(&self) -> Option<Plan> {
+        self.every_row_held_shifted(
+            Variant::FwdResidualHeldShifted,
+            RESIDUAL_HELD_SHIFTED,
+            self.residual_warp_rows(),
+        )
     }
 
     /// The streamed residual forward, 512 ranks, for launches of more rows than

@@ -7,7 +7,7 @@ use common::{
 };
 use layernorm_cuda::{Device, Element, LayerNorm, bf16, f16};
 use layernorm_reference as reference;
-use ndarray::Array2;
+use ndarray::{Array2, ArrayView1};
 
 /// Runs one forward on `device`, with y and the statistics compared to the reference.
 fn check_forward<T: Element>(device: &Device, rows: usize, n: usize, seed: u64) {
@@ -84,9 +84,13 @@ fn gpu_forward_many_rows() {
     }
 }
 
-/// Rows not all 16-byte aligned over more rows than multiprocessors: block teams of 32
-/// elements a rank or more (`plan`'s four read batches a rank: 64 ranks at N = 1030, 128 at
-/// 4097, 512 at 16388), each rank's batches of 8 elements and its last, short batch.
+/// Rows not all 16-byte aligned over more rows than multiprocessors, x and y whole tensors
+/// (every row of y as far past a 16-byte boundary as x's): on sm_90 the held forward over
+/// shifted rows, 4 packs a rank from the first boundary, the edge columns one by one (128
+/// ranks at f32 N = 1030, 256 at 4097, 128 at f16 4100, 512 at bf16 16388 and f16 16383,
+/// 64 at bf16 2051); on sm_80 block teams of 32 elements a rank or more (`plan`'s four read
+/// batches a rank: 64 ranks at N = 1030, 128 at 4097, 512 at 16388), each rank's batches of
+/// 8 elements and its last, short batch (tests/views.rs runs those on sm_90).
 #[test]
 fn gpu_forward_unaligned_rows_many() {
     let Some(gpu) = gpu_or_skip() else { return };
@@ -94,6 +98,8 @@ fn gpu_forward_unaligned_rows_many() {
     check_forward::<f32>(&gpu, 300, 4097, 541);
     check_forward::<f16>(&gpu, 301, 4100, 542);
     check_forward::<bf16>(&gpu, 200, 16388, 543);
+    check_forward::<f16>(&gpu, 200, 16383, 544);
+    check_forward::<bf16>(&gpu, 300, 2051, 545);
 }
 
 /// Rows whose mean is 4000 times their spread, every one (`mixed_matrix` offsets one row in
@@ -102,17 +108,21 @@ fn gpu_forward_unaligned_rows_many() {
 /// merges take each chunk less the row's first value. A float32 model of the merges about 0
 /// put single elements' merges on a warp at up to 2e-5 and a block's elements at 1e-5
 /// (docs/PERF.md v61). Warp rows element by element (N = 999), block rows in half packs
-/// beside packs (f16 4100, f32 4098, bf16 16388) and elements (f32 4097), aligned rows
+/// beside packs (f16 4100, f32 4098, bf16 16388) and elements (f32 4097), which sm_90 holds
+/// from their first boundary (x and y sit alike), and so streams only where x is a view at
+/// an offset y does not share (f16 4100 at 4, f32 4097 at 1), aligned rows
 /// streamed in packs (f32 131072, f16 262144: too long to hold or stage); and with a
 /// residual added (the row normalized is s = x + residual, its pivot x's and the
-/// residual's first values summed): the general kernel's elements (N = 999, 4097) and
+/// residual's first values summed): the general kernel's elements (N = 999, and 4097 on
+/// sm_80; sm_90 holds those rows as shifted) and
 /// streamed packs (f32 131072 over few rows), and the streamed residual kernel (f32 16388,
 /// f16 32776 over more rows than multiprocessors).
 #[test]
 fn forward_offset_rows_keep_their_digits() {
     let mut devices = vec![Device::cpu()];
     devices.extend(gpu_or_skip());
-    fn check<T: Element>(device: &Device, rows: usize, n: usize, seed: u64, residual: bool) {
+    // `x_at`: x a view at that element offset of a larger buffer (y a whole tensor).
+    fn check<T: Element>(device: &Device, rows: usize, n: usize, seed: u64, residual: bool, x_at: usize) {
         let mut rng = Rng::new(seed);
         let mut x = Array2::from_elem((rows, n), T::from_f32(0.0));
         for mut row in x.rows_mut() {
@@ -125,7 +135,16 @@ fn forward_offset_rows_keep_their_digits() {
         let gamma = random_vec::<T>(&mut rng, n, 1.0, 0.5);
         let beta = random_vec::<T>(&mut rng, n, 0.0, 0.5);
         let ln = LayerNorm::from_arrays(device, gamma.view(), beta.view(), 1e-5).unwrap();
-        let x_d = device.upload(x.view()).unwrap();
+        let x_d = if x_at == 0 {
+            device.upload(x.view()).unwrap()
+        } else {
+            let mut buffer = vec![T::from_f32(0.0); x_at + rows * n];
+            for (slot, &v) in buffer[x_at..].iter_mut().zip(x.iter()) {
+                *slot = v;
+            }
+            let storage = device.upload(ArrayView1::from(&buffer)).unwrap();
+            storage.view(x_at, &[rows, n]).unwrap()
+        };
         let (normalized, ctx) = if residual {
             let r = device
                 .upload(random_matrix::<T>(&mut rng, rows, n).view())
@@ -149,7 +168,7 @@ fn forward_offset_rows_keep_their_digits() {
             .map(|(&r, &reference)| (r as f64 - reference).abs() / reference)
             .fold(0.0, f64::max);
         let what = format!(
-            "{} forward {} [{rows}, {n}], residual {residual}",
+            "{} forward {} [{rows}, {n}], residual {residual}, x at {x_at}",
             device.name(),
             T::NAME
         );
@@ -159,19 +178,21 @@ fn forward_offset_rows_keep_their_digits() {
         );
     }
     for device in &devices {
-        check::<bf16>(device, 300, 999, 570, false);
-        check::<f32>(device, 300, 999, 571, false);
-        check::<f16>(device, 300, 4100, 572, false);
-        check::<f32>(device, 300, 4098, 573, false);
-        check::<f32>(device, 300, 4097, 574, false);
-        check::<bf16>(device, 300, 16388, 575, false);
-        check::<f32>(device, 8, 131072, 576, false);
-        check::<f16>(device, 8, 262144, 577, false);
-        check::<bf16>(device, 300, 999, 578, true);
-        check::<f32>(device, 300, 4097, 579, true);
-        check::<f32>(device, 140, 16388, 580, true);
-        check::<f16>(device, 140, 32776, 581, true);
-        check::<f32>(device, 8, 131072, 582, true);
+        check::<bf16>(device, 300, 999, 570, false, 0);
+        check::<f32>(device, 300, 999, 571, false, 0);
+        check::<f16>(device, 300, 4100, 572, false, 0);
+        check::<f32>(device, 300, 4098, 573, false, 0);
+        check::<f32>(device, 300, 4097, 574, false, 0);
+        check::<bf16>(device, 300, 16388, 575, false, 0);
+        check::<f16>(device, 300, 4100, 583, false, 4);
+        check::<f32>(device, 300, 4097, 584, false, 1);
+        check::<f32>(device, 8, 131072, 576, false, 0);
+        check::<f16>(device, 8, 262144, 577, false, 0);
+        check::<bf16>(device, 300, 999, 578, true, 0);
+        check::<f32>(device, 300, 4097, 579, true, 0);
+        check::<f32>(device, 140, 16388, 580, true, 0);
+        check::<f16>(device, 140, 32776, 581, true, 0);
+        check::<f32>(device, 8, 131072, 582, true, 0);
     }
 }
 

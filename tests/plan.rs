@@ -71,6 +71,17 @@ fn test_cases() -> Vec<(usize, Pass, u32, u32)> {
     ] {
         cases.push((dtype, Pass::Forward, rows, n));
     }
+    // `gpu_forward_unaligned_rows_many`.
+    for (dtype, rows, n) in [
+        (f32, 400, 1030),
+        (f32, 300, 4097),
+        (f16, 301, 4100),
+        (bf16, 200, 16388),
+        (f16, 200, 16383),
+        (bf16, 300, 2051),
+    ] {
+        cases.push((dtype, Pass::Forward, rows, n));
+    }
     // And `gpu_forward_row_block`.
     for (dtype, rows, n) in [
         (f16, 528, 12288),
@@ -144,12 +155,12 @@ fn norm_plan_of<T: Element, W: Weight<T>>(
     let pack = (16 / size_of::<T>()) as u32;
     // A whole tensor's rows of 16-bit values and weights, n a multiple of 4, start 8-byte
     // aligned, as the library finds them, which the backward takes in half packs and the
-    // residual forward as shifted rows; other rows of whole tensors of x, dy and dx each
-    // sit as far past a boundary as x's.
-    let residual_forward = pass == Pass::ForwardResidual;
+    // forwards as shifted rows; other rows of whole tensors of x, dy and dx (x, y, the
+    // residual and s) each sit as far past a boundary as x's.
+    let backward = matches!(pass, Pass::Backward | Pass::BackwardResidual);
     let alignment = if n.is_multiple_of(pack) {
         Alignment::Packs
-    } else if !residual_forward && size_of::<T>() == 2 && size_of::<W>() == 2 && n.is_multiple_of(4) {
+    } else if backward && size_of::<T>() == 2 && size_of::<W>() == 2 && n.is_multiple_of(4) {
         Alignment::HalfPacks
     } else {
         Alignment::Shifted
@@ -402,6 +413,74 @@ fn shifted_residual_rows_take_the_held_kernel() {
         let p = plan::<f16, f16>(norm, MANY, 32768, res, Alignment::Packs, h).unwrap();
         let held = (Variant::FwdResidualHeld, 1024);
         assert_eq!((p.variant, p.threads), held, "{norm:?} aligned");
+    }
+}
+
+/// The plain forward over rows shifted alike (x and y of one type, weights of it; 16-bit
+/// rows in half packs, which the host gives as shifted, among them) takes the held forward
+/// over shifted rows on sm_90, both norms: 4 packs a rank from the first boundary, of the
+/// fewest ranks, a power of two from 64, that hold the row's whole packs, a block for every
+/// row: 16-bit N = 1030 (128 whole packs at most) and 2051 (256) on 64 ranks, 4097 (512)
+/// and 4100 (512) on 128, 16383 (2047) on 512, 32775 (4096) on 1024; f32 N = 1030 (257) on
+/// 128, 4097 (1024) on 256, 16387 (4096) on 1024. Not past what 1024 ranks hold (f16
+/// 32776), nor f32 weights beside 16-bit rows, launches of few rows, or sm_80: those take
+/// the general block kernel; nor rows a warp takes (1022). Aligned rows keep their kernels.
+#[test]
+fn shifted_rows_take_the_held_forward() {
+    let h = DeviceLimits::H100;
+    let fwd = Pass::Forward;
+    let held = Variant::FwdHeldShifted;
+    for norm in [Norm::Layer, Norm::Rms] {
+        for (n, threads) in [
+            (1030, 64),
+            (2051, 64),
+            (4097, 128),
+            (4100, 128),
+            (16383, 512),
+            (32775, 1024),
+        ] {
+            let p = plan::<f16, f16>(norm, MANY, n, fwd, Alignment::Shifted, h).unwrap();
+            let what = format!("{norm:?} f16 {n}");
+            assert_eq!(
+                (p.variant, p.threads, p.grid),
+                (held, threads, Grid::EveryRow),
+                "{what}"
+            );
+            let p = plan::<bf16, bf16>(norm, MANY, n, fwd, Alignment::Shifted, h).unwrap();
+            assert_eq!((p.variant, p.threads), (held, threads), "{norm:?} bf16 {n}");
+        }
+        for (n, threads) in [(1030, 128), (4097, 256), (16387, 1024)] {
+            let p = plan::<f32, f32>(norm, MANY, n, fwd, Alignment::Shifted, h).unwrap();
+            assert_eq!((p.variant, p.threads), (held, threads), "{norm:?} f32 {n}");
+        }
+        for (what, p) in [
+            (
+                "32776",
+                plan::<f16, f16>(norm, MANY, 32776, fwd, Alignment::Shifted, h),
+            ),
+            (
+                "f32 weights",
+                plan::<f16, f32>(norm, MANY, 4097, fwd, Alignment::Shifted, h),
+            ),
+            (
+                "few rows",
+                plan::<f16, f16>(norm, 100, 4097, fwd, Alignment::Shifted, h),
+            ),
+            (
+                "sm_80",
+                plan::<f16, f16>(norm, MANY, 4097, fwd, Alignment::Shifted, DeviceLimits::A100),
+            ),
+            (
+                "other rows",
+                plan::<f16, f16>(norm, MANY, 4097, fwd, Alignment::Other, h),
+            ),
+        ] {
+            assert_eq!(p.unwrap().variant, Variant::FwdBlock, "{norm:?} {what}");
+        }
+        let p = plan::<f16, f16>(norm, MANY, 1022, fwd, Alignment::Shifted, h).unwrap();
+        assert_eq!(p.variant, Variant::FwdWarp, "{norm:?} warp rows");
+        let p = plan::<f16, f16>(norm, MANY, 4096, fwd, Alignment::Packs, h).unwrap();
+        assert_ne!(p.variant, held, "{norm:?} aligned");
     }
 }
 

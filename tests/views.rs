@@ -166,6 +166,19 @@ fn gpu_views_at_odd_offsets_match_reference() {
     check_all::<bf16>(&gpu, 2200);
 }
 
+/// x at an offset that y (a whole tensor) does not share, over more rows than
+/// multiprocessors: the plain forward's general block kernel takes such rows in elements
+/// (f32 at 1, bf16 at 3) or half packs (f16 at 4), where a whole x and y, whose rows sit
+/// alike, go to the held kernel over shifted rows on sm_90; the backward with dy at x's
+/// offset and a whole dx, the owned kernel's element path or the held one's half packs.
+#[test]
+fn gpu_views_of_many_rows_match_reference() {
+    let Some(gpu) = gpu_or_skip() else { return };
+    check_views::<f32>(&gpu, 300, 4097, [1, 0, 0, 1], 2300);
+    check_views::<f16>(&gpu, 300, 4100, [4, 0, 0, 4], 2301);
+    check_views::<bf16>(&gpu, 300, 2051, [3, 1, 2, 3], 2302);
+}
+
 /// A view, a view of a view, and rows of a matrix copy back exactly their own elements.
 #[test]
 fn views_read_their_own_elements() {

@@ -128,9 +128,9 @@ pub(crate) struct Forward<'a, T, W, R = T> {
     /// a pack of the rows' type (16 bytes; 8 for x and y of f16/bf16 beside a stream of f32),
     /// and n is a whole number of packs.
     pub(crate) packed: bool,
-    /// With a residual, not `packed`, but x, y, the residual and s are of one 16-bit type
-    /// and every row of each sits as many bytes past a 16-byte boundary as x's (rows in half
-    /// packs too: every other row of f16 N = 4100 sits 8 bytes past one).
+    /// Not `packed`, but x and y (and the residual and s) are of one type and every row of
+    /// each sits as many bytes past a 16-byte boundary as x's (rows in half packs too: every
+    /// other row of f16 N = 4100 sits 8 bytes past one).
     pub(crate) shifted: bool,
     /// LayerNorm's kernels or RMSNorm's.
     pub(crate) norm: Norm,

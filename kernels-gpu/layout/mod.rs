@@ -39,6 +39,12 @@ pub const RESIDUAL_HELD: u32 = 4;
 /// N < 32776, f32 N < 16388).
 pub const RESIDUAL_HELD_SHIFTED: u32 = 4;
 
+/// Packs of x each rank of the plain forward over rows shifted alike past a 16-byte boundary
+/// (`registry::Variant::FwdHeldShifted`, sm_90) loads together, from the first one on: as
+/// many as the row block holds of aligned rows (`PIPE_HELD`). A block of 1024 ranks holds a
+/// row of 4096 whole packs (16-bit N < 32776, f32 N < 16388).
+pub const FWD_HELD_SHIFTED: u32 = 4;
+
 /// Packs of x each rank of LayerNorm's pipelined forward block team holds of the f32 rows
 /// whose next row it stages (`registry::pipeline_stages`): with one row in registers, 6 fit
 /// the 64 of its thread limit (8 spilled), and rows of up to 6144 packs (N = 24576) fit

@@ -167,6 +167,7 @@ pub const fn param_bytes(variant: Variant) -> &'static [usize] {
         | Variant::FwdPipelinedWarp
         | Variant::FwdPipelinedBlock
         | Variant::FwdRowBlock
+        | Variant::FwdHeldShifted
         | Variant::FwdWidenedWarp
         | Variant::FwdFewRows
         | Variant::FwdResidualHeld

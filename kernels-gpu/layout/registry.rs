@@ -26,6 +26,8 @@
 //!   one block a multiprocessor at most, so occupancy does not matter).
 //! - The row block holds one row, 4 packs a thread: bound to 40 registers, below its 1024
 //!   threads' 64 (see `Variant::max_registers`).
+//! - The held forward over shifted rows holds one row, 4 packs a rank from its first
+//!   16-byte boundary, at the 64 registers of its 1024 threads (54-61 used).
 //! - The residual forward keeps the row pointers of x, the residual, s and y, and runs at
 //!   512 (128) with `.minnctapersm 1` (see `Variant::one_block_per_sm`).
 //!   Its held kernel loads 4 packs of x and of the residual a rank, and its streamed kernel
@@ -310,6 +312,10 @@ pub enum Variant {
     /// Forward of rows all of aligned packs that fit 4 a rank, a block for every row
     /// holding its row only (no next row in flight: fewer registers).
     FwdRowBlock,
+    /// Forward of rows of one type shifted alike past a 16-byte boundary (16-bit rows in half
+    /// packs too), a block for every row holding its row at 4 packs a rank from the boundary
+    /// (sm_90).
+    FwdHeldShifted,
     /// Forward of LayerNorm's 16-bit rows that a warp holds at 2 to 4 packs a lane, a warp
     /// for every row: x widened to f32 once, no next row in flight (sm_90).
     FwdWidenedWarp,
@@ -360,12 +366,13 @@ pub enum Variant {
 
 impl Variant {
     /// Every kernel, in the order the host keeps them.
-    pub const ALL: [Variant; 28] = [
+    pub const ALL: [Variant; 29] = [
         Variant::FwdWarp,
         Variant::FwdBlock,
         Variant::FwdPipelinedWarp,
         Variant::FwdPipelinedBlock,
         Variant::FwdRowBlock,
+        Variant::FwdHeldShifted,
         Variant::FwdWidenedWarp,
         Variant::FwdFewRows,
         Variant::FwdResidualWarp,
@@ -399,6 +406,7 @@ impl Variant {
             Variant::FwdPipelinedWarp => "fwd_pipelined_warp",
             Variant::FwdPipelinedBlock => "fwd_pipelined_block",
             Variant::FwdRowBlock => "fwd_row_block",
+            Variant::FwdHeldShifted => "fwd_held_shifted",
             Variant::FwdWidenedWarp => "fwd_widened_warp",
             Variant::FwdFewRows => "fwd_few_rows",
             Variant::FwdResidualWarp => "fwd_residual_warp",
@@ -460,13 +468,16 @@ impl Variant {
     }
 
     /// Whether only the sm_90 module has the kernel: clusters exist from sm_90 on, and the
-    /// widened warp forward, the row block and the held residual forward over shifted rows
-    /// were measured faster only there (no sm_80 device measured them).
+    /// widened warp forward, the row block and the held forwards over shifted rows were
+    /// measured faster only there (no sm_80 device measured them).
     pub const fn sm90_only(self) -> bool {
         self.cluster() > 1
             || matches!(
                 self,
-                Variant::FwdWidenedWarp | Variant::FwdRowBlock | Variant::FwdResidualHeldShifted
+                Variant::FwdWidenedWarp
+                    | Variant::FwdRowBlock
+                    | Variant::FwdHeldShifted
+                    | Variant::FwdResidualHeldShifted
             )
     }
 
@@ -491,6 +502,7 @@ impl Variant {
                 Variant::FwdPipelinedWarp
                 | Variant::FwdPipelinedBlock
                 | Variant::FwdRowBlock
+                | Variant::FwdHeldShifted
                 | Variant::FwdWidenedWarp,
                 _,
             ) => 1024,
@@ -584,12 +596,12 @@ impl Variant {
     /// forward only over f16 and bf16 x (with weights of its type or f32), the held block
     /// kernel in half packs over f16 and bf16 x, dy and weights of one type, the held
     /// kernels over shifted rows (stage 1, the residual forward) over rows and weights of
-    /// one type, the row block
-    /// only with weights of x's type; with a residual stream in f32, only the kernels that
+    /// one type, the row block and the held forward over shifted rows only with weights of
+    /// x's type; with a residual stream in f32, only the kernels that
     /// read or write it: the residual forward and stage 1.
     pub const fn has_pair(self, pair: TypePair) -> bool {
-        if matches!(self, Variant::FwdRowBlock) {
-            // Where it was measured (H200, docs/PERF.md v48).
+        if matches!(self, Variant::FwdRowBlock | Variant::FwdHeldShifted) {
+            // Where they were measured (H200, docs/PERF.md v48, v86).
             return pair.weights == pair.x && !pair.wide_stream();
         }
         if matches!(self, Variant::FwdWidenedWarp) {
@@ -639,6 +651,7 @@ impl Variant {
                 | Variant::FwdResidualHeldShifted
                 | Variant::FwdWidenedWarp
                 | Variant::FwdRowBlock
+                | Variant::FwdHeldShifted
                 | Variant::BwdHeldBlockHalves
                 | Variant::BwdHeldBlockShifted
                 | Variant::BwdCluster2HeldHalves

@@ -47,9 +47,9 @@
 //!   where 8-byte aligned, 16-bit ones in packs from their first 16-byte boundary where
 //!   all four rows sit alike past one, else element by element;
 //! - `residual_held_shifted` ([`forward_rows_residual_held_shifted`], sm_90) for
-//!   those launches' 16-bit rows that sit alike past a 16-byte boundary (rows in half
-//!   packs among them) and fit 4 packs a rank of 1024 from it: held as `residual_held`
-//!   holds its rows;
+//!   those launches' rows of one type that sit alike past a 16-byte boundary (16-bit rows
+//!   in half packs among them) and fit 4 packs a rank of 1024 from it: held as
+//!   `residual_held` holds its rows;
 //! - `residual_warp`, `residual_block` ([`forward_rows_residual`]) for the other launches
 //!   with a residual: s formed as each row is loaded, then normalized as `warp` and `block`
 //!   take rows (below), s held or staged where x would be;
@@ -60,6 +60,11 @@
 //!   [`forward_rows_pipelined_block`], copy the next row into shared memory instead, and
 //!   keep this one widened to f32: one widening an element rather than one a pass; f32
 //!   rows 6 packs a rank);
+//! - `held_shifted` ([`forward_rows_held_shifted`], sm_90) for launches of many rows
+//!   without a residual, past a warp's length, whose x and y of one type sit alike past a
+//!   16-byte boundary (16-bit rows in half packs among them) and fit 4 packs a rank of 1024
+//!   from it: a block for every row, x held from the boundary, the edge columns read one
+//!   by one;
 //! - `widened_warp` ([`forward_rows_widened`], LayerNorm's, sm_90) where the pipelined
 //!   warp would take 16-bit rows of 2 to 4 packs a lane: a warp for every row, x widened
 //!   to f32 once and centred in place, no next row in flight;
@@ -103,6 +108,10 @@ use crate::row::{
 };
 use crate::team::{Block, ResidualBlock, SCRATCH_BYTES, Stats, StatsTeam, Team, Warp};
 use core::f64::math::sqrt as sqrt_f64;
+
+/// Packs a rank of the held forward over shifted rows (`held_shifted`).
+#[cfg(layernorm_sm90)]
+const FWD_HELD_SHIFTED: usize = crate::layout::FWD_HELD_SHIFTED as usize;
 
 /// Packs per rank a block team holds in registers of a row too long to hold whole; the
 /// rest is [`Staged`] in shared memory. f32 N = 65536 on 1024 threads: 64 KB in registers,
@@ -636,6 +645,45 @@ unsafe fn forward_rows_residual_held_shifted<T: Element, W: Element, S: StatsTea
     // SAFETY: the caller's guarantee; `normalize` writes s in packs and edge columns, as
     // the walks that read it back hand them out.
     unsafe { residual_rows::<T, T, W, S, CENTERED>(p, normalize) }
+}
+
+/// The forward over rows of one type shifted alike (`held_shifted`, sm_90, a block for every
+/// row, up to 1024 ranks at 64 registers): x and y sit as far past a 16-byte boundary.
+/// Each rank loads its `FWD_HELD_SHIFTED` packs of x from the row's first boundary on, all
+/// in flight at once, and normalizes them from registers ([`normalize_held_shifted`]); the
+/// columns before the boundary and after the last whole pack go a column a rank, read from
+/// x. The general block kernel streams such rows, x read from L2 again for each pass, in
+/// packs from the boundary (RMSNorm), half packs (rows 8-byte aligned) or elements.
+///
+/// # Safety
+/// As for [`forward_rows`]; x and y are of one type, every row of each as far past a
+/// 16-byte boundary as x's, and every row fits `FWD_HELD_SHIFTED` packs a rank from its
+/// first boundary (the host launches it only on such rows).
+#[cfg(layernorm_sm90)]
+#[inline(always)]
+unsafe fn forward_rows_held_shifted<T: Element, W: Element, S: StatsTeam, const CENTERED: bool>(
+    p: Forward<T, W>,
+) {
+    let (x, y, affine) = (p.x.ptr(), p.y.ptr(), Affine::of(p));
+    let (mean, rstd, rows, n, eps) = (p.mean.ptr(), p.rstd.ptr(), p.rows, p.n, p.eps);
+    let mut row = S::id();
+    while row < rows {
+        let offset = row as usize * n as usize;
+        // SAFETY: the row lies inside x and y (row < rows); from its head on, x's packs are
+        // aligned and fit (the caller's guarantee), and y's sit as x's do.
+        unsafe {
+            let (x_row, y_row) = (x.add(offset), y.add(offset));
+            let head = head_elements(x_row, n);
+            let held =
+                Held::<FWD_HELD_SHIFTED>::load::<T, S>(x_row.add(head as usize), (n - head) / T::PACK as u32);
+            let norm = normalize_held_shifted::<T, T, W, S, CENTERED, FWD_HELD_SHIFTED>(
+                &held, x_row, affine, y_row, n, eps,
+            )
+            .unwrap_or_else(|| forward_row_huge::<T, T, W, S, CENTERED>(x_row, affine, y_row, n, eps));
+            norm.publish::<S>(mean.add(row as usize), rstd.add(row as usize));
+        }
+        row += S::count();
+    }
 }
 
 /// The residual forward's loop over the team's rows: `normalize(x, residual, sum, y)` (one
@@ -2266,11 +2314,12 @@ macro_rules! widened_kernels {
     };
 }
 
-/// Exports the row block forward (`<norm>_fwd_row_block_<type>`) of both norms for x with
-/// weights of its type, in the sm_90 module: the type pairs and architecture the host plans
-/// it for (`layout::registry`: `Variant::has_pair`, `Variant::sm90_only`).
+/// Exports the row block forward (`<norm>_fwd_row_block_<type>`) and the held forward over
+/// shifted rows (`<norm>_fwd_held_shifted_<type>`) of both norms for x with weights of its
+/// type, in the sm_90 module: the type pairs and architecture the host plans them for
+/// (`layout::registry`: `Variant::has_pair`, `Variant::sm90_only`).
 #[cfg(layernorm_sm90)]
-macro_rules! row_block_kernels {
+macro_rules! own_type_block_kernels {
     ($module:ident, $types:literal, $t:ty) => {
         mod $module {
             use super::*;
@@ -2278,22 +2327,26 @@ macro_rules! row_block_kernels {
                 use super::*;
                 forward_kernels!(@one "layer_norm", true, $types, $t, $t, row_block, forward_rows_row_block, crate::team::NarrowBlock,
                     "Forward, a block for every row, holding its row only (rows of aligned packs, 4 a rank).");
+                forward_kernels!(@one "layer_norm", true, $types, $t, $t, held_shifted, forward_rows_held_shifted, Block,
+                    "Forward, a block for every row, holding its row from its first 16-byte boundary (rows shifted alike, 4 packs a rank).");
             }
             mod rms {
                 use super::*;
                 forward_kernels!(@one "rms_norm", false, $types, $t, $t, row_block, forward_rows_row_block, crate::team::NarrowBlock,
                     "Forward, a block for every row, holding its row only (rows of aligned packs, 4 a rank).");
+                forward_kernels!(@one "rms_norm", false, $types, $t, $t, held_shifted, forward_rows_held_shifted, Block,
+                    "Forward, a block for every row, holding its row from its first 16-byte boundary (rows shifted alike, 4 packs a rank).");
             }
         }
     };
 }
 
 #[cfg(layernorm_sm90)]
-row_block_kernels!(f32_row_block, "f32", f32);
+own_type_block_kernels!(f32_own_block, "f32", f32);
 #[cfg(layernorm_sm90)]
-row_block_kernels!(f16_row_block, "f16", crate::element::F16);
+own_type_block_kernels!(f16_own_block, "f16", crate::element::F16);
 #[cfg(layernorm_sm90)]
-row_block_kernels!(bf16_row_block, "bf16", crate::element::Bf16);
+own_type_block_kernels!(bf16_own_block, "bf16", crate::element::Bf16);
 
 /// Exports the held residual forward over shifted rows
 /// (`<norm>_fwd_residual_held_shifted_<type>`) of both norms for x with weights and a
