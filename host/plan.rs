@@ -37,8 +37,9 @@
 //!   rows fill a team of 512 ranks (2048 packs). On sm_90, launches of more rows than
 //!   multiprocessors whose x and y of one type, weights of it, sit alike past 16-byte
 //!   boundaries ([`Alignment::Shifted`], 16-bit rows in half packs included), past a warp's
-//!   length, take the held forward over shifted rows where their whole packs fit
-//!   `FWD_HELD_SHIFTED` a rank of 1024: a block for every row, x held from its boundary.
+//!   length (f32 rows from 512 whole packs), take the held forward over shifted rows
+//!   where their whole packs fit `FWD_HELD_SHIFTED` a rank of 1024: a block for every row,
+//!   x held from its boundary.
 //! - Residual forward of more rows than multiprocessors over rows all of aligned packs:
 //!   16-bit rows with weights of their type longer than the pipelined block holds, up to 4
 //!   packs a rank of 1024 (N <= 32768), or that it holds on teams of 128, 256 or 512 ranks
@@ -715,8 +716,19 @@ impl<T: Element> Planner<T> {
     /// type, weights of it; 16-bit rows in half packs too), as [`Self::every_row_held_shifted`]
     /// takes them. The general block kernel streams them ([`Self::unaligned_block`]), x read
     /// again from L2 for each pass, in packs from the boundary (RMSNorm's), half packs or
-    /// elements.
+    /// elements: held, LayerNorm's 16-bit rows gained 12-96% (f16 and bf16 N = 1028-16388,
+    /// most where they went element by element), RMSNorm's 1-22%, f32 rows of 2051-16387
+    /// 6-41% (H200, docs/PERF.md v86).
+    ///
+    /// f32 rows of fewer than 512 whole packs (N < 2048) keep the general kernel: at N =
+    /// 1030 the held kernel's 128 ranks, 65 of them with packs, lost 7.4% in LayerNorm and
+    /// gained nothing in RMSNorm (H200, docs/PERF.md v86), where 16-bit rows of as many
+    /// columns gained 8-45%.
     fn held_shifted(&self) -> Option<Plan> {
+        let short_f32 = size_of::<T>() == 4 && self.n / pack_len::<T>() < 512;
+        if short_f32 {
+            return None;
+        }
         self.every_row_held_shifted(Variant::FwdHeldShifted, FWD_HELD_SHIFTED, warp_rows(self.n))
     }
 

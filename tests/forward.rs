@@ -86,11 +86,12 @@ fn gpu_forward_many_rows() {
 
 /// Rows not all 16-byte aligned over more rows than multiprocessors, x and y whole tensors
 /// (every row of y as far past a 16-byte boundary as x's): on sm_90 the held forward over
-/// shifted rows, 4 packs a rank from the first boundary, the edge columns one by one (128
-/// ranks at f32 N = 1030, 256 at 4097, 128 at f16 4100, 512 at bf16 16388 and f16 16383,
-/// 64 at bf16 2051); on sm_80 block teams of 32 elements a rank or more (`plan`'s four read
-/// batches a rank: 64 ranks at N = 1030, 128 at 4097, 512 at 16388), each rank's batches of
-/// 8 elements and its last, short batch (tests/views.rs runs those on sm_90).
+/// shifted rows, 4 packs a rank from the first boundary, the edge columns one by one (256
+/// ranks at f32 N = 4097, 128 at f16 4100, 512 at bf16 16388 and f16 16383, 64 at bf16
+/// 2051); f32 1030 there, and every row on sm_80, block teams of 32 elements a rank or more
+/// (`plan`'s four read batches a rank: 64 ranks at N = 1030, 128 at 4097, 512 at 16388),
+/// each rank's batches of 8 elements and its last, short batch (tests/views.rs runs those
+/// over many rows on sm_90 too).
 #[test]
 fn gpu_forward_unaligned_rows_many() {
     let Some(gpu) = gpu_or_skip() else { return };

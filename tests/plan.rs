@@ -421,10 +421,11 @@ fn shifted_residual_rows_take_the_held_kernel() {
 /// over shifted rows on sm_90, both norms: 4 packs a rank from the first boundary, of the
 /// fewest ranks, a power of two from 64, that hold the row's whole packs, a block for every
 /// row: 16-bit N = 1030 (128 whole packs at most) and 2051 (256) on 64 ranks, 4097 (512)
-/// and 4100 (512) on 128, 16383 (2047) on 512, 32775 (4096) on 1024; f32 N = 1030 (257) on
-/// 128, 4097 (1024) on 256, 16387 (4096) on 1024. Not past what 1024 ranks hold (f16
-/// 32776), nor f32 weights beside 16-bit rows, launches of few rows, or sm_80: those take
-/// the general block kernel; nor rows a warp takes (1022). Aligned rows keep their kernels.
+/// and 4100 (512) on 128, 16383 (2047) on 512, 32775 (4096) on 1024; f32 N = 2051 (512) on
+/// 128, 4097 (1024) on 256, 16387 (4096) on 1024. Not f32 rows of fewer than 512 whole
+/// packs (1030), past what 1024 ranks hold (f16 32776), f32 weights beside 16-bit rows,
+/// launches of few rows, or sm_80: those take the general block kernel; nor rows a warp
+/// takes (1022). Aligned rows keep their kernels.
 #[test]
 fn shifted_rows_take_the_held_forward() {
     let h = DeviceLimits::H100;
@@ -449,11 +450,15 @@ fn shifted_rows_take_the_held_forward() {
             let p = plan::<bf16, bf16>(norm, MANY, n, fwd, Alignment::Shifted, h).unwrap();
             assert_eq!((p.variant, p.threads), (held, threads), "{norm:?} bf16 {n}");
         }
-        for (n, threads) in [(1030, 128), (4097, 256), (16387, 1024)] {
+        for (n, threads) in [(2051, 128), (4097, 256), (16387, 1024)] {
             let p = plan::<f32, f32>(norm, MANY, n, fwd, Alignment::Shifted, h).unwrap();
             assert_eq!((p.variant, p.threads), (held, threads), "{norm:?} f32 {n}");
         }
         for (what, p) in [
+            (
+                "f32 1030",
+                plan::<f32, f32>(norm, MANY, 1030, fwd, Alignment::Shifted, h),
+            ),
             (
                 "32776",
                 plan::<f16, f16>(norm, MANY, 32776, fwd, Alignment::Shifted, h),

@@ -77,7 +77,7 @@ pub(crate) fn forward<T: Element, W: Weight<T>, R: Element>(
     };
     let (types, limits) = (TYPE_PAIRS[pair], gpu.kernels.limits);
     let plan = if pass == Pass::Forward {
-        plan_rows::<T>(a.norm, types, a.rows, a.n, pass, a.packed, limits)?
+        plan_rows::<T>(a.norm, types, a.rows, a.n, pass, a.alignment(), limits)?
     } else {
         plan_rows::<R>(a.norm, types, a.rows, a.n, pass, a.alignment(), limits)?
     };
