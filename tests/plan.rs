@@ -350,6 +350,35 @@ fn shifted_rows_take_the_held_block_kernel() {
     }
 }
 
+/// Asserts that `norm`'s `pass` over many rows shifted alike takes `variant` on sm_90, a
+/// block for every row, on `threads` ranks at each `(n, threads)` of `sixteen_bit` (f16
+/// and bf16) and of `f32`.
+fn assert_held_shifted(
+    norm: Norm,
+    pass: Pass,
+    variant: Variant,
+    sixteen_bit: &[(u32, u32)],
+    f32: &[(u32, u32)],
+) {
+    let h = DeviceLimits::H100;
+    let planned = |p: Plan| (p.variant, p.threads, p.grid);
+    for &(n, threads) in sixteen_bit {
+        let want = (variant, threads, Grid::EveryRow);
+        let p = plan::<f16, f16>(norm, MANY, n, pass, Alignment::Shifted, h).unwrap();
+        assert_eq!(planned(p), want, "{norm:?} {pass:?} f16 {n}");
+        let p = plan::<bf16, bf16>(norm, MANY, n, pass, Alignment::Shifted, h).unwrap();
+        assert_eq!(planned(p), want, "{norm:?} {pass:?} bf16 {n}");
+    }
+    for &(n, threads) in f32 {
+        let p = plan::<f32, f32>(norm, MANY, n, pass, Alignment::Shifted, h).unwrap();
+        assert_eq!(
+            planned(p),
+            (variant, threads, Grid::EveryRow),
+            "{norm:?} {pass:?} f32 {n}"
+        );
+    }
+}
+
 /// The residual forward over rows shifted alike (x, y, residual and s of one type, weights
 /// of it) takes the held residual kernel's shifted copy on sm_90, both norms, in packs from
 /// the first boundary, 4 packs a rank of the fewest ranks, a power of two from 64, that
@@ -366,33 +395,20 @@ fn shifted_residual_rows_take_the_held_kernel() {
     let res = Pass::ForwardResidual;
     let shifted = Variant::FwdResidualHeldShifted;
     for norm in [Norm::Layer, Norm::Rms] {
-        for (n, threads) in [
-            (1030, 64),
-            (2051, 64),
-            (4097, 128),
-            (4100, 128),
-            (16383, 512),
-            (20001, 1024),
-        ] {
-            let p = plan::<f16, f16>(norm, MANY, n, res, Alignment::Shifted, h).unwrap();
-            let what = format!("{norm:?} f16 {n}");
-            assert_eq!(
-                (p.variant, p.threads, p.grid),
-                (shifted, threads, Grid::EveryRow),
-                "{what}"
-            );
-            let p = plan::<bf16, bf16>(norm, MANY, n, res, Alignment::Shifted, h).unwrap();
-            assert_eq!((p.variant, p.threads), (shifted, threads), "{norm:?} bf16 {n}");
-        }
-        for (n, threads) in [(1030, 128), (2051, 128), (4097, 256), (12289, 1024)] {
-            let p = plan::<f32, f32>(norm, MANY, n, res, Alignment::Shifted, h).unwrap();
-            let what = format!("{norm:?} f32 {n}");
-            assert_eq!(
-                (p.variant, p.threads, p.grid),
-                (shifted, threads, Grid::EveryRow),
-                "{what}"
-            );
-        }
+        assert_held_shifted(
+            norm,
+            res,
+            shifted,
+            &[
+                (1030, 64),
+                (2051, 64),
+                (4097, 128),
+                (4100, 128),
+                (16383, 512),
+                (20001, 1024),
+            ],
+            &[(1030, 128), (2051, 128), (4097, 256), (12289, 1024)],
+        );
         for (n, alignment, what) in [
             (32776, Alignment::Shifted, "32776"),
             (4097, Alignment::Other, "other rows"),
@@ -432,28 +448,20 @@ fn shifted_rows_take_the_held_forward() {
     let fwd = Pass::Forward;
     let held = Variant::FwdHeldShifted;
     for norm in [Norm::Layer, Norm::Rms] {
-        for (n, threads) in [
-            (1030, 64),
-            (2051, 64),
-            (4097, 128),
-            (4100, 128),
-            (16383, 512),
-            (32775, 1024),
-        ] {
-            let p = plan::<f16, f16>(norm, MANY, n, fwd, Alignment::Shifted, h).unwrap();
-            let what = format!("{norm:?} f16 {n}");
-            assert_eq!(
-                (p.variant, p.threads, p.grid),
-                (held, threads, Grid::EveryRow),
-                "{what}"
-            );
-            let p = plan::<bf16, bf16>(norm, MANY, n, fwd, Alignment::Shifted, h).unwrap();
-            assert_eq!((p.variant, p.threads), (held, threads), "{norm:?} bf16 {n}");
-        }
-        for (n, threads) in [(2051, 128), (4097, 256), (16387, 1024)] {
-            let p = plan::<f32, f32>(norm, MANY, n, fwd, Alignment::Shifted, h).unwrap();
-            assert_eq!((p.variant, p.threads), (held, threads), "{norm:?} f32 {n}");
-        }
+        assert_held_shifted(
+            norm,
+            fwd,
+            held,
+            &[
+                (1030, 64),
+                (2051, 64),
+                (4097, 128),
+                (4100, 128),
+                (16383, 512),
+                (32775, 1024),
+            ],
+            &[(2051, 128), (4097, 256), (16387, 1024)],
+        );
         for (what, p) in [
             (
                 "f32 1030",
