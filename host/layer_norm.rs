@@ -1286,10 +1286,10 @@ fn half_packed_rows<'a, T: Element, W: Element, R: Element>(
 
 /// Whether the kernels may hold every row from x's first 16-byte boundary on: x and the
 /// other rows of one type (`T` = `R`, no wider stream), and each of `others` (the
-/// backward's dy and dx, the forward's y, the residual forward's residual and s) as many bytes past a
-/// 16-byte boundary as `x`'s, so that each row of them is too (rows of one length apart).
-/// The weights may sit anywhere: the backward stages them, the forward reads them off
-/// their boundaries.
+/// backward's dy and dx, the forward's y, the residual forward's residual and s) as many
+/// bytes past a 16-byte boundary as `x`'s, so that each row of them is too (rows of one
+/// length apart). The weights may sit anywhere: the backward stages them, the forward
+/// reads them off their boundaries.
 fn shifted_rows<T: Element, R: Element>(x: u64, others: &[u64]) -> bool {
     size_of::<T>() == size_of::<R>() && others.iter().all(|a| a.abs_diff(x).is_multiple_of(16))
 }

@@ -761,12 +761,12 @@ impl<T: Element> Planner<T> {
     /// The held residual forward over rows shifted alike ([`Alignment::Shifted`]: x, y,
     /// residual and s of one type, weights of it; 16-bit rows in half packs too), as
     /// [`Self::every_row_held_shifted`] takes them, at `RESIDUAL_HELD_SHIFTED` packs a
-    /// rank. Streamed ([`Self::residual_unaligned`]), these
-    /// rows' s is written and then read back from L2 twice (H200, docs/PERF.md v84b-v84c,
-    /// against v83b's streamed LayerNorm rows: +73 to +78% at 16-bit N = 1030, +40 to +56%
-    /// at 2051-16383; RMSNorm's rows at 4 packs a rank rather than 2: +8 to +27% at
-    /// 4097-16383, and +18% at 24577, streamed before; rows in half packs against the
-    /// streamed kernel's: +13 to +27%).
+    /// rank. Streamed ([`Self::residual_unaligned`]), these rows' s is written and then read
+    /// back from L2 twice (H200, docs/PERF.md v84b-v85, against the streamed kernel:
+    /// LayerNorm's 16-bit rows +73 to +78% at N = 1030, +40 to +56% at 2051-16383;
+    /// RMSNorm's at 4 packs a rank rather than 2: +8 to +27% at 4097-16383, and +18% at
+    /// 24577; rows in half packs +13 to +27%; f32 rows, which it took element by element,
+    /// +20 to +52% at N = 1030-12289).
     fn residual_held_shifted(&self) -> Option<Plan> {
         self.every_row_held_shifted(
             Variant::FwdResidualHeldShifted,
