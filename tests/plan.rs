@@ -231,7 +231,8 @@ fn check_coverage(limits: DeviceLimits) {
     assert!(all.is_empty(), "{:?}: no test shape reaches {all:?}", limits.arch);
 }
 
-/// The forward's rows not all aligned, over more rows than multiprocessors: block teams
+/// The forward's rows neither aligned nor shifted alike (`Alignment::Other`: x a view at an
+/// offset y does not share), over more rows than multiprocessors: block teams
 /// whose ranks take four read batches of 8 elements or more (whole warps, 64 to 1024 ranks),
 /// where about 4 packs' columns a rank gave f32 N = 4097 288 ranks of 14 elements (one batch
 /// and six single loads). Few rows keep a pack's columns a rank; aligned rows their kernels.

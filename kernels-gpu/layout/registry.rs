@@ -616,9 +616,10 @@ impl Variant {
             Variant::BwdHeldBlockShifted | Variant::FwdResidualHeldShifted
         ) {
             // Rows of one type shifted alike. The backward's staged weights are packs of x's
-            // columns; the forward's f32 rows gained where streamed ones, by elements, lost
-            // (docs/PERF.md v85). One arm for both: a third arm here grew this function past
-            // what rustc inlines across crates, and the kernels then called it.
+            // columns; the residual forward's f32 rows gained 20-52% held (docs/PERF.md v85),
+            // where the streamed kernel's shifted packs lost to its elements (v78). One arm
+            // for both: a third arm here grew this function past what rustc inlines across
+            // crates, and the kernels then called it.
             return pair.weights == pair.x && pair.stream == pair.x;
         }
         if matches!(self, Variant::FwdResidualHeld) {
